@@ -1,0 +1,339 @@
+"""One `Config` dataclass describes every supported model; named entries cover the common sizes.
+
+`Config.from_hf_config(config.json)` maps a Hugging Face config of a supported architecture onto it,
+so any local HF folder works without a named entry.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from lit_qlora.utils import UserError
+
+
+@dataclass
+class Config:
+    name: str = ""
+    hf_architecture: str = "LlamaForCausalLM"  # what `convert_lit_checkpoint.py` writes back
+    block_size: int = 4096  # longest sequence the model was trained for
+    vocab_size: int = 32000  # rows of the embedding / lm_head
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    n_query_groups: Optional[int] = None  # key/value heads: == n_head (MHA), 1 (MQA) or between (GQA)
+    head_size: Optional[int] = None  # defaults to n_embd // n_head (Gemma differs)
+    rotary_percentage: float = 1.0  # share of each head that RoPE rotates (partial rotary)
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama 3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)) instead of sequential blocks
+    shared_attention_norm: bool = False  # parallel blocks that feed attn and mlp from one norm
+    norm_class: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_eps: float = 1e-5
+    norm_unit_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight)
+    bias: bool = False  # biases on every linear layer
+    attn_bias: bool = False  # biases on q, k, v only (Qwen2, StableLM 2)
+    lm_head_bias: bool = False
+    mlp_class: Literal["GptNeoxMLP", "LLaMAMLP"] = "LLaMAMLP"
+    activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
+    intermediate_size: Optional[int] = None
+    tie_embeddings: bool = False
+    scale_embeddings: bool = False  # Gemma multiplies embeddings by sqrt(n_embd)
+    sliding_window_size: Optional[int] = None
+    hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
+
+    def __post_init__(self) -> None:
+        if self.n_query_groups is None:
+            self.n_query_groups = self.n_head
+        if self.head_size is None:
+            self.head_size = self.n_embd // self.n_head
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.n_embd
+        if self.n_head % self.n_query_groups:
+            raise UserError(f"n_head={self.n_head} is not a multiple of n_query_groups={self.n_query_groups}; fix the model config")
+
+    @property
+    def rope_n_elem(self) -> int:
+        return int(self.rotary_percentage * self.head_size)
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        """Output rows of q, k and v inside the fused qkv projection."""
+        kv = self.n_query_groups * self.head_size
+        return self.n_head * self.head_size, kv, kv
+
+    # ---- named configs and files -------------------------------------------------------------
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Config":
+        if name not in NAME_TO_CONFIG:
+            close = [n for n in NAME_TO_CONFIG if name.lower() in n.lower()][:8]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UserError(f"unknown model name {name!r}{hint}; pass one of `lit_qlora.config.NAMES` or a checkpoint folder with config.json")
+        return replace(cls(**NAME_TO_CONFIG[name]), **overrides)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "Config":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, path: Path | dict) -> "Config":
+        """Map a transformers `config.json` (path or dict) to our Config."""
+        hf = json.loads(Path(path).read_text()) if not isinstance(path, dict) else dict(path)
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(hf.get("model_type", ""), "")
+        if arch not in _HF_MAPPERS:
+            raise UserError(
+                f"unsupported architecture {arch or hf.get('model_type')!r} in {path if not isinstance(path, dict) else 'config.json'}; "
+                f"supported: {', '.join(sorted(_HF_MAPPERS))}"
+            )
+        kw = _HF_MAPPERS[arch](hf)
+        kw.setdefault("name", hf.get("_name_or_path", "") or arch)
+        kw["hf_architecture"] = arch
+        return cls(**kw)
+
+
+# ---- Hugging Face config mapping -------------------------------------------------------------
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "gemma": "GemmaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
+    "phi": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
+}
+
+
+def _rope_params(hf: dict) -> tuple[float, Optional[dict]]:
+    """transformers 4.x keeps rope_theta/rope_scaling at top level; 5.x nests them in rope_parameters."""
+    rp = hf.get("rope_parameters") or {}
+    base = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise UserError(f"rope scaling {kind!r} is not supported; only 'llama3' rope scaling is implemented")
+        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    return base, scaling
+
+
+def _partial_rotary(hf: dict, default: float = 1.0) -> float:
+    rp = hf.get("rope_parameters") or {}
+    return float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", default)))
+
+
+def _llama_like(hf: dict) -> dict:
+    base, scaling = _rope_params(hf)
+    n_head = hf["num_attention_heads"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    return dict(
+        block_size=hf.get("max_position_embeddings", 4096), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        rope_base=base, rope_scaling=scaling, norm_class="RMSNorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp_class="LLaMAMLP", activation=_act(hf.get("hidden_act", "silu")),
+        intermediate_size=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window_size=window,
+    )
+
+
+def _act(name: str) -> str:
+    table = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+             "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+    if name not in table:
+        raise UserError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return table[name]
+
+
+def _map_llama(hf: dict) -> dict:
+    if hf.get("mlp_bias") or hf.get("attention_bias"):
+        raise UserError("Llama configs with attention_bias or mlp_bias are not supported; use a model without those biases")
+    return _llama_like(hf)
+
+
+def _map_qwen2(hf: dict) -> dict:
+    kw = _llama_like(hf)
+    kw.update(attn_bias=True, bias=False)
+    return kw
+
+
+def _map_gemma(hf: dict) -> dict:
+    kw = _llama_like(hf)
+    kw.update(norm_unit_offset=True, scale_embeddings=True, tie_embeddings=hf.get("tie_word_embeddings", True),
+              activation=_act(hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")))
+    return kw
+
+
+def _map_gpt_neox(hf: dict) -> dict:
+    base, _ = _rope_params(hf)
+    return dict(
+        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"],
+        rotary_percentage=_partial_rotary(hf, hf.get("rotary_pct", 0.25)), rope_base=base,
+        parallel_residual=hf.get("use_parallel_residual", True), norm_class="LayerNorm",
+        norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True, mlp_class="GptNeoxMLP",
+        activation=_act(hf.get("hidden_act", "gelu")), intermediate_size=hf["intermediate_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hf_extra={"attention_bias": hf.get("attention_bias", True)},
+    )
+
+
+def _map_falcon(hf: dict) -> dict:
+    if hf.get("alibi"):
+        raise UserError("Falcon models with alibi are not supported; use a rotary Falcon (7B, 40B)")
+    n_head = hf["num_attention_heads"]
+    new_arch = bool(hf.get("new_decoder_architecture", False))
+    if new_arch:
+        groups = hf.get("num_kv_heads") or n_head
+    else:
+        groups = 1 if hf.get("multi_query", True) else n_head
+    if not hf.get("parallel_attn", True):
+        raise UserError("Falcon with parallel_attn=false is not supported; use Falcon 7B/40B")
+    base, _ = _rope_params(hf)
+    return dict(
+        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"], n_query_groups=groups,
+        rope_base=base, parallel_residual=True,
+        shared_attention_norm=not new_arch or hf.get("num_ln_in_parallel_attn") == 1,
+        norm_class="LayerNorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), bias=bool(hf.get("bias", False)),
+        mlp_class="GptNeoxMLP", activation=_act(hf.get("activation", "gelu")),
+        intermediate_size=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        hf_extra={"new_decoder_architecture": new_arch, "multi_query": hf.get("multi_query", True)},
+    )
+
+
+def _map_phi(hf: dict) -> dict:
+    if hf.get("qk_layernorm"):
+        raise UserError("Phi with qk_layernorm=true is not supported; use Phi-1.5 or Phi-2")
+    base, _ = _rope_params(hf)
+    n_head = hf["num_attention_heads"]
+    return dict(
+        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
+        n_query_groups=hf.get("num_key_value_heads") or n_head, rotary_percentage=_partial_rotary(hf, 0.5),
+        rope_base=base, parallel_residual=True, shared_attention_norm=True, norm_class="LayerNorm",
+        norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP",
+        activation=_act(hf.get("hidden_act", "gelu_new")), intermediate_size=hf["intermediate_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _map_stablelm(hf: dict) -> dict:
+    if hf.get("qk_layernorm") or hf.get("use_parallel_residual"):
+        raise UserError("StableLM with qk_layernorm or parallel residual is not supported; use StableLM 2 1.6B")
+    base, _ = _rope_params(hf)
+    n_head = hf["num_attention_heads"]
+    return dict(
+        block_size=hf.get("max_position_embeddings", 4096), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
+        n_query_groups=hf.get("num_key_value_heads") or n_head, rotary_percentage=_partial_rotary(hf, 0.25),
+        rope_base=base, norm_class="LayerNorm", norm_eps=hf.get("layer_norm_eps", 1e-5),
+        attn_bias=bool(hf.get("use_qkv_bias", False)), mlp_class="LLaMAMLP", activation=_act(hf.get("hidden_act", "silu")),
+        intermediate_size=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+_HF_MAPPERS = {
+    "LlamaForCausalLM": _map_llama, "MistralForCausalLM": _map_llama, "Qwen2ForCausalLM": _map_qwen2,
+    "GemmaForCausalLM": _map_gemma, "GPTNeoXForCausalLM": _map_gpt_neox, "FalconForCausalLM": _map_falcon,
+    "PhiForCausalLM": _map_phi, "StableLmForCausalLM": _map_stablelm,
+}
+SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_MAPPERS))
+
+
+# ---- named configs ---------------------------------------------------------------------------
+def _llama(name: str, **kw: Any) -> dict:
+    return dict(name=name, hf_architecture="LlamaForCausalLM", norm_eps=1e-5, **kw)
+
+
+_llama3_scaling = lambda factor: dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,  # noqa: E731
+                                      original_max_position_embeddings=8192)
+
+configs: list[dict] = []
+for chat in ("", "-chat"):
+    configs += [
+        _llama(f"Llama-2-7b{chat}-hf", n_layer=32, n_head=32, n_embd=4096, intermediate_size=11008),
+        _llama(f"Llama-2-13b{chat}-hf", n_layer=40, n_head=40, n_embd=5120, intermediate_size=13824),
+        _llama(f"Llama-2-70b{chat}-hf", n_layer=80, n_head=64, n_query_groups=8, n_embd=8192, intermediate_size=28672),
+    ]
+for suffix in ("", "-Instruct"):
+    l3 = dict(vocab_size=128256, rope_base=500000.0)
+    configs += [
+        _llama(f"Meta-Llama-3-8B{suffix}", block_size=8192, n_layer=32, n_head=32, n_query_groups=8, n_embd=4096, intermediate_size=14336, **l3),
+        _llama(f"Meta-Llama-3-70B{suffix}", block_size=8192, n_layer=80, n_head=64, n_query_groups=8, n_embd=8192, intermediate_size=28672, **l3),
+        _llama(f"Llama-3.1-8B{suffix}", block_size=131072, n_layer=32, n_head=32, n_query_groups=8, n_embd=4096,
+               intermediate_size=14336, rope_scaling=_llama3_scaling(8.0), **l3),
+        _llama(f"Llama-3.1-70B{suffix}", block_size=131072, n_layer=80, n_head=64, n_query_groups=8, n_embd=8192,
+               intermediate_size=28672, rope_scaling=_llama3_scaling(8.0), **l3),
+        _llama(f"Llama-3.2-1B{suffix}", block_size=131072, n_layer=16, n_head=32, n_query_groups=8, n_embd=2048, head_size=64,
+               intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
+        _llama(f"Llama-3.2-3B{suffix}", block_size=131072, n_layer=28, n_head=24, n_query_groups=8, n_embd=3072, head_size=128,
+               intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
+    ]
+configs += [
+    _llama("TinyLlama-1.1B-intermediate-step-1431k-3T", block_size=2048, n_layer=22, n_head=32, n_query_groups=4,
+           n_embd=2048, intermediate_size=5632),
+    _llama("TinyLlama-1.1B-Chat-v1.0", block_size=2048, n_layer=22, n_head=32, n_query_groups=4, n_embd=2048, intermediate_size=5632),
+    dict(name="Mistral-7B-v0.1", hf_architecture="MistralForCausalLM", block_size=32768, n_layer=32, n_head=32, n_query_groups=8,
+         n_embd=4096, intermediate_size=14336, sliding_window_size=4096),
+    dict(name="Mistral-7B-Instruct-v0.1", hf_architecture="MistralForCausalLM", block_size=32768, n_layer=32, n_head=32,
+         n_query_groups=8, n_embd=4096, intermediate_size=14336, sliding_window_size=4096),
+]
+for size, (layers, heads, groups, embd, inter) in {"135M": (30, 9, 3, 576, 1536), "360M": (32, 15, 5, 960, 2560),
+                                                   "1.7B": (24, 32, 32, 2048, 8192)}.items():
+    for suffix in ("", "-Instruct"):
+        configs.append(_llama(f"SmolLM2-{size}{suffix}", block_size=8192, vocab_size=49152, n_layer=layers, n_head=heads,
+                              n_query_groups=groups, n_embd=embd, intermediate_size=inter, tie_embeddings=True,
+                              rope_base=130000.0 if size == "1.7B" else 100000.0))
+for size, (layers, heads, groups, embd, inter, vocab, tied) in {
+    "0.5B": (24, 14, 2, 896, 4864, 151936, True), "1.5B": (28, 12, 2, 1536, 8960, 151936, True),
+    "3B": (36, 16, 2, 2048, 11008, 151936, True), "7B": (28, 28, 4, 3584, 18944, 152064, False),
+}.items():
+    for suffix in ("", "-Instruct"):
+        configs.append(dict(name=f"Qwen2.5-{size}{suffix}", hf_architecture="Qwen2ForCausalLM", block_size=32768, vocab_size=vocab,
+                            n_layer=layers, n_head=heads, n_query_groups=groups, n_embd=embd, intermediate_size=inter,
+                            attn_bias=True, rope_base=1000000.0, norm_eps=1e-6, tie_embeddings=tied))
+for size, (layers, heads, groups, embd, inter) in {"2b": (18, 8, 1, 2048, 16384), "7b": (28, 16, 16, 3072, 24576)}.items():
+    for suffix in ("", "-it"):
+        configs.append(dict(name=f"gemma-{size}{suffix}", hf_architecture="GemmaForCausalLM", block_size=8192, vocab_size=256000,
+                            n_layer=layers, n_head=heads, n_query_groups=groups, n_embd=embd, head_size=256, intermediate_size=inter,
+                            norm_eps=1e-6, norm_unit_offset=True, scale_embeddings=True, tie_embeddings=True,
+                            activation="gelu_tanh"))
+_neox = dict(hf_architecture="GPTNeoXForCausalLM", norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP",
+             activation="gelu", parallel_residual=True, rotary_percentage=0.25)
+for size, (layers, heads, embd) in {"14m": (6, 4, 128), "31m": (6, 8, 256), "70m": (6, 8, 512), "160m": (12, 12, 768),
+                                    "410m": (24, 16, 1024), "1b": (16, 8, 2048), "1.4b": (24, 16, 2048),
+                                    "2.8b": (32, 32, 2560), "6.9b": (32, 32, 4096), "12b": (36, 40, 5120)}.items():
+    configs.append(dict(name=f"pythia-{size}", block_size=2048, vocab_size=50304 if size not in ("6.9b", "12b") else 50432,
+                        n_layer=layers, n_head=heads, n_embd=embd, intermediate_size=4 * embd, **_neox))
+for size, (layers, heads, embd) in {"3b": (16, 32, 4096), "7b": (16, 48, 6144)}.items():
+    for kind in ("base", "tuned"):
+        configs.append(dict(name=f"stablelm-{kind}-alpha-{size}", block_size=4096, vocab_size=50688, n_layer=layers, n_head=heads,
+                            n_embd=embd, intermediate_size=4 * embd, **_neox))
+configs += [
+    dict(name="stablelm-2-1_6b", hf_architecture="StableLmForCausalLM", block_size=4096, vocab_size=100352, n_layer=24,
+         n_head=32, n_embd=2048, intermediate_size=5632, rotary_percentage=0.25, norm_class="LayerNorm", attn_bias=True),
+    dict(name="phi-1_5", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=24, n_head=32, n_embd=2048,
+         intermediate_size=8192, rotary_percentage=0.5, parallel_residual=True, shared_attention_norm=True,
+         norm_class="LayerNorm", bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP", activation="gelu_tanh"),
+    dict(name="phi-2", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=32, n_head=32, n_embd=2560,
+         intermediate_size=10240, rotary_percentage=0.4, parallel_residual=True, shared_attention_norm=True,
+         norm_class="LayerNorm", bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP", activation="gelu_tanh"),
+    dict(name="falcon-7b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=32, n_head=71,
+         n_query_groups=1, n_embd=4544, intermediate_size=18176, parallel_residual=True, shared_attention_norm=True,
+         norm_class="LayerNorm", mlp_class="GptNeoxMLP", activation="gelu", tie_embeddings=True,
+         hf_extra={"new_decoder_architecture": False, "multi_query": True}),
+    dict(name="falcon-40b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=60, n_head=128,
+         n_query_groups=8, n_embd=8192, intermediate_size=32768, parallel_residual=True, norm_class="LayerNorm",
+         mlp_class="GptNeoxMLP", activation="gelu", tie_embeddings=True,
+         hf_extra={"new_decoder_architecture": True, "multi_query": True}),
+]
+NAME_TO_CONFIG = {c["name"]: c for c in configs}
+NAMES = tuple(NAME_TO_CONFIG)

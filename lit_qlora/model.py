@@ -1,0 +1,238 @@
+"""One readable GPT that covers the Llama, Mistral, Qwen2, Gemma, GPT-NeoX, Falcon, Phi and StableLM families.
+
+Every difference between the families is a field of `Config`; there are no subclasses per family.
+Shapes in comments: B batch, T sequence, C n_embd, H heads, G query groups (kv heads), hs head size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_qlora.config import Config
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=make_norm(config, config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.max_seq_length = config.block_size
+        self.kv_caches: Optional[list[KVCache]] = None
+
+    def rope_cache(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]."""
+        c = self.config
+        n = c.rope_n_elem
+        inv_freq = 1.0 / (c.rope_base ** (torch.arange(0, n, 2, device=positions.device, dtype=torch.float32) / n))
+        if c.rope_scaling:
+            inv_freq = llama3_scale_inv_freq(inv_freq, c.rope_scaling)
+        freqs = torch.outer(positions.float(), inv_freq)  # [T, n/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, n]
+        return emb.cos(), emb.sin()
+
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                lm_head_chunk: int = 0) -> torch.Tensor | list[torch.Tensor]:
+        """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode)."""
+        B, T = idx.shape
+        if input_pos is None:
+            positions = torch.arange(T, device=idx.device)
+        else:
+            if self.kv_caches is None:
+                raise RuntimeError("call set_kv_cache() before passing input_pos")
+            positions = input_pos
+        cos, sin = self.rope_cache(positions)
+
+        x = self.transformer.wte(idx)  # [B, T, C]
+        if self.config.scale_embeddings:
+            # Gemma rounds the normalizer to the activation dtype before multiplying
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for i, block in enumerate(self.transformer.h):
+            cache = self.kv_caches[i] if input_pos is not None else None
+            x = block(x, cos, sin, input_pos, cache)
+        x = self.transformer.ln_f(x)
+        if lm_head_chunk:
+            # Chunks of the sequence keep the [B, T, V] logits from existing at once (see loss.chunked_cross_entropy)
+            return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=1)]
+        return self.lm_head(x)  # [B, T, V]
+
+    def set_kv_cache(self, batch_size: int, max_seq_length: Optional[int] = None,
+                     device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        c = self.config
+        max_seq_length = max_seq_length or self.max_seq_length
+        ref = self.transformer.wte.weight
+        device, dtype = device or ref.device, dtype or ref.dtype
+        shape = (batch_size, c.n_query_groups, max_seq_length, c.head_size)
+        self.kv_caches = [KVCache(shape, device, dtype) for _ in range(c.n_layer)]
+
+    def clear_kv_cache(self) -> None:
+        self.kv_caches = None
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.norm_1 = make_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        # parallel blocks with a shared norm (Falcon 7B, Phi) have no second norm
+        self.norm_2 = None if config.shared_attention_norm else make_norm(config, config.n_embd)
+        self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: Optional[torch.Tensor], cache: Optional["KVCache"]) -> torch.Tensor:
+        h = self.norm_1(x)
+        attn_out = self.attn(h, cos, sin, input_pos, cache)
+        if self.config.parallel_residual:
+            mlp_in = h if self.norm_2 is None else self.norm_2(x)
+            return x + attn_out + self.mlp(mlp_in)
+        x = x + attn_out
+        return x + self.mlp(self.norm_2(x))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv = nn.Linear(config.n_embd, sum(config.qkv_sizes), bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: Optional[torch.Tensor], cache: Optional["KVCache"]) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(c.qkv_sizes, dim=-1)
+        q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # [B, H, T, hs]
+        k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
+        v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is not None:
+            k, v = cache.update(input_pos, k, v)  # [B, G, L, hs], L = cache length
+            mask = attention_mask(input_pos, k.shape[2], c.sliding_window_size, x.device)
+        elif c.sliding_window_size is not None and T > c.sliding_window_size:
+            mask = attention_mask(torch.arange(T, device=x.device), T, c.sliding_window_size, x.device)
+        else:
+            mask = None
+        if c.n_query_groups != c.n_head:
+            # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
+            rep = c.n_head // c.n_query_groups
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, L, hs]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           scale=1.0 / math.sqrt(c.head_size))
+        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
+        return self.proj(y)
+
+
+def attention_mask(positions: torch.Tensor, length: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """Boolean [T, L] mask: query at position p sees keys 0..p (and only the last `window` of them)."""
+    keys = torch.arange(length, device=device)
+    mask = keys[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= keys[None, :] > positions[:, None] - window
+    return mask
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.size(-1)` channels of every head (partial rotary leaves the rest): x [B, H, T, hs]."""
+    n = cos.size(-1)
+    if n == 0:
+        return x
+    rot, rest = x[..., :n], x[..., n:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    rot = rot * cos + rotated * sin
+    return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
+
+
+def llama3_scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 rope scaling: slow down low frequencies, keep high ones, blend in between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class GptNeoxMLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.activation = config.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(activate(self.fc(x), self.activation))
+
+
+class LLaMAMLP(nn.Module):
+    """Gated MLP: proj(act(fc_1(x)) * fc_2(x)). Gemma is the same with tanh-GELU."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.activation = config.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(activate(self.fc_1(x), self.activation) * self.fc_2(x))
+
+
+def activate(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in fp32 (as Llama and Gemma do) and casts back before the scale."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size) if not unit_offset else torch.zeros(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma scales in fp32 by (1 + w)
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+def make_norm(config: Config, size: int) -> nn.Module:
+    if config.norm_class == "RMSNorm":
+        return RMSNorm(size, config.norm_eps, config.norm_unit_offset)
+    return nn.LayerNorm(size, eps=config.norm_eps)
+
+
+class KVCache:
+    """Preallocated keys and values of one layer: [B, G, max_seq_length, hs]."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> None:
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = self.k.to(k.dtype)
+        self.v = self.v.to(v.dtype)
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v

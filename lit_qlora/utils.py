@@ -1,0 +1,96 @@
+"""Small helpers shared by the scripts: the user-error path, atomic writes, memory figures."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class UserError(Exception):
+    """A problem with the user's input. The CLI prints it as one line and exits with code 2.
+
+    Message convention: "<what is wrong>; <how to fix it>".
+    """
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("LIT_QLORA_DEBUG", "") not in ("", "0") or "--debug" in sys.argv
+
+
+def run_cli(fn: Callable, **kwargs: Any) -> Any:
+    """Run `fn` as a jsonargparse CLI. User errors become `error: ...` + exit code 2.
+
+    `--debug` (or LIT_QLORA_DEBUG=1) shows the traceback of user errors too. Unexpected errors
+    always keep their traceback: they are our bugs, not the user's.
+    """
+    from jsonargparse import CLI
+
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+        os.environ["LIT_QLORA_DEBUG"] = "1"
+    try:
+        return CLI(fn, as_positional=False, **kwargs)
+    except UserError as e:
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write `path` via a temp file in the same folder, fsync, then rename.
+
+    A process killed at any moment leaves either the old file or the new one, never a torn one.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda p: torch.save(obj, p))
+
+
+def peak_rss_gb() -> float:
+    """Peak resident set size of this process in GiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_used_gb(device: torch.device | str = "cpu") -> float:
+    """What the scripts report as `Memory used`: CUDA max allocated, or peak RSS on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return peak_rss_gb()
+
+
+def num_parameters(module: torch.nn.Module, requires_grad: bool | None = None) -> int:
+    total = 0
+    for p in module.parameters():
+        if requires_grad is None or p.requires_grad == requires_grad:
+            # bitsandbytes 4-bit params pack two values per byte; count the logical elements
+            qs = getattr(p, "quant_state", None)
+            total += int(torch.Size(qs.shape).numel()) if qs is not None else p.numel()
+    return total

@@ -1,0 +1,63 @@
+"""Tiny Hugging Face models of every supported family, built locally with random weights (no downloads)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Small but not degenerate: GQA where the family has it, partial rotary, biases, an intermediate size % 64 == 0
+TINY_HF_CONFIGS: dict[str, dict] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
+    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=16)),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=320, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=128, sliding_window=8, tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
+    "gemma": dict(architectures=["GemmaForCausalLM"], model_type="gemma", vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh"),
+    "gpt_neox": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", vocab_size=320, hidden_size=64,
+                     intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                     rotary_pct=0.25, partial_rotary_factor=0.25, use_parallel_residual=True, hidden_act="gelu",
+                     tie_word_embeddings=False),
+    "falcon7b": dict(architectures=["FalconForCausalLM"], model_type="falcon", vocab_size=320, hidden_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, multi_query=True, new_decoder_architecture=False,
+                     parallel_attn=True, bias=False, alibi=False, max_position_embeddings=128),
+    "falcon40b": dict(architectures=["FalconForCausalLM"], model_type="falcon", vocab_size=320, hidden_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                      parallel_attn=True, bias=False, alibi=False, max_position_embeddings=128),
+    "phi": dict(architectures=["PhiForCausalLM"], model_type="phi", vocab_size=320, hidden_size=64, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=128,
+                hidden_act="gelu_new", tie_word_embeddings=False),
+    "stablelm": dict(architectures=["StableLmForCausalLM"], model_type="stablelm", vocab_size=320, hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     partial_rotary_factor=0.25, use_qkv_bias=True, max_position_embeddings=128, tie_word_embeddings=False),
+}
+
+
+def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """Build a random tiny transformers model of `kind`, save it (config.json + safetensors) and return it."""
+    import transformers
+
+    cfg_dict = {**TINY_HF_CONFIGS[kind], **overrides}
+    cfg_cls = transformers.AutoConfig.for_model(cfg_dict["model_type"]).__class__
+    cfg = cfg_cls(**{k: v for k, v in cfg_dict.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    model = getattr(transformers, cfg_dict["architectures"][0])(cfg)
+    with torch.no_grad():  # default inits leave norms at 1 and biases at 0: randomize so bugs show up
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(dtype).eval()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return model

@@ -1,0 +1,200 @@
+"""Tokenizer of a checkpoint folder: Hugging Face `tokenizer.json` or sentencepiece `tokenizer.model`.
+
+Encoding matches what `transformers` produces for the same folder, without depending on it: the
+`tokenizers` / `sentencepiece` libraries do the work, and the special-token settings are read from
+tokenizer_config.json, generation_config.json and config.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_qlora.utils import UserError
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); fix or re-copy the file") from e
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as "<s>" or as an AddedToken dict {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _id_list(value: Any) -> list[int]:
+    """generation_config.json / config.json ids may be null, an int, or a list (several stop tokens)."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _first(*candidates: int | None) -> int | None:
+    return next((c for c in candidates if c is not None), None)
+
+
+def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean setting where a missing key and an explicit null both mean "use the default"."""
+    value = config.get(key)
+    return default if value is None else bool(value)
+
+
+class Tokenizer:
+    def __init__(self, checkpoint_dir: Path | str) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        # Like transformers' fast tokenizers, prefer tokenizer.json: when both exist it is the
+        # authoritative one (tokenizer.model is often kept only for the slow tokenizer).
+        if (path := self.checkpoint_dir / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self.backend = "huggingface"
+            try:
+                self.processor: Any = HFTokenizer.from_file(str(path))
+            except Exception as e:
+                raise UserError(f"cannot read {path} ({e}); re-copy the tokenizer files of the model") from e
+            # A tokenizer.json may carry truncation/padding settings; encode() must return every id.
+            self.processor.no_truncation()
+            self.processor.no_padding()
+        elif (path := self.checkpoint_dir / "tokenizer.model").is_file():
+            import sentencepiece
+
+            self.backend = "sentencepiece"
+            try:
+                self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+            except Exception as e:
+                raise UserError(f"cannot read {path} ({e}); re-copy the tokenizer files of the model") from e
+        else:
+            raise UserError(
+                f"no tokenizer found in {self.checkpoint_dir} (expected tokenizer.json or tokenizer.model); "
+                "copy the tokenizer files of the model into it"
+            )
+        self.model_path = path
+
+        tok_config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
+        gen_config = _read_json(self.checkpoint_dir / "generation_config.json")
+        model_config = _read_json(self.checkpoint_dir / "config.json")
+
+        # Special ids, most specific source first: the tokenizer's own config names the token that
+        # encode() adds; generation_config.json / config.json only give ids. sentencepiece models
+        # also record bos/eos ids themselves (-1 when absent).
+        own_bos = own_eos = None
+        if self.backend == "sentencepiece":
+            own_bos = self.processor.bos_id() if self.processor.bos_id() >= 0 else None
+            own_eos = self.processor.eos_id() if self.processor.eos_id() >= 0 else None
+        gen_eos = _id_list(gen_config.get("eos_token_id"))
+        cfg_eos = _id_list(model_config.get("eos_token_id"))
+        self.bos_id: int | None = _first(
+            self.token_to_id(_token_str(tok_config.get("bos_token"))),
+            *_id_list(gen_config.get("bos_token_id")),
+            *_id_list(model_config.get("bos_token_id")),
+            own_bos,
+        )
+        self.eos_id: int | None = _first(
+            self.token_to_id(_token_str(tok_config.get("eos_token"))), *gen_eos, *cfg_eos, own_eos
+        )
+        # Generation stops at any of them: e.g. Llama 3 instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>.
+        stops = [self.eos_id, *gen_eos, *cfg_eos]
+        self.stop_ids: list[int] = list(dict.fromkeys(i for i in stops if i is not None))
+
+        # Whether encode() adds bos/eos by default. An explicit add_bos_token / add_eos_token wins
+        # (transformers 4's Llama/Gemma tokenizers honour it even with a tokenizer.json). Otherwise a
+        # tokenizer.json says so through its post-processor (Llama 3 adds <|begin_of_text|> there),
+        # and a bare tokenizer.model (Llama 1/2 style) gets bos, as Meta's and HF's code did.
+        post_bos, post_eos = self._post_processor_specials()
+        default_bos = post_bos if self.backend == "huggingface" else self.bos_id is not None
+        self.add_bos: bool = _flag(tok_config, "add_bos_token", default_bos) and self.bos_id is not None
+        self.add_eos: bool = _flag(tok_config, "add_eos_token", post_eos) and self.eos_id is not None
+
+        # transformers >= 4.43 may save the template as its own file, which then takes priority
+        template_file = self.checkpoint_dir / "chat_template.jinja"
+        template = tok_config.get("chat_template")
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        if isinstance(template, list):  # older multi-template form: [{"name": "default", "template": ...}, ...]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+
+    def _post_processor_specials(self) -> tuple[bool, bool]:
+        """Whether tokenizer.json's post-processor adds bos at the start / eos at the end.
+
+        We always encode without the post-processor and add bos/eos ourselves (so bos is never added
+        twice); this tells us what its default is. Probing beats parsing the many post-processor kinds.
+        """
+        if self.backend != "huggingface":
+            return False, False
+        plain = self.processor.encode("a", add_special_tokens=False).ids
+        full = self.processor.encode("a", add_special_tokens=True).ids
+        if self.bos_id is None and len(full) > len(plain) and full[1:][: len(plain)] == plain:
+            self.bos_id = full[0]  # the configs named no bos, but the post-processor uses one
+        starts = bool(full) and full[0] == self.bos_id and plain[:1] != [self.bos_id]
+        ends = bool(full) and full[-1] == self.eos_id and plain[-1:] != [self.eos_id]
+        return starts, ends
+
+    def token_to_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        if self.backend == "huggingface":
+            return self.processor.token_to_id(token)
+        i = self.processor.piece_to_id(token)
+        # sentencepiece maps unknown pieces to unk_id instead of failing
+        return i if self.processor.id_to_piece(i) == token else None
+
+    @property
+    def vocab_size(self) -> int:
+        if self.backend == "huggingface":
+            return self.processor.get_vocab_size(with_added_tokens=True)
+        return self.processor.vocab_size()
+
+    def encode(
+        self, text: str, bos: bool | None = None, eos: bool | None = False, max_length: int = -1
+    ) -> torch.Tensor:
+        """Token ids of `text` as a 1-D long tensor.
+
+        bos / eos: None means the tokenizer's default (`add_bos` / `add_eos`). max_length >= 0 keeps
+        the first max_length ids (an appended eos is cut off too); negative means no limit.
+        """
+        if self.backend == "huggingface":
+            ids: list[int] = self.processor.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.processor.encode(text)
+        if self.add_bos if bos is None else bos:
+            if self.bos_id is None:
+                raise ValueError(f"the tokenizer in {self.checkpoint_dir} has no bos token; use bos=False")
+            ids = [self.bos_id, *ids]
+        if self.add_eos if eos is None else eos:
+            if self.eos_id is None:
+                raise ValueError(f"the tokenizer in {self.checkpoint_dir} has no eos token; use eos=False")
+            ids.append(self.eos_id)
+        if max_length >= 0:
+            ids = ids[:max_length]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        """Text of `ids`; special tokens (bos, eos, pad, ...) are left out, as sentencepiece always does."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.reshape(-1).tolist()
+        if self.backend == "huggingface":
+            return self.processor.decode(ids, skip_special_tokens=True)
+        return self.processor.decode(ids)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Short stable hash of everything that decides the ids: the tokenizer file's bytes and the
+        special-token settings read from the JSON configs. Data caches key on it, so unrelated edits
+        to those configs (say model_max_length) don't invalidate them."""
+        h = hashlib.sha256()
+        h.update(self.model_path.read_bytes())
+        settings = [self.backend, self.bos_id, self.eos_id, self.add_bos, self.add_eos, self.stop_ids]
+        h.update(json.dumps([*settings, self.chat_template]).encode())
+        return h.hexdigest()[:16]

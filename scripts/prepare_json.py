@@ -1,0 +1,48 @@
+"""Prepare any JSON / JSONL / CSV instruction dataset for fine-tuning.
+
+    python scripts/prepare_json.py --data_file my.csv --checkpoint_dir checkpoints/X \
+        --instruction_key question --output_key answer --destination_path data/my
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from lit_qlora.data import prepare_dataset
+from lit_qlora.utils import run_cli
+
+
+def prepare(
+    data_file: Path,
+    checkpoint_dir: Path,
+    destination_path: Path = Path("data/json"),
+    max_seq_length: int | None = None,
+    mask_inputs: bool = True,
+    test_split_fraction: float = 0.05,
+    seed: int = 42,
+    template: str = "alpaca",
+    instruction_key: str = "instruction",
+    input_key: str = "input",
+    output_key: str = "output",
+) -> None:
+    """Tokenize a dataset into train.pt / val.pt / prepare_config.json.
+
+    Args:
+        data_file: .json (list of objects), .jsonl (one object per line) or .csv (with a header row).
+        checkpoint_dir: Model folder whose tokenizer is used.
+        destination_path: Folder to write the prepared data into (pass it to finetuning as --data_dir).
+        max_seq_length: Longer samples are truncated. Default: the model's context length.
+        mask_inputs: Train only on the response tokens (the prompt gets no loss).
+        test_split_fraction: Share of records held out for validation.
+        seed: Seed of the train/validation split.
+        template: Prompt template ("alpaca" or "plain").
+        instruction_key: Field holding the instruction.
+        input_key: Field holding the optional input (missing or empty is fine).
+        output_key: Field holding the expected response.
+    """
+    prepare_dataset(data_file, checkpoint_dir, destination_path, max_seq_length, mask_inputs,
+                    test_split_fraction, seed, template, instruction_key, input_key, output_key)
+
+
+if __name__ == "__main__":
+    run_cli(prepare)

@@ -1,0 +1,238 @@
+"""Quantized frozen base weights on top of bitsandbytes, on CPU and CUDA, plus the precision rules.
+
+Lightning's `BitsandbytesPrecision` refuses CPU, so the Linear swap is ours: every frozen `nn.Linear` of the
+base model becomes a `bitsandbytes.nn.Linear4bit` (nf4/fp4, with or without double quantization of the
+block scales) or a `Linear8bitLt` (LLM.int8). The layers are created on the meta device and only get a
+weight when `quantize_into` hands them the real tensor, so no quantized weight is ever randomly initialized.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from lit_qlora.utils import UserError
+
+QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
+PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a `--precision` value means for our tensors.
+
+    *-true: every floating weight and the compute in `dtype`.
+    *-mixed: trainable (LoRA) weights in fp32, compute under autocast in `dtype`; frozen Linear weights are
+    stored in `dtype` (autocast would cast them to it for every matmul anyway), embeddings and norms in fp32.
+    """
+
+    name: str
+    dtype: torch.dtype  # compute dtype
+    mixed: bool
+
+    @property
+    def trainable_dtype(self) -> torch.dtype:
+        return torch.float32 if self.mixed else self.dtype
+
+    @property
+    def frozen_linear_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def frozen_other_dtype(self) -> torch.dtype:
+        return torch.float32 if self.mixed else self.dtype
+
+
+def parse_precision(precision: str) -> Precision:
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    dtype = {"32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}[precision.split("-")[0]]
+    return Precision(precision, dtype, precision.endswith("-mixed"))
+
+
+def check_quantize(quantize: Optional[str], precision: str, device: torch.device | str = "cpu") -> None:
+    """Refuse up front, in one line, what cannot run. Everything else in the precision table runs."""
+    parse_precision(precision)
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE_MODES:
+        raise UserError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZE_MODES)} or leave it out")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--quantize {quantize} runs on CPU and CUDA, not on {device.type}; use --accelerator cpu or cuda")
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        raise UserError(f"--quantize {quantize} needs bitsandbytes, which failed to import ({e}); pip install 'bitsandbytes>=0.50'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--quantize {quantize} on CUDA but no GPU is visible; run on a GPU machine or use --accelerator cpu")
+
+
+def _bnb():
+    import bitsandbytes as bnb  # imported lazily: it prints warnings on import on CPU-only machines
+
+    return bnb
+
+
+def make_quantized_linear(linear: nn.Linear, mode: str, compute_dtype: torch.dtype) -> nn.Module:
+    """An empty (meta) bitsandbytes layer of the same shape as `linear`; `quantize_into` fills it."""
+    bnb = _bnb()
+    out_f, in_f = linear.weight.shape
+    has_bias = linear.bias is not None
+    if mode == "bnb.int8":
+        q = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=6.0, device="meta")
+    else:
+        quant_type = "nf4" if "nf4" in mode else "fp4"
+        q = bnb.nn.Linear4bit(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
+                              compress_statistics=mode.endswith("-dq"), device="meta")
+        # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
+        # turns it back on where it is valid (`enable_cpu_inference_packing`).
+        q.support_avx512bf16_for_cpu = False
+    q.requires_grad_(False)
+    return q
+
+
+def is_quantized(module: nn.Module) -> bool:
+    bnb = _bnb() if _bnb_loaded() else None
+    return bnb is not None and isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+
+
+def _bnb_loaded() -> bool:
+    import sys
+
+    return "bitsandbytes" in sys.modules
+
+
+def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device) -> None:
+    """Quantize the full-precision `weight` into the (meta) bitsandbytes `module` on `device`."""
+    bnb = _bnb()
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        # Int8Params quantizes row-wise (absmax per output row) when moved to a real device
+        p = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype), requires_grad=False,
+                              has_fp16_weights=False)
+        module.weight = p.to(device)
+    else:
+        p = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=module.weight.quant_type,
+                              compress_statistics=module.weight.compress_statistics, blocksize=module.weight.blocksize,
+                              quant_storage=module.weight.quant_storage, module=module)
+        module.weight = p.to(device)
+
+
+def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = True) -> list[str]:
+    """Replace the frozen base Linear layers of `model` (on meta) by empty bitsandbytes layers. Returns their names."""
+    from lit_qlora.lora import LoRALinear
+
+    swapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or isinstance(module, LoRALinear) and child_name != "base":
+                continue
+            if not quantize_lm_head and full.split(".")[0] == "lm_head":
+                continue
+            setattr(module, child_name, make_quantized_linear(child, mode, compute_dtype))
+            swapped.append(full)
+    return swapped
+
+
+def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
+    """Let (or forbid) bitsandbytes repack 4-bit weights into its fast CPU inference layout.
+
+    Packing makes batch-1 CPU decoding faster, but a packed layer has no backward: use it only for models
+    that will not be trained again. It also needs in_features % 64 == 0. Returns the number of layers enabled.
+    """
+    bnb = _bnb()
+    from bitsandbytes.functional import has_avx512bf16
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            ok = enable and has_avx512bf16() and m.in_features % 64 == 0
+            m.support_avx512bf16_for_cpu = ok
+            n += ok
+    return n
+
+
+def assert_trainable_4bit(model: nn.Module) -> None:
+    """Fail loudly if any 4-bit layer was repacked for inference: gradients would silently stop there."""
+    bnb = _bnb() if _bnb_loaded() else None
+    if bnb is None:
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, bnb.nn.Linear4bit) and getattr(m.weight.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError(f"{name} was repacked for CPU inference and can no longer pass gradients; "
+                               "keep support_avx512bf16_for_cpu=False on layers that train")
+
+
+# ---- memory report ----------------------------------------------------------------------------
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_report(model: nn.Module) -> dict:
+    """Bytes of quantized weights (with their quantization statistics), bits per quantized parameter,
+    bytes of dense weights and trainable parameter count, measured from the tensors themselves."""
+    q_bytes, q_params, dense_bytes, trainable = 0, 0, 0, 0
+    seen: set[int] = set()
+    bnb = _bnb() if _bnb_loaded() else None
+    for m in model.modules():
+        quantized = bnb is not None and isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                trainable += p.numel()
+            if quantized and pname == "weight":
+                q_bytes += _tensor_bytes(p) + _quant_state_bytes(p)
+                q_params += m.in_features * m.out_features
+            else:
+                dense_bytes += _tensor_bytes(p)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                dense_bytes += _tensor_bytes(b)
+    return dict(quantized_bytes=q_bytes, quantized_params=q_params,
+                bits_per_quantized_param=(8 * q_bytes / q_params) if q_params else 0.0,
+                dense_bytes=dense_bytes, trainable_params=trainable)
+
+
+def _quant_state_bytes(p: torch.Tensor) -> int:
+    qs = getattr(p, "quant_state", None)
+    if qs is not None:  # 4-bit: absmax per block (+ its own quantization state when nested) and the code table
+        n = _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
+        if qs.nested:
+            n += _tensor_bytes(qs.state2.absmax) + _tensor_bytes(qs.state2.code) + _tensor_bytes(qs.offset)
+        return n
+    scb = getattr(p, "SCB", None)  # int8: one fp32 scale per row
+    return _tensor_bytes(scb) if scb is not None else 0
+
+
+def format_memory_report(r: dict) -> str:
+    return (f"Quantized weights: {r['quantized_bytes'] / 2**20:.1f} MiB for {r['quantized_params'] / 1e6:.1f}M params "
+            f"({r['bits_per_quantized_param']:.2f} bits/param) | dense weights: {r['dense_bytes'] / 2**20:.1f} MiB | "
+            f"trainable params: {r['trainable_params']:,}")
+
+
+def quiet_bnb_import() -> None:
+    """bitsandbytes prints an optional-kernel warning on CPU at import; it is noise for our users."""
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _bnb()
+
+
+def dequantize_weight(module: nn.Module) -> torch.Tensor:
+    """The full-precision weight a bitsandbytes layer computes with: [out, in]."""
+    bnb = _bnb()
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        w = module.weight
+        scb = w.SCB if getattr(w, "SCB", None) is not None else module.state.SCB
+        cb = w.data if w.data.dtype == torch.int8 else module.state.CB
+        return cb.float() * scb.float()[:, None] / 127.0
+    return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)

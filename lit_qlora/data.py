@@ -508,11 +508,13 @@ def collate(
         T = -(-T // pad_multiple_of) * pad_multiple_of
     input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), T), ignore_index, dtype=torch.long)
+    lengths = torch.zeros(len(samples), dtype=torch.long)  # real (non-pad) tokens per row
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
         input_ids[i, :n] = s["input_ids"]
         labels[i, :n] = s["labels"]
-    return {"input_ids": input_ids, "labels": labels}
+        lengths[i] = n
+    return {"input_ids": input_ids, "labels": labels, "lengths": lengths}
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from lit_qlora.config import Config
 
@@ -29,6 +30,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         self.max_seq_length = config.block_size
         self.kv_caches: Optional[list[KVCache]] = None
+        self.activation_checkpointing = False  # recompute each block in backward instead of keeping its activations
 
     def rope_cache(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]."""
@@ -60,7 +62,10 @@ class GPT(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for i, block in enumerate(self.transformer.h):
             cache = self.kv_caches[i] if input_pos is not None else None
-            x = block(x, cos, sin, input_pos, cache)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, input_pos, cache)
         x = self.transformer.ln_f(x)
         if lm_head_chunk:
             # Chunks of the sequence keep the [B, T, V] logits from existing at once (see loss.chunked_cross_entropy)

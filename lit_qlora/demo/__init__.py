@@ -1,0 +1,81 @@
+"""The embedded default: a tiny Llama-shaped model and tokenizer built locally with fixed seeds, and the bundled
+instruction data, so `python finetune/lora.py` with no arguments runs end to end without any download."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from lit_qlora.config import Config
+from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_safetensors_stream
+
+DEMO_CHECKPOINT = Path("checkpoints/lit-qlora/demo")
+DEMO_DATA_DIR = Path("data/demo")
+DEMO_DATA_FILE = Path(__file__).parent / "demo_data.json"
+DEMO_PROMPT = ("Reverse the word.", "garden")
+
+DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", block_size=256, vocab_size=384, n_layer=4,
+                   n_head=4, n_query_groups=2, n_embd=256, intermediate_size=704, norm_eps=1e-5)
+
+
+def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT) -> Path:
+    """Write the demo model and tokenizer into `folder` unless they are there already."""
+    folder = Path(folder)
+    if (folder / LIT_WEIGHTS).is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    print(f"Building the demo model and tokenizer in {folder} (fixed seeds, no download) ...", file=sys.stderr)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(folder)
+    config = Config(**DEMO_CONFIG)
+    _write_random_weights(folder, config, seed=1234)
+    config.save(folder / LIT_CONFIG)
+    return folder
+
+
+def ensure_demo_data(folder: Path = DEMO_DATA_DIR) -> Path:
+    folder = Path(folder)
+    if not (folder / DEMO_DATA_FILE.name).is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(DEMO_DATA_FILE, folder / DEMO_DATA_FILE.name)
+    return folder
+
+
+def _write_random_weights(folder: Path, config: Config, seed: int) -> None:
+    """GPT-2 style init (normal, std 0.02; norms at 1) streamed straight to disk."""
+    from lit_qlora.convert import lit_param_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = lit_param_shapes(config)
+
+    def make(name: str, shape: torch.Size) -> torch.Tensor:
+        if "norm" in name or "ln_f" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    specs = [(k, s, torch.bfloat16) for k, s in shapes.items()]
+    write_safetensors_stream(folder / LIT_WEIGHTS, specs, ((k, make(k, s)) for k, s in shapes.items()))
+
+
+def _write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE trained on the demo data: small pieces, so letters stay visible to the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lit_qlora.data import get_template
+
+    records = json.loads(DEMO_DATA_FILE.read_text())
+    template = get_template("alpaca")
+    texts = [template.format(r["instruction"], r.get("input", "")) + r["output"] for r in records]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=DEMO_CONFIG["vocab_size"], special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True,
+         "add_eos_token": False, "model_max_length": DEMO_CONFIG["block_size"]}, indent=2))

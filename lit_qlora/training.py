@@ -1,0 +1,210 @@
+"""Training pieces used by finetune/lora.py: loss, LR schedule, optimizers, checkpoints, metrics, signals.
+
+No trainer class: the loop itself lives in the script, readable top to bottom.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+import re
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lit_qlora.lora import ADAPTER_FORMAT
+from lit_qlora.utils import UserError, atomic_torch_save
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
+CKPT_DIR = "checkpoints"
+FINAL_ADAPTER = "lit_model_lora_finetuned.pth"
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN/inf: stop with a one-line message (exit code 2), keeping the last good checkpoint."""
+
+
+# ---- loss -------------------------------------------------------------------------------------
+def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """Sum (not mean) of token losses. `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`,
+    so the fp32 upcast of a large-vocabulary [B, T, V] tensor never exists at once."""
+    if isinstance(logits, torch.Tensor):
+        logits = [logits]
+    total, start = None, 0
+    for chunk in logits:
+        T = chunk.size(1)
+        t = targets[:, start:start + T]
+        start += T
+        loss = F.cross_entropy(chunk.reshape(-1, chunk.size(-1)).float(), t.reshape(-1), ignore_index=ignore_index,
+                               reduction="sum")
+        total = loss if total is None else total + loss
+    return total
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """targets[t] = labels[t + 1]; the last position predicts nothing. Keeps the [B, T] shape so logits need no slicing."""
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+# ---- learning rate ------------------------------------------------------------------------------
+def lr_at(step: int, max_steps: int, lr: float, min_lr: float, warmup_steps: int) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `max_steps` (step counts optimizer steps)."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, max_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+# ---- optimizers -------------------------------------------------------------------------------
+def make_optimizer(name: str, params: list, lr: float, weight_decay: float, device_type: str) -> torch.optim.Optimizer:
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown --optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if name == "AdamW":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    import bitsandbytes as bnb
+
+    if name.startswith("Paged") and device_type == "cpu":
+        # bitsandbytes falls back to the non-paged optimizer on CPU and warns every time; say it once, plainly
+        print(f"note: {name} pages optimizer state to CPU memory only on CUDA; on CPU it runs as the non-paged variant",
+              file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
+        return getattr(bnb.optim, name)(params, lr=lr, weight_decay=weight_decay)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def checkpoint_path(out_dir: Path, iter_num: int) -> Path:
+    return Path(out_dir) / CKPT_DIR / f"iter-{iter_num:06d}.pth"
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Resumable checkpoints of a run, oldest first."""
+    folder = Path(out_dir) / CKPT_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("iter-*.pth") if re.fullmatch(r"iter-\d{6}\.pth", p.name))
+
+
+def save_checkpoint(path: Path, payload: dict, keep: int = 3) -> None:
+    """Atomically write a resumable checkpoint (also a valid adapter file) and prune old ones."""
+    atomic_torch_save(payload, path)
+    if keep > 0:
+        for old in list_checkpoints(path.parent.parent)[:-keep]:
+            old.unlink(missing_ok=True)
+
+
+def load_latest_checkpoint(out_dir: Path) -> tuple[Optional[Path], Optional[dict]]:
+    """Newest checkpoint that loads intact; a damaged newest one is reported and the previous one used."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state:
+                return path, state
+            print(f"warning: {path} is not a resumable checkpoint; trying the previous one", file=sys.stderr)
+        except Exception as e:  # torn or corrupted file: fall back
+            print(f"warning: {path} is damaged ({type(e).__name__}); trying the previous one", file=sys.stderr)
+    return None, None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_disk_space(out_dir: Path, needed_bytes: int) -> None:
+    import shutil
+
+    free = shutil.disk_usage(out_dir).free
+    if free < needed_bytes * 2 + (64 << 20):  # the temp file and the previous checkpoint exist side by side
+        raise UserError(f"only {free / 2**20:.0f} MiB free in {out_dir}, a checkpoint needs about {needed_bytes / 2**20:.0f} MiB; "
+                        "free disk space or choose another --out_dir")
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+class MetricsLog:
+    """Per-iteration metrics in out_dir/metrics.csv (and TensorBoard when it is installed)."""
+
+    FIELDS = ("iter", "step", "loss", "lr", "iter_time_ms", "tokens", "tokens_per_sec", "val_loss", "val_ppl")
+
+    def __init__(self, out_dir: Path, resume_iter: int = 0, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.csv"
+        self.tb = None
+        if not enabled:
+            return
+        rows = []
+        if resume_iter and self.path.is_file():  # keep the rows up to the resumed iteration, drop the lost tail
+            with open(self.path) as f:
+                rows = [r for r in csv.DictReader(f) if int(r["iter"]) <= resume_iter]
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, self.FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        except Exception:
+            self.tb = None
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.FIELDS).writerow({k: row.get(k, "") for k in self.FIELDS})
+        if self.tb is not None:
+            for k, v in row.items():
+                if k not in ("iter", "step") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["iter"])
+
+    def read_losses(self) -> list[float]:
+        with open(self.path) as f:
+            return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+
+
+# ---- signals ------------------------------------------------------------------------------------
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the end of the iteration and exits."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # a second Ctrl-C means: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this iteration ...", file=sys.stderr)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def fmt_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def is_tty() -> bool:
+    return sys.stderr.isatty() and os.environ.get("TERM", "") != "dumb"

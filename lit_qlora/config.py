@@ -311,7 +311,7 @@ _neox = dict(hf_architecture="GPTNeoXForCausalLM", norm_class="LayerNorm", bias=
 for size, (layers, heads, embd) in {"14m": (6, 4, 128), "31m": (6, 8, 256), "70m": (6, 8, 512), "160m": (12, 12, 768),
                                     "410m": (24, 16, 1024), "1b": (16, 8, 2048), "1.4b": (24, 16, 2048),
                                     "2.8b": (32, 32, 2560), "6.9b": (32, 32, 4096), "12b": (36, 40, 5120)}.items():
-    configs.append(dict(name=f"pythia-{size}", block_size=2048, vocab_size=50304 if size not in ("6.9b", "12b") else 50432,
+    configs.append(dict(name=f"pythia-{size}", block_size=2048, vocab_size={"6.9b": 50432, "12b": 50688}.get(size, 50304),
                         n_layer=layers, n_head=heads, n_embd=embd, intermediate_size=4 * embd, **_neox))
 for size, (layers, heads, embd) in {"3b": (16, 32, 4096), "7b": (16, 48, 6144)}.items():
     for kind in ("base", "tuned"):

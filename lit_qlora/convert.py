@@ -295,7 +295,10 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
                 yield hf_key, cache[key][j]
 
         write_safetensors_stream(out_dir / "model.safetensors", specs, stream())
-    (out_dir / "config.json").write_text(json.dumps(to_hf_config(config), indent=2))
+    hf_config = to_hf_config(config)
+    # declare the dtype actually written: transformers loads a model in the config's dtype by default
+    hf_config["torch_dtype"] = str(specs[0][2]).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     return out_dir
 
 

@@ -61,9 +61,13 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
 
 def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Optional[str] = None,
                lora: Optional[LoRAConfig] = None, device: torch.device | str = "cpu", quantize_lm_head: bool = True,
-               weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None) -> GPT:
+               weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
+               merge_adapter: Optional[dict] = None) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
-    LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers."""
+    LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
+
+    `merge_adapter` (an adapter dict) is added to the full-precision weights as they are read, before any
+    quantization, so a merged 4-bit model rounds once, like any quantized checkpoint."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
@@ -76,7 +80,11 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     if quantize:
         swap_linears(model, quantize, prec.dtype, quantize_lm_head)
 
+    merge_targets = _merge_targets(config, merge_adapter)
     for key, t in read_safetensors(weights):
+        name = key.rpartition(".")[0]
+        if name in merge_targets and key.endswith(".weight"):
+            t = t.float() + _delta(merge_adapter, name, config, t.shape)
         try:
             module, param = _owner(model, key)
         except AttributeError:
@@ -90,17 +98,38 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
         del t
 
-    _tie_and_check(model, config, prec, device, weights)
+    _tie_and_check(model, config, prec, device, weights, merge_adapter if "lm_head" in merge_targets else None)
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed)
     return model
 
 
-def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weights: Path) -> None:
+def _merge_targets(config: Config, adapter: Optional[dict]) -> set[str]:
+    if adapter is None:
+        return set()
+    from lit_qlora.lora import lora_targets
+
+    return set(lora_targets(config, LoRAConfig.from_dict(adapter["lora_config"])))
+
+
+def _delta(adapter: dict, name: str, config: Config, shape: torch.Size) -> torch.Tensor:
+    from lit_qlora.merge import lora_delta
+
+    return lora_delta(adapter, name, config, shape[0], shape[1])
+
+
+def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weights: Path,
+                   head_adapter: Optional[dict] = None) -> None:
     if config.tie_embeddings:
         head, param = _owner(model, "lm_head.weight")
         wte = model.transformer.wte.weight
-        if is_quantized(head):
+        if head_adapter is not None:  # a LoRA on a tied head: the merged head is its own tensor
+            w = (wte.detach().float().cpu() + _delta(head_adapter, "lm_head", config, wte.shape)).to(prec.dtype)
+            if is_quantized(head):
+                quantize_into(head, w, device)
+            else:
+                head.weight = nn.Parameter(w.to(device=device, dtype=prec.frozen_linear_dtype), requires_grad=False)
+        elif is_quantized(head):
             quantize_into(head, wte.detach().to(prec.dtype), device)
         else:
             head.weight = wte

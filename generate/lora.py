@@ -1,0 +1,78 @@
+"""Generate with a LoRA adapter (ours or a PEFT folder), merged into the base for speed.
+
+    python generate/lora.py                  # the demo adapter written by `python finetune/lora.py`
+    python generate/lora.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf \
+        --lora_path out/lora/alpaca/lit_model_lora_finetuned.pth --prompt "Recommend a movie" --quantize bnb.nf4
+
+The generated text alone goes to stdout; loading messages and the speed/memory figures go to stderr.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lit_qlora import demo  # noqa: E402
+from lit_qlora.inference import format_prompt, load_for_inference, pick_device, run_prompts  # noqa: E402
+from lit_qlora.utils import UserError, run_cli  # noqa: E402
+
+
+def main(
+    checkpoint_dir: Optional[Path] = None,
+    lora_path: Optional[Path] = None,
+    prompt: Optional[str] = None,
+    input: str = "",
+    max_new_tokens: int = 100,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: int = 1234,
+    num_samples: int = 1,
+    quantize: Optional[str] = None,
+    precision: str = "bf16-true",
+    devices: int = 1,
+    accelerator: str = "auto",
+    stream: bool = False,
+    merge: bool = True,
+    template: Optional[str] = None,
+    metrics_file: Optional[Path] = None,
+) -> None:
+    """Generate from a base model plus a LoRA adapter.
+
+    Args:
+        checkpoint_dir: the base model the adapter was trained on (left out: the demo model).
+        lora_path: an adapter file written by finetune/lora.py (any checkpoint of it) or a PEFT folder.
+        prompt: the instruction. input: optional input for templates that have one.
+        max_new_tokens: tokens to generate at most (stops earlier at the end-of-sequence token).
+        temperature: 0 is greedy; higher samples. top_k / top_p: sampling filters.
+        num_samples: how many continuations to generate.
+        quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8, whatever the adapter was trained with.
+        precision: 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
+        devices: generation runs on one device; more are refused.
+        stream: print tokens as they are produced.
+        merge: add the adapter to the weights before quantizing (fast); false keeps separate LoRA layers.
+        template: prompt template; default: the one the adapter was trained with.
+        metrics_file: also write tokens/s, time and memory as JSON there.
+    """
+    if checkpoint_dir is None:
+        checkpoint_dir = demo.DEMO_CHECKPOINT
+        lora_path = lora_path or Path("out/lora/demo/lit_model_lora_finetuned.pth")
+        if prompt is None:
+            prompt, input = demo.DEMO_PROMPT
+        if not Path(lora_path).is_file():
+            raise UserError(f"no demo adapter at {lora_path}; run `python finetune/lora.py` first")
+    if lora_path is None:
+        raise UserError("--lora_path is required with --checkpoint_dir; use generate/base.py to generate without an adapter")
+    if devices != 1:
+        raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
+    device = pick_device(accelerator)
+    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device, merge)
+    text = format_prompt(prompt if prompt is not None else "", input, adapter, template)
+    run_prompts(model, tokenizer, text, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
+                metrics_file, precision)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -214,7 +214,7 @@ def merge_lora(model: nn.Module, verbose: bool = True) -> None:
         if m.merged:
             continue
         delta = m.delta_weight()
-        wte = getattr(model, "transformer", {}).get("wte") if hasattr(model, "transformer") else None
+        wte = model.transformer["wte"] if hasattr(model, "transformer") and "wte" in model.transformer else None
         if wte is not None and getattr(m.base, "weight", None) is wte.weight:
             m.base.weight = nn.Parameter(wte.weight.detach().clone(), requires_grad=False)  # untie before changing the head
         if is_quantized(m.base):

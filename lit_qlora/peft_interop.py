@@ -1,0 +1,409 @@
+"""Our LoRA adapters <-> Hugging Face PEFT LoRA folders (adapter_model.safetensors + adapter_config.json).
+
+Both directions are exact: the exported folder, loaded with `peft.PeftModel.from_pretrained` on the
+transformers model, computes what our model with the adapter computes, and an imported PEFT folder computes
+in our model what PEFT computes.
+
+Our fused qkv keeps one `lora_A` that stacks [A_q; A_k; A_v] (r rows per enabled part) and one `lora_B`
+that stacks the parts' rows. Where transformers has separate q/k/v projections (Llama, Phi, ...) that is
+one ordinary LoRA per projection. Where transformers has ONE fused `query_key_value` Linear (GPT-NeoX,
+Falcon) the exported LoRA has rank n*r (n = enabled parts): A = the stacked A's, B = block-diagonal with
+its rows permuted into the HF row layout, and `rank_pattern`/`alpha_pattern` keep the scaling alpha/r.
+Importing such a PEFT LoRA (one A of rank R shared by q, k and v) duplicates A for each of our parts and
+de-interleaves B; our own exports are recognised (from the safetensors metadata) and restored as they were.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lit_qlora.config import Config
+from lit_qlora.convert import _qkv_from_hf, _qkv_to_hf, family, lit_param_shapes, qkv_layout
+from lit_qlora.lora import ADAPTER_FORMAT, LoRAConfig, check_same_base, lora_targets
+from lit_qlora.utils import UserError, atomic_write
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_WEIGHTS_BIN = "adapter_model.bin"
+PEFT_CONFIG = "adapter_config.json"
+_PREFIX = "base_model.model."
+_META_KEY = "lit_qlora_lora_config"  # our LoRAConfig, kept in the safetensors metadata of our exports
+_QKV = ("query", "key", "value")
+# transformers 5 renamed GPT-NeoX's `embed_out` to `lm_head`: exported head LoRAs carry both names, imports accept both
+_V5_HEAD = "lm_head"
+
+
+def _mlp_names(config: Config) -> tuple[str, ...]:
+    return ("mlp.fc", "mlp.proj") if config.mlp_class == "GptNeoxMLP" else ("mlp.fc_1", "mlp.fc_2", "mlp.proj")
+
+
+def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]:
+    """Every Linear a LoRA can target: (HF module name, our module name, category, layer or None).
+
+    category is one of query/key/value (separate HF projections), qkv (one fused HF Linear),
+    projection, mlp, head."""
+    fam = family(config)
+    fused = qkv_layout(config) != "separate"
+    out = []
+    for i in range(config.n_layer):
+        pre, ours = fam["layer"].format(i=i), f"transformer.h.{i}."
+        if fused:
+            out.append((pre + fam["q_names"][0], ours + "attn.qkv", "qkv", i))
+        else:
+            out += [(pre + n, ours + "attn.qkv", cat, i) for cat, n in zip(_QKV, fam["q_names"])]
+        out.append((pre + fam["map"]["attn.proj"], ours + "attn.proj", "projection", i))
+        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in _mlp_names(config)]
+    out.append((fam["globals"]["lm_head"], "lm_head", "head", None))
+    return out
+
+
+# ---- export -----------------------------------------------------------------------------------
+def export_peft(adapter: dict, base_config: Config, out_dir: Path, base_model_name_or_path: str = "") -> Path:
+    """Write `adapter` (from `lora.load_adapter`) as a PEFT LoRA folder for the transformers model of `base_config`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    check_same_base(adapter["model_config"], base_config, "to export")  # type: ignore[arg-type]
+    lora = LoRAConfig.from_dict(adapter["lora_config"])
+    sd, r = adapter["lora"], lora.r
+    targets = lora_targets(base_config, lora)
+    layout = qkv_layout(base_config)
+    enabled = [c for c in _QKV if getattr(lora, c)]
+    tensors: dict[str, torch.Tensor] = {}
+    names: list[str] = []
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+
+    for hf_mod, ours, cat, _ in hf_lora_modules(base_config):
+        if ours not in targets or (cat in _QKV and cat not in enabled):
+            continue
+        A, B = _get(sd, ours + ".lora_A"), _get(sd, ours + ".lora_B")
+        parts = targets[ours]
+        if cat in _QKV:  # this projection's slice of our fused qkv LoRA
+            j = enabled.index(cat)
+            row = sum(n for _, n in parts[:j])
+            A, B = A[j * r:(j + 1) * r], B[row:row + parts[j][1]]
+        elif cat == "qkv":  # one fused HF Linear: rank n*r, block-diagonal B in the HF row layout
+            fused_b = A.new_zeros(sum(base_config.qkv_sizes), len(parts) * r)
+            row = 0
+            for j, (start, n) in enumerate(parts):
+                fused_b[start:start + n, j * r:(j + 1) * r] = B[row:row + n]
+                row += n
+            (B,) = _qkv_to_hf(base_config, layout, fused_b)
+            if len(parts) > 1:
+                short = hf_mod.rsplit(".", 1)[-1]
+                rank_pattern[short], alpha_pattern[short] = len(parts) * r, len(parts) * lora.alpha
+        for mod in [hf_mod] + ([_V5_HEAD] if cat == "head" and hf_mod != _V5_HEAD else []):
+            tensors[f"{_PREFIX}{mod}.lora_A.weight"] = A.float().clone()
+            tensors[f"{_PREFIX}{mod}.lora_B.weight"] = B.float().clone()
+        short = hf_mod.rsplit(".", 1)[-1]
+        for n in [short] + ([_V5_HEAD] if cat == "head" else []):
+            if n not in names:
+                names.append(n)
+    if not tensors:
+        raise UserError("the adapter targets no layer; train with at least one --lora_* target")
+
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path or None,
+        "r": r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": names,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True, "inference_mode": True,
+        "revision": None,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", _META_KEY: json.dumps(asdict(lora))}
+    atomic_write(out_dir / PEFT_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(out_dir / PEFT_CONFIG, lambda p: p.write_text(json.dumps(peft_config, indent=2)))
+    return out_dir
+
+
+def _get(sd: dict, key: str) -> torch.Tensor:
+    if key not in sd:
+        raise UserError(f"adapter tensor {key} is missing; the adapter file is incomplete: use another checkpoint of it")
+    return sd[key].detach().float().cpu()
+
+
+# ---- import -----------------------------------------------------------------------------------
+_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
+
+
+def import_peft(folder: Path, base_config: Config) -> dict:
+    """A PEFT LoRA folder for the transformers model of `base_config` -> our adapter dict (as `load_adapter` returns)."""
+    folder = Path(folder)
+    pc = _read_peft_config(folder)
+    tensors, meta = _read_peft_weights(folder)
+    where = f"PEFT adapter {folder}" + (f" (made for {pc['base_model_name_or_path']})" if pc.get("base_model_name_or_path") else "")
+    base_name = base_config.name or base_config.hf_architecture
+
+    universe = {hf: (ours, cat, i) for hf, ours, cat, i in hf_lora_modules(base_config)}
+    universe.setdefault(_V5_HEAD, ("lm_head", "head", None))
+    base_copies = _base_weight_names(base_config, universe)
+
+    # group the tensors by HF module
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        k = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        m = _KEY_RE.match(k)
+        if not m:
+            if k in base_copies:  # PEFT's copy of an untouched base weight (save_embedding_layers): not part of the LoRA
+                if tuple(t.shape) != tuple(base_copies[k]):
+                    raise UserError(f"{where} holds {k} of shape {tuple(t.shape)} but the base model {base_name} has "
+                                    f"{tuple(base_copies[k])}; use the base model the adapter was made for")
+                continue
+            raise UserError(f"{where} holds {key!r}, which is not a LoRA A/B weight (bias, embedding LoRA, DoRA or "
+                            "modules_to_save are not supported); save the adapter with bias='none' and only Linear targets")
+        found.setdefault(m["mod"], {})[m["ab"]] = t.detach().float()
+    for mod, ab in found.items():
+        if mod not in universe:
+            layer = re.search(r"\.(\d+)\.", mod)
+            if layer and int(layer[1]) >= base_config.n_layer:
+                raise UserError(f"{where} adapts layer {layer[1]} ({mod}) but the base model {base_name} has "
+                                f"{base_config.n_layer} layers; use the base model the adapter was made for")
+            raise UserError(f"{where} adapts {mod}, which the base model {base_name} ({base_config.hf_architecture}) "
+                            "has no Linear layer of that name for; use the base model the adapter was made for")
+        for ab_name in ("lora_A", "lora_B"):
+            if ab_name not in ab:
+                raise UserError(f"{where} has no {ab_name} weight for {mod}; the adapter is incomplete: save it again")
+    if not found:
+        raise UserError(f"{where} holds no LoRA weights; save the adapter again with save_pretrained")
+
+    shapes = lit_param_shapes(base_config)
+    shapes.setdefault("lm_head.weight", torch.Size((base_config.vocab_size, base_config.n_embd)))
+    layout = qkv_layout(base_config)
+
+    # per HF module: (A [R, in], B [out, R], scaling), with shapes checked against the base
+    mods: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for mod, ab in found.items():
+        ours, cat, _ = universe[mod]
+        A, B = ab["lora_A"], ab["lora_B"]
+        out_f, in_f = shapes[ours + ".weight"]
+        if cat in _QKV:
+            out_f = base_config.qkv_sizes[_QKV.index(cat)]
+        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1] or A.shape[1] != in_f or B.shape[0] != out_f:
+            raise UserError(f"{where} has {mod} LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} but the base model "
+                            f"{base_name} has that layer as [{out_f}, {in_f}]; use the base model the adapter was made for")
+        mods[mod] = (A, B, _scaling(pc, mod, A.shape[0], where))
+
+    # which of our targets are on, per layer; every layer must agree
+    by_cat: dict[str, set] = {}
+    for mod in found:
+        _, cat, i = universe[mod]
+        key = cat if cat != "mlp" else f"mlp:{mod.rsplit('.', 1)[-1]}"
+        by_cat.setdefault(key, set()).add(i)
+    all_layers = set(range(base_config.n_layer))
+    layer_sets = {frozenset(v) for k, v in by_cat.items() if k != "head"}
+    only = set(next(iter(layer_sets))) if len(layer_sets) == 1 else set()
+    if pc.get("layers_to_transform") is None and only == set(range(len(only))) and 0 < len(only) < base_config.n_layer:
+        raise UserError(f"{where} adapts {len(only)} layers but the base model {base_name} has {base_config.n_layer}; "
+                        "use the base model the adapter was made for")
+    found_targets = {universe[m][:2] for m in found}
+    for mod in _expected_modules(pc, universe):
+        if universe[mod][:2] not in found_targets:  # (a head found under its other name counts)
+            raise UserError(f"{where} lists {mod} in target_modules but holds no LoRA weights for it; "
+                            "the adapter is incomplete: save it again")
+    for key, layers in by_cat.items():
+        if key != "head" and layers != all_layers:
+            raise UserError(f"{where} adapts {key.split(':')[-1]} in layers {sorted(layers)} only, of the "
+                            f"{base_config.n_layer} layers of {base_name}; lit-qlora adapters cover every layer: "
+                            "make the PEFT adapter without layers_to_transform (the same target_modules in every layer)")
+
+    fused = "qkv" in by_cat
+    lit_meta = _lit_meta(meta)
+    flags = dict(query=fused or "query" in by_cat, key=fused or "key" in by_cat, value=fused or "value" in by_cat,
+                 projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat), head="head" in by_cat)
+
+    # build our tensors module by module, in our own layout
+    lora_sd: dict[str, torch.Tensor] = {}
+    ranks: dict[str, tuple[int, float]] = {}  # our module -> (r, scaling)
+    by_ours: dict[str, dict[str, str]] = {}
+    for mod in found:
+        ours, cat, _ = universe[mod]
+        other = by_ours.setdefault(ours, {}).setdefault(cat, mod)
+        if other != mod and not all(torch.equal(x, y) for x, y in zip(mods[mod][:2], mods[other][:2])):
+            raise UserError(f"{where} holds two different LoRAs for the output head ({other} and {mod}); keep only one")
+    # fused HF qkv: our own export comes back as it was, if every layer still has its block structure
+    fused_qkv = {ours: mods[cats["qkv"]] for ours, cats in by_ours.items() if "qkv" in cats}
+    fused_qkv = {ours: (A, _qkv_from_hf(base_config, layout, [B_hf]), s) for ours, (A, B_hf, s) in fused_qkv.items()}
+    restored = {ours: _block_diagonal(base_config, lit_meta, A, B) for ours, (A, B, _) in fused_qkv.items()}
+    if restored and all(v is not None for v in restored.values()):
+        flags.update(next(iter(restored.values()))[3])
+    else:
+        restored = {}
+    for ours, cats in by_ours.items():
+        if "qkv" in cats:  # one fused HF Linear
+            A, B, s = fused_qkv[ours]  # B rows in our order [q | k | v]
+            if ours in restored:
+                A, B, r, _ = restored[ours]
+            else:  # a LoRA with one A shared by q, k and v: the same A for each of our three parts
+                r = A.shape[0]
+                A = torch.cat([A, A, A])
+            lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
+            ranks[ours] = (r, s)
+        elif any(c in _QKV for c in cats):  # separate HF projections: stack them
+            mlist = [mods[cats[c]] for c in _QKV if c in cats]
+            _check_uniform([(m[0].shape[0], m[2]) for m in mlist], where, ours)
+            lora_sd[ours + ".lora_A"] = torch.cat([m[0] for m in mlist])
+            lora_sd[ours + ".lora_B"] = torch.cat([m[1] for m in mlist])
+            ranks[ours] = (mlist[0][0].shape[0], mlist[0][2])
+        else:
+            A, B, s = mods[next(iter(cats.values()))]
+            lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
+            ranks[ours] = (A.shape[0], s)
+    r, s = _check_uniform(list(ranks.values()), where, None)
+
+    lora = LoRAConfig(r=r, alpha=s * r, dropout=float(pc.get("lora_dropout") or 0.0), **flags)
+    if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), s * r, rel_tol=1e-12):
+        lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
+    targets = lora_targets(base_config, lora)
+    # MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0
+    for name, parts in targets.items():
+        if name + ".lora_A" not in lora_sd:
+            out_f, in_f = shapes[name + ".weight"]
+            lora_sd[name + ".lora_A"] = torch.zeros(len(parts or [None]) * r, in_f)
+            lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
+    extra = set(k.rsplit(".", 1)[0] for k in lora_sd) - set(targets)
+    assert not extra, f"internal error: LoRA tensors for {sorted(extra)} outside the targets"
+    return {
+        "format": ADAPTER_FORMAT,
+        "lora": {k: v.contiguous() for k, v in lora_sd.items()},
+        "lora_config": asdict(lora),
+        "model_config": base_config.to_dict(),
+        "train": {"source": "peft", "path": str(folder), "base_model_name_or_path": pc.get("base_model_name_or_path")},
+    }
+
+
+def _base_weight_names(config: Config, universe: dict) -> dict[str, torch.Size]:
+    """HF names (and shapes) of the base weights PEFT may save beside a LoRA: the embedding and the head, whose
+    weight it stores when the head (often tied to the embedding) is a target."""
+    fam = family(config)
+    emb = (config.vocab_size, config.n_embd)
+    names = {f"{fam['globals']['transformer.wte']}.weight": emb}
+    for mod, (ours, cat, _) in universe.items():
+        if cat == "head":
+            names[f"{mod}.weight"] = names[f"{mod}.base_layer.weight"] = emb
+    return {k: torch.Size(v) for k, v in names.items()}
+
+
+def _read_peft_config(folder: Path) -> dict:
+    path = folder / PEFT_CONFIG
+    if not path.is_file():
+        raise UserError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder (saved with save_pretrained) or a .pth adapter file")
+    try:
+        pc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); save the adapter again")
+    if pc.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be loaded")
+    if pc.get("use_dora"):
+        raise UserError(f"{folder} is a DoRA adapter (use_dora=true); only plain LoRA adapters can be loaded")
+    if pc.get("lora_bias") or pc.get("bias", "none") not in ("none", None):
+        raise UserError(f"{folder} trains biases (bias={pc.get('bias')!r}, lora_bias={pc.get('lora_bias')}); "
+                        "only adapters with bias='none' can be loaded")
+    if pc.get("modules_to_save"):
+        raise UserError(f"{folder} also saves full modules ({pc['modules_to_save']}); only LoRA layers can be loaded: "
+                        "make the adapter without modules_to_save")
+    if pc.get("use_rslora") and (pc.get("rank_pattern") or pc.get("alpha_pattern")):
+        raise UserError(f"{folder} combines use_rslora with rank_pattern/alpha_pattern, which PEFT itself refuses; fix the adapter config")
+    return pc
+
+
+def _read_peft_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    st, binf = folder / PEFT_WEIGHTS, folder / PEFT_WEIGHTS_BIN
+    if st.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(st), framework="pt", device="cpu") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+        except Exception as e:
+            raise UserError(f"{st} is not a readable safetensors file ({type(e).__name__}); save the adapter again")
+    if binf.is_file():
+        try:
+            sd = torch.load(binf, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise UserError(f"{binf} is not a readable adapter file ({type(e).__name__}); save the adapter again")
+        return dict(sd), {}
+    raise UserError(f"{folder} has no {PEFT_WEIGHTS} or {PEFT_WEIGHTS_BIN}; copy the adapter weights next to {PEFT_CONFIG}")
+
+
+def _pattern_get(pattern: dict, mod: str, default: Any) -> Any:
+    # As PEFT matches rank_pattern/alpha_pattern keys: the key is a regex that must match the end of the name
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", mod):
+            return value
+    return default
+
+
+def _scaling(pc: dict, mod: str, r: int, where: str) -> float:
+    r_cfg = _pattern_get(pc.get("rank_pattern"), mod, pc.get("r", r))
+    if int(r_cfg) != r:
+        raise UserError(f"{where}: {mod} has rank {r} in the weights but {r_cfg} in {PEFT_CONFIG}; the adapter files "
+                        "do not belong together: save the adapter again")
+    alpha = float(_pattern_get(pc.get("alpha_pattern"), mod, pc.get("lora_alpha", 8)))
+    return alpha / math.sqrt(r) if pc.get("use_rslora") else alpha / r
+
+
+def _check_uniform(rs: list[tuple[int, float]], where: str, module: Optional[str]) -> tuple[int, float]:
+    r0, s0 = rs[0]
+    for r, s in rs[1:]:
+        if r != r0 or not math.isclose(s, s0, rel_tol=1e-9):
+            at = f" in {module}" if module else ""
+            raise UserError(f"{where} uses different ranks or alpha/r scalings{at} (r={r0} and r={r}, scaling {s0:g} and {s:g}) "
+                            "after mapping to lit-qlora's layers, which use one r and one alpha; make the adapter with one r "
+                            "and lora_alpha (no rank_pattern/alpha_pattern)")
+    return r0, s0
+
+
+def _expected_modules(pc: dict, universe: dict) -> list[str]:
+    """HF modules that adapter_config.json's target_modules (and layers_to_transform) name."""
+    tm = pc.get("target_modules")
+    if not tm:
+        return []
+    layers = pc.get("layers_to_transform")
+    if isinstance(layers, int):
+        layers = [layers]
+    out = []
+    for mod, (_, cat, i) in universe.items():
+        if isinstance(tm, str):
+            hit = (cat != "head") if tm == "all-linear" else re.fullmatch(tm, mod) is not None
+        else:
+            hit = any(mod == t or mod.endswith("." + t) for t in tm)
+        if cat == "head" and len([m for m, e in universe.items() if e[1] == "head"]) > 1:
+            continue  # GPT-NeoX's head is embed_out or lm_head depending on the transformers version: either may be unmatched
+        if hit and (layers is None or i is None or i in layers):
+            out.append(mod)
+    return out
+
+
+def _lit_meta(meta: dict) -> Optional[dict]:
+    try:
+        return json.loads(meta[_META_KEY]) if _META_KEY in meta else None
+    except (json.JSONDecodeError, TypeError):
+        return None
+
+
+def _block_diagonal(config: Config, lit: Optional[dict], A: torch.Tensor, B: torch.Tensor):
+    """Undo our own export of a fused qkv LoRA (block-diagonal B, rank n*r), if it is one: (A, B, r, flags) or None."""
+    if lit is None:
+        return None
+    enabled = [c for c in _QKV if lit.get(c)]
+    r = int(lit.get("r", 0))
+    if not enabled or r <= 0 or A.shape[0] != len(enabled) * r:
+        return None
+    q, k, v = config.qkv_sizes
+    rows = {"query": (0, q), "key": (q, k), "value": (q + k, v)}
+    mask = torch.zeros_like(B, dtype=torch.bool)
+    pieces = []
+    for j, c in enumerate(enabled):
+        start, n = rows[c]
+        mask[start:start + n, j * r:(j + 1) * r] = True
+        pieces.append(B[start:start + n, j * r:(j + 1) * r])
+    if B[~mask].count_nonzero().item():
+        return None  # trained further as one shared LoRA: not block-diagonal any more
+    return A, torch.cat(pieces), r, {c: c in enabled for c in _QKV}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -217,6 +217,7 @@ def merge_lora(model: nn.Module, verbose: bool = True) -> None:
         wte = model.transformer["wte"] if hasattr(model, "transformer") and "wte" in model.transformer else None
         if wte is not None and getattr(m.base, "weight", None) is wte.weight:
             m.base.weight = nn.Parameter(wte.weight.detach().clone(), requires_grad=False)  # untie before changing the head
+            model.config = replace(model.config, tie_embeddings=False)
         if is_quantized(m.base):
             if verbose and not told:
                 print("Merging LoRA into a quantized base: dequantize, add, re-quantize (rounds to the quantization grid).",

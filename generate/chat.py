@@ -1,0 +1,98 @@
+"""Chat with a model (and optionally an adapter) in the terminal.
+
+    python generate/chat.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf --quantize bnb.nf4
+
+Multi-turn with the model's chat template when its tokenizer_config.json has one; otherwise each turn uses the
+adapter's prompt template with the conversation so far. Type `!reset` to start over, `!quit` (or Ctrl-D) to leave.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lit_qlora import demo  # noqa: E402
+from lit_qlora.generation import generate  # noqa: E402
+from lit_qlora.inference import autocast_for, format_prompt, load_for_inference, pick_device  # noqa: E402
+from lit_qlora.utils import UserError, run_cli  # noqa: E402
+
+
+def render(messages: list[dict], tokenizer, adapter: Optional[dict], template: Optional[str]) -> str:
+    if tokenizer.chat_template:
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(UserError(f"chat template: {msg}; fix the messages"))
+        # bos_token is left empty: `tokenizer.encode` adds bos itself, as the model family expects
+        return env.from_string(tokenizer.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                               bos_token="", eos_token="")
+    history = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
+    return history + format_prompt(messages[-1]["content"], "", adapter, template)
+
+
+def main(
+    checkpoint_dir: Optional[Path] = None,
+    lora_path: Optional[Path] = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.7,
+    top_k: Optional[int] = 50,
+    top_p: Optional[float] = None,
+    seed: int = 1234,
+    quantize: Optional[str] = None,
+    precision: str = "bf16-true",
+    accelerator: str = "auto",
+    template: Optional[str] = None,
+) -> None:
+    """Interactive chat. Arguments as in generate/lora.py (lora_path optional)."""
+    if checkpoint_dir is None:
+        checkpoint_dir = demo.ensure_demo_checkpoint()
+        default_adapter = Path("out/lora/demo/lit_model_lora_finetuned.pth")
+        lora_path = lora_path or (default_adapter if default_adapter.is_file() else None)
+    device = pick_device(accelerator)
+    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    messages: list[dict] = []
+    while True:
+        try:
+            line = input(">> You: ")
+        except EOFError:
+            break
+        if line.strip() == "!quit":
+            break
+        if line.strip() == "!reset":
+            messages = []
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tokenizer.encode(render(messages, tokenizer, adapter, template))
+        budget = min(max_new_tokens, model.config.block_size - len(ids))
+        if budget <= 0:
+            print("(the conversation is longer than the model's context; type !reset)", file=sys.stderr)
+            messages.pop()
+            continue
+        print(">> Model: ", end="", flush=True)
+        printed, new = "", []
+
+        def on_token(tok: int) -> None:
+            nonlocal printed
+            if tok in stops:
+                return
+            new.append(tok)
+            text = tokenizer.decode(new)
+            if text.startswith(printed) and not text.endswith("\ufffd"):
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+
+        with autocast_for(precision, device):
+            generate(model, ids, budget, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
+                     generator=gen, on_token=on_token)
+        print()
+        messages.append({"role": "assistant", "content": tokenizer.decode(new)})
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -60,17 +60,29 @@ class GPT(nn.Module):
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
         for i, block in enumerate(self.transformer.h):
             cache = self.kv_caches[i] if input_pos is not None else None
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len, use_reentrant=False)
             else:
-                x = block(x, cos, sin, input_pos, cache)
+                x = block(x, cos, sin, input_pos, cache, mask, kv_len)
         x = self.transformer.ln_f(x)
         if lm_head_chunk:
             # Chunks of the sequence keep the [B, T, V] logits from existing at once (see loss.chunked_cross_entropy)
             return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=1)]
         return self.lm_head(x)  # [B, T, V]
+
+    def _mask(self, positions: torch.Tensor, T: int, cached: bool, device: torch.device):
+        """(mask or None, keys to attend). None means plain causal attention (or no mask for one decode step).
+
+        With the cache only the first `kv_len` cached positions are attended, not the whole preallocated buffer."""
+        window = self.config.sliding_window_size
+        kv_len = int(positions.max()) + 1 if cached else T
+        full_causal = kv_len == T or T == 1  # prefill from position 0, or one new token that sees everything before it
+        if full_causal and (window is None or kv_len <= window):
+            return None, kv_len
+        return attention_mask(positions, kv_len, window, device), kv_len
 
     def set_kv_cache(self, batch_size: int, max_seq_length: Optional[int] = None,
                      device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
@@ -95,10 +107,10 @@ class Block(nn.Module):
         self.norm_2 = None if config.shared_attention_norm else make_norm(config, config.n_embd)
         self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                input_pos: Optional[torch.Tensor], cache: Optional["KVCache"]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
+                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int) -> torch.Tensor:
         h = self.norm_1(x)
-        attn_out = self.attn(h, cos, sin, input_pos, cache)
+        attn_out = self.attn(h, cos, sin, input_pos, cache, mask, kv_len)
         if self.config.parallel_residual:
             mlp_in = h if self.norm_2 is None else self.norm_2(x)
             return x + attn_out + self.mlp(mlp_in)
@@ -113,8 +125,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, sum(config.qkv_sizes), bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                input_pos: Optional[torch.Tensor], cache: Optional["KVCache"]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
+                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int) -> torch.Tensor:
         c = self.config
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(c.qkv_sizes, dim=-1)
@@ -124,12 +136,8 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if cache is not None:
-            k, v = cache.update(input_pos, k, v)  # [B, G, L, hs], L = cache length
-            mask = attention_mask(input_pos, k.shape[2], c.sliding_window_size, x.device)
-        elif c.sliding_window_size is not None and T > c.sliding_window_size:
-            mask = attention_mask(torch.arange(T, device=x.device), T, c.sliding_window_size, x.device)
-        else:
-            mask = None
+            k, v = cache.update(input_pos, k, v)  # [B, G, max_seq_length, hs]
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]  # [B, G, L, hs]: only positions written so far
         if c.n_query_groups != c.n_head:
             # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
             rep = c.n_head // c.n_query_groups

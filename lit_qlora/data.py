@@ -424,15 +424,17 @@ def ensure_prepared(
         return load_prepared(cache)
 
     names = train_file.name + (f" + {val_file.name}" if val_file else "")
-    print(f"Preparing {names} from {data_dir} (cached in {cache} for later runs)", file=sys.stderr)
     try:
-        prepare_files(train_file, val_file, tokenizer, cache, max_seq_length, template, mask_inputs, ignore_index,
-                      test_split_fraction, seed, instruction_key, input_key, output_key)
+        prepared = prepare_files(train_file, val_file, tokenizer, cache, max_seq_length, template, mask_inputs,
+                                 ignore_index, test_split_fraction, seed, instruction_key, input_key, output_key)
     except PermissionError:  # e.g. a shared, read-only dataset folder
         raise UserError(
             f"cannot write the prepared cache into {data_dir}; prepare the data with scripts/prepare_json.py "
             "--destination_path <a writable folder> and pass that folder as --data_dir"
         ) from None
+    # Said after the fact, so a file with a bad record fails with its one-line error alone
+    print(f"Preparing {names} from {data_dir}: {prepared['n_train']} train and {prepared['n_val']} validation samples "
+          f"(cached in {cache} for later runs)", file=sys.stderr)
     return load_prepared(cache)
 
 
@@ -518,12 +520,17 @@ def collate(
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
-    """Sample order of one epoch. Derived from (seed, epoch) alone so a resumed run can rebuild it
-    without replaying earlier epochs."""
+    """Sample order of one epoch, rebuilt from (seed, epoch) alone so a resumed run needs no saved generator state.
+    The first epoch's order is the one `DataLoader(shuffle=True, generator=Generator().manual_seed(seed))` gives,
+    so a run sees its samples in the same order as tools built on that (e.g. LitGPT, the HF recipe)."""
     if not shuffle:
         return list(range(n))
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
-    return torch.randperm(n, generator=g).tolist()
+    g = torch.Generator().manual_seed(seed)
+    for e in range(epoch + 1):
+        # Each epoch the DataLoader's iterator draws its base seed from the generator, then the sampler permutes
+        torch.empty((), dtype=torch.int64).random_(generator=g)
+        order = torch.randperm(n, generator=g)
+    return order.tolist()
 
 
 class BatchStream:

@@ -109,7 +109,9 @@ def _bnb_loaded() -> bool:
 def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device) -> None:
     """Quantize the full-precision `weight` into the (meta) bitsandbytes `module` on `device`."""
     bnb = _bnb()
-    if isinstance(module, bnb.nn.Linear8bitLt):
+    if device.type == "cpu":
+        _quantize_into_cpu(bnb, module, weight)
+    elif isinstance(module, bnb.nn.Linear8bitLt):
         # Int8Params quantizes row-wise (absmax per output row) when moved to a real device
         p = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype), requires_grad=False,
                               has_fp16_weights=False)
@@ -119,6 +121,74 @@ def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device)
                               compress_statistics=module.weight.compress_statistics, blocksize=module.weight.blocksize,
                               quant_storage=module.weight.quant_storage, module=module)
         module.weight = p.to(device)
+
+
+# bitsandbytes' CPU quantizers are plain torch code that makes fp32/int32 copies of the whole weight: about 16 bytes
+# per parameter at once (24 for fp4), ~1 GB for a 32000 x 2048 lm_head, which alone broke the loader's memory budget.
+# On CPU we therefore quantize _CPU_CHUNK elements at a time into preallocated outputs. 4-bit blocks and int8 rows
+# never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the result
+# is bit-identical. 1M elements per chunk: ~20 MB of temporaries, and no slower than bigger chunks.
+_CPU_CHUNK = 1 << 20
+_malloc_trim = None
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc only; a no-op elsewhere).
+
+    Quantizing layer after layer leaves freed read buffers and temporaries (a few to tens of MB each: under glibc's
+    adaptive mmap threshold, so on the heap) in holes between the long-lived quantized tensors, and glibc keeps such
+    holes resident: loading a 1.1B model with nf4-dq ended at 2.1 GB RSS for 0.67 GB of tensors. malloc_trim
+    releases them (~1 ms a call)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            import sys
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim if sys.platform.startswith("linux") else False
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
+    F = bnb.functional
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        rows = max(1, _CPU_CHUNK // weight.shape[1])
+        cb = torch.empty(weight.shape, dtype=torch.int8)
+        scb = torch.empty(weight.shape[0], dtype=torch.float32)
+        for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
+            cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(weight[r:r + rows].contiguous().to(torch.float16))
+        module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        _release_freed_memory()
+        return
+    w = module.weight  # the meta Params4bit carries the settings
+    flat = weight.contiguous().reshape(-1)
+    n, bs = flat.numel(), w.blocksize
+    step = max(1, _CPU_CHUNK // bs) * bs
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
+    absmax = torch.empty(-(n // -bs), dtype=torch.float32)
+    for start in range(0, n, step):
+        q, state = F.quantize_4bit(flat[start:start + step], blocksize=bs, compress_statistics=False,
+                                   quant_type=w.quant_type, quant_storage=torch.uint8)
+        packed[start // 2:start // 2 + q.shape[0]] = q
+        absmax[start // bs:start // bs + state.absmax.numel()] = state.absmax
+        del q
+    if w.quant_storage != torch.uint8:
+        packed = packed.view(-1).view(w.quant_storage).unsqueeze(1)
+    kw = dict(shape=weight.shape, dtype=weight.dtype, blocksize=bs, code=state.code, quant_type=w.quant_type)
+    if w.compress_statistics:  # as bitsandbytes.functional.quantize_4bit does it
+        offset = absmax.mean()
+        qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+        state = F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **kw)
+    else:
+        state = F.QuantState(absmax=absmax, **kw)
+    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=bs,
+                                      compress_statistics=w.compress_statistics, quant_type=w.quant_type,
+                                      quant_storage=w.quant_storage, module=module, bnb_quantized=True)
+    module.quant_state = state
+    _release_freed_memory()
 
 
 def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = True) -> list[str]:
@@ -187,7 +257,7 @@ def memory_report(model: nn.Module) -> dict:
             if p.requires_grad:
                 trainable += p.numel()
             if quantized and pname == "weight":
-                q_bytes += _tensor_bytes(p) + _quant_state_bytes(p)
+                q_bytes += _tensor_bytes(p) + _quant_state_bytes(p, m)
                 q_params += m.in_features * m.out_features
             else:
                 dense_bytes += _tensor_bytes(p)
@@ -200,14 +270,18 @@ def memory_report(model: nn.Module) -> dict:
                 dense_bytes=dense_bytes, trainable_params=trainable)
 
 
-def _quant_state_bytes(p: torch.Tensor) -> int:
+def _quant_state_bytes(p: torch.Tensor, module: nn.Module) -> int:
     qs = getattr(p, "quant_state", None)
     if qs is not None:  # 4-bit: absmax per block (+ its own quantization state when nested) and the code table
+        # bitsandbytes gives every layer its own copy of the code tables (16 + 256 fp32), so they count per layer
         n = _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
         if qs.nested:
             n += _tensor_bytes(qs.state2.absmax) + _tensor_bytes(qs.state2.code) + _tensor_bytes(qs.offset)
         return n
-    scb = getattr(p, "SCB", None)  # int8: one fp32 scale per row
+    # int8: one fp32 scale per row. The first forward moves it from the weight to `module.state.SCB`.
+    scb = getattr(p, "SCB", None)
+    if scb is None:
+        scb = getattr(getattr(module, "state", None), "SCB", None)
     return _tensor_bytes(scb) if scb is not None else 0
 
 

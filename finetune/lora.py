@@ -11,11 +11,12 @@ newest intact one.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,10 +29,10 @@ from lit_qlora.lora import ADAPTER_FORMAT, LoRAConfig, load_lora_weights, lora_s
 from lit_qlora.quantize import (  # noqa: E402
     assert_trainable_4bit, check_quantize, format_memory_report, memory_report, parse_precision)
 from lit_qlora.training import (  # noqa: E402
-    FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_disk_space, checkpoint_path,
-    chunked_cross_entropy, fmt_eta, is_tty, list_checkpoints, load_latest_checkpoint, lr_at, make_optimizer,
-    rng_state, save_checkpoint, set_rng_state, shift_labels)
-from lit_qlora.utils import UserError, memory_used_gb, run_cli  # noqa: E402
+    FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_checkpoint_dir, check_disk_space,
+    checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, is_tty, list_checkpoints, load_latest_checkpoint,
+    lr_at, make_optimizer, rng_state, save_checkpoint, set_rng_state, shift_labels)
+from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_cli  # noqa: E402
 
 IGNORE_INDEX = -100
 
@@ -46,7 +47,7 @@ def setup(
     accelerator: str = "auto",
     strategy: str = "auto",
     seed: int = 1337,
-    micro_batch_size: int = 4,
+    micro_batch_size: int | Literal["auto"] = 4,
     batch_size: Optional[int] = None,
     max_iters: Optional[int] = None,
     epochs: int = 1,
@@ -79,6 +80,8 @@ def setup(
     nan_policy: str = "stop",
     resume: Optional[str] = None,
     bench_json: bool = False,
+    estimate_only: bool = False,
+    memory_budget: Optional[float] = None,
 ) -> None:
     """Fine-tune with LoRA.
 
@@ -90,8 +93,9 @@ def setup(
         precision: one of 32-true, 16-true, bf16-true, 16-mixed, bf16-mixed (see the README's precision table).
         quantize: frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; "none" or left out for dense.
         devices: processes (DDP; CPU uses gloo). accelerator: auto, cpu or cuda. strategy: auto, ddp or fsdp (GPUs).
-        micro_batch_size: samples per forward/backward per device. batch_size: samples per optimizer step over
-            all devices (default micro_batch_size * devices: no accumulation).
+        micro_batch_size: samples per forward/backward per device, or "auto": the largest whose estimated peak
+            memory (lit_qlora/memory.py) fits `memory_budget`. batch_size: samples per optimizer step over all
+            devices (default micro_batch_size * devices: no accumulation).
         max_iters: optimizer steps; default: `epochs` passes over the training set.
         warmup_steps: linear warm-up steps before the cosine decay to `min_lr`.
         grad_clip: max gradient norm (none to disable).
@@ -105,6 +109,8 @@ def setup(
         nan_policy: "stop" (default) ends the run at a NaN/inf loss keeping the last good checkpoint; "skip" skips the step.
         resume: "auto" continues from the newest checkpoint in out_dir if any; "true" requires one; or a checkpoint path.
         bench_json: print a machine-readable `BENCH_JSON {...}` line with per-iteration figures at the end.
+        estimate_only: print the estimated peak memory (per component) and exit before loading anything.
+        memory_budget: GB per device for `--micro_batch_size auto` (default: the memory free now).
     """
     is_demo = checkpoint_dir is None
     if is_demo:
@@ -129,6 +135,23 @@ def setup(
         raise UserError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if nan_policy not in ("stop", "skip"):
         raise UserError(f"unknown --nan_policy {nan_policy!r}; choose stop or skip")
+    if estimate_only or micro_batch_size == "auto":  # before anything is loaded
+        from lit_qlora.memory import plan_micro_batch_size
+
+        micro_batch_size = plan_micro_batch_size(
+            checkpoint_dir, micro_batch_size, memory_budget, estimate_only, accelerator, devices,
+            LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
+                       projection=lora_projection, mlp=lora_mlp, head=lora_head),
+            precision=precision, quantize=quantize, optimizer=optimizer, seq_length=max_seq_length,
+            activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head)
+        if estimate_only:
+            return
+    for name, value in (("devices", devices), ("micro_batch_size", micro_batch_size), ("epochs", epochs),
+                        ("eval_interval", eval_interval), ("save_interval", save_interval), ("log_interval", log_interval)):
+        if value < 1:  # 0 would divide by zero (or train nothing) after the model is loaded
+            raise UserError(f"--{name} must be at least 1, got {value}; pass a positive number")
+    if max_iters is not None and max_iters < 1:
+        raise UserError(f"--max_iters must be at least 1, got {max_iters}; pass a positive number or leave it out")
     world = devices
     batch_size = batch_size or micro_batch_size * world
     if micro_batch_size < 1 or batch_size % (micro_batch_size * world):
@@ -136,6 +159,28 @@ def setup(
                         f"use e.g. --batch_size {micro_batch_size * world * max(1, batch_size // (micro_batch_size * world))}")
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, resume)
+
+    # Everything that can be wrong with the inputs is found here, before Lightning, the model or the DDP
+    # processes start: the checkpoint folder, the tokenizer, the data (prepared once, here, so DDP ranks never
+    # race on the cache), the resume state and the disk space for checkpoints.
+    from lit_qlora.tokenizer import Tokenizer
+
+    config = check_checkpoint_dir(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UserError(f"the tokenizer in {checkpoint_dir} has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}; "
+                        "the tokenizer files belong to another model: copy the model's own tokenizer files there")
+    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
+                      projection=lora_projection, mlp=lora_mlp, head=lora_head)
+    n_lora = _count_lora_params(config, lora)
+    resume_path, resume_state = _find_resume(out_dir, resume)
+    if resume_state is not None:
+        _check_resume_compatible(resume_state, _resume_settings_of(lora, precision, quantize, micro_batch_size, batch_size,
+                                                                   optimizer, seed, checkpoint_dir))
+    check_disk_space(out_dir, checkpoint_bytes(n_lora))
+    max_seq_length = min(max_seq_length or config.block_size, config.block_size)
+    train_data, val_data, data_meta = ensure_prepared(data_dir, tokenizer, max_seq_length, template=template,
+                                                      mask_inputs=mask_inputs, seed=42)
 
     import lightning as L
     from lightning.fabric.plugins.precision import MixedPrecision, Precision
@@ -168,24 +213,23 @@ def main(fabric, args: dict) -> None:
     a = _Args(args)
     fabric.seed_everything(a.seed)
     from lit_qlora.loader import load_model
-    from lit_qlora.tokenizer import Tokenizer
     import psutil
 
     prec = parse_precision(a.precision)
-    tokenizer = Tokenizer(a.checkpoint_dir)
-    from lit_qlora.convert import ensure_converted
-
-    config = ensure_converted(a.checkpoint_dir, quiet=fabric.global_rank != 0)
-    max_seq_length = min(a.max_seq_length or config.block_size, config.block_size)
-    train_data, val_data, data_meta = ensure_prepared(a.data_dir, tokenizer, max_seq_length, template=a.template,
-                                                      mask_inputs=a.mask_inputs, seed=42)
-    lora = LoRAConfig(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout, query=a.lora_query, key=a.lora_key,
-                      value=a.lora_value, projection=a.lora_projection, mlp=a.lora_mlp, head=a.lora_head)
+    # checked and prepared up front by `setup`
+    tokenizer, config, lora, max_seq_length = a.tokenizer, a.config, a.lora, a.max_seq_length
+    train_data, val_data, data_meta = a.train_data, a.val_data, a.data_meta
 
     t0 = time.perf_counter()
     model = load_model(a.checkpoint_dir, precision=a.precision, quantize=a.quantize, lora=lora, device=fabric.device,
                        quantize_lm_head=a.quantize_lm_head, config=config, seed=a.seed)
     model.activation_checkpointing = a.activation_checkpointing
+    if prec.dtype == torch.float16 and not prec.mixed:
+        # AdamW state in fp16 underflows (eps=1e-8 rounds to 0, so the zero gradient of lora_A at the first step
+        # gives 0/0 = NaN): the few LoRA weights and their optimizer state stay fp32, the base is fp16
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     report = memory_report(model)
     rss_after_load = psutil.Process().memory_info().rss / 2**30
     fabric.print(f"Loaded {config.name} in {time.perf_counter() - t0:.1f}s | {a.quantize or 'no quantization'}, {a.precision} | "
@@ -205,9 +249,8 @@ def main(fabric, args: dict) -> None:
     max_steps = a.max_iters if a.max_iters is not None else a.epochs * steps_per_epoch
 
     step, train_time = 0, 0.0
-    resume_path, state = _find_resume(a)
+    resume_path, state = a.resume_path, a.resume_state
     if state is not None:
-        _check_resume_compatible(state, a, lora)
         load_lora_weights(gpt, state["lora"])
         optimizer.load_state_dict(state["resume"]["optimizer"])
         scaler = getattr(fabric.strategy.precision, "scaler", None)
@@ -222,8 +265,9 @@ def main(fabric, args: dict) -> None:
                       max_seq_length=max_seq_length, mask_inputs=a.mask_inputs, checkpoint_dir=str(a.checkpoint_dir),
                       data_dir=str(a.data_dir))
     if rank == 0:
-        (a.out_dir / "hyperparameters.json").write_text(json.dumps({**a.as_dict(), "lora": asdict(lora), "max_steps": max_steps,
-                                                                     "accumulation": accum}, indent=2, default=str))
+        hparams = json.dumps({**a.as_dict(), "lora": asdict(lora), "max_steps": max_steps, "accumulation": accum}, indent=2,
+                             default=str)
+        atomic_write(a.out_dir / "hyperparameters.json", lambda p: p.write_text(hparams))
 
     def save(reason: str) -> Path:
         path = checkpoint_path(a.out_dir, step)
@@ -234,8 +278,9 @@ def main(fabric, args: dict) -> None:
                        "resume": {"step": step, "optimizer": optimizer.state_dict(), "data": stream.state_dict(),
                                   "rng": rng_state(), "train_time": train_time,
                                   "scaler": scaler.state_dict() if scaler is not None else None,
-                                  "settings": _resume_settings(a, lora)}}
-            check_disk_space(a.out_dir, sum(v.numel() * 4 for v in payload["lora"].values()) * 4)
+                                  "settings": _resume_settings_of(lora, a.precision, a.quantize, a.micro_batch_size,
+                                                                  a.batch_size, a.optimizer, a.seed, a.checkpoint_dir)}}
+            check_disk_space(a.out_dir, checkpoint_bytes(sum(v.numel() for v in payload["lora"].values())))
             save_checkpoint(path, payload, keep=a.keep_checkpoints)
             fabric.print(f"Saved checkpoint {path} ({reason})", file=sys.stderr)
         fabric.barrier()
@@ -246,6 +291,9 @@ def main(fabric, args: dict) -> None:
     skipped = 0
     fabric.print(f"Training {max_steps} iterations: {len(train_data)} samples, batch {a.batch_size} "
                  f"(micro {a.micro_batch_size} x {world} devices x {accum} accumulation), lr {a.learning_rate}", file=sys.stderr)
+    if step == 0 and a.eval_iters > 0:  # the starting point, so the validation curve shows what training changed
+        val0 = validate(fabric, model, gpt, val_data, a, tokenizer, data_meta, config)
+        metrics.log(dict(iter=0, step=0, val_loss=val0, val_ppl=float(torch.tensor(val0).exp())))
     model.train()
     while step < max_steps:
         t_iter = time.perf_counter()
@@ -264,7 +312,7 @@ def main(fabric, args: dict) -> None:
             loss_sum += loss.detach()
         loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
         step_loss = float(loss_sum / n_tok.clamp(min=1))
-        if not torch.isfinite(torch.tensor(step_loss)) or not _grads_finite(trainable):
+        if not torch.isfinite(torch.tensor(step_loss)) or not _all_finite(p.grad for p in trainable):
             optimizer.zero_grad(set_to_none=True)
             if a.nan_policy == "stop":
                 last = list_checkpoints(a.out_dir)
@@ -284,6 +332,13 @@ def main(fabric, args: dict) -> None:
             g["lr"] = lr_at(step, max_steps, a.learning_rate, a.min_lr, a.warmup_steps)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if not _all_finite(trainable):
+            # finite loss and gradients can still overflow the weights (e.g. fp16 with a huge learning rate);
+            # stop before such weights reach a checkpoint, so the last checkpoint stays a good one
+            last = list_checkpoints(a.out_dir)
+            keep = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+            raise TrainingDiverged(f"weights became non-finite at iteration {step + 1} ({keep}); try --precision bf16-true "
+                                   f"or bf16-mixed, or a lower --learning_rate than {a.learning_rate}")
         step += 1
         dt = time.perf_counter() - t_iter
         train_time += dt
@@ -300,15 +355,22 @@ def main(fabric, args: dict) -> None:
         metrics.log(row)
         if rank == 0 and (step % a.log_interval == 0 or step == max_steps):
             _show_progress(step, max_steps, step_loss, dt, tokens, train_time)
-        if step % a.save_interval == 0 and step < max_steps:
+        saved = step % a.save_interval == 0 and step < max_steps
+        if saved:
             save(f"every {a.save_interval} iterations")
-        if stop.requested:
-            path = save("interrupted")
+        # DDP: every rank stops at the same iteration, whichever got the signal (a mismatch would hang the collectives)
+        stop_now = stop.requested
+        if world > 1:
+            stop_now = bool(fabric.all_reduce(torch.tensor(float(stop_now), device=fabric.device), reduce_op="sum") > 0)
+        if stop_now and step < max_steps:
+            path = checkpoint_path(a.out_dir, step) if saved else save("interrupted")
             fabric.print(f"Stopped at iteration {step}; continue with --resume (checkpoint {path})", file=sys.stderr)
-            sys.exit(128 + stop.signum)
+            sys.exit(128 + (stop.signum or signal.SIGTERM))
 
     if a.quantize:
         assert_trainable_4bit(gpt)
+    if world > 1:
+        _check_ranks_agree(fabric, gpt)
     save("end of training")
     if rank == 0:
         save_adapter(a.out_dir / FINAL_ADAPTER, gpt, lora, train_info={**train_info, "iter": step})
@@ -324,7 +386,7 @@ def main(fabric, args: dict) -> None:
                    trainable_params=report["trainable_params"], quantized_bytes=report["quantized_bytes"],
                    bits_per_quantized_param=report["bits_per_quantized_param"], dense_bytes=report["dense_bytes"])
     if rank == 0:
-        (a.out_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(a.out_dir / "metrics.json", lambda p: p.write_text(json.dumps(summary, indent=2)))
     if rank == 0 and a.bench_json:
         b_moved = all(bool(v.abs().sum() > 0) for k, v in lora_state_dict(gpt).items() if "lora_B" in k)
         print("BENCH_JSON " + json.dumps(dict(iter_times=iter_times, iter_tokens=iter_tokens, losses=losses,
@@ -386,8 +448,24 @@ def _local(batch: dict, rank: int, world: int) -> dict:
     return {"input_ids": part["input_ids"][:, :T], "labels": part["labels"][:, :T], "lengths": part["lengths"]}
 
 
-def _grads_finite(params: list) -> bool:
-    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+def _all_finite(tensors) -> bool:
+    """True when no element of the tensors (None entries skipped) is NaN or inf; one device sync in all."""
+    peaks = [t.detach().abs().amax().float() for t in tensors if t is not None and t.numel()]
+    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
+
+
+def _check_ranks_agree(fabric, gpt) -> float:
+    """DDP keeps one model: compare every LoRA tensor with rank 0's and say how far apart the ranks are."""
+    diff = torch.zeros((), device=fabric.device)
+    for v in lora_state_dict(gpt).values():
+        ref = fabric.broadcast(v.detach().clone(), src=0)
+        diff = torch.maximum(diff, (v.float() - ref.to(v.device).float()).abs().max())
+    diff = float(fabric.all_reduce(diff, reduce_op="max"))
+    if diff <= 1e-6:
+        fabric.print(f"ranks agree: max diff {diff:.3g}", file=sys.stderr)
+    else:
+        fabric.print(f"warning: DDP ranks disagree: max diff {diff:.3g} between LoRA weights", file=sys.stderr)
+    return diff
 
 
 def _show_progress(step: int, max_steps: int, loss: float, dt: float, tokens: int, elapsed: float) -> None:
@@ -400,32 +478,49 @@ def _show_progress(step: int, max_steps: int, loss: float, dt: float, tokens: in
         print(f"iter {step} | loss {loss:.4f} | iter time: {dt * 1000:.1f} ms | tokens {tokens} | ETA {fmt_eta(eta)}", flush=True)
 
 
-def _find_resume(a: "_Args") -> tuple[Optional[Path], Optional[dict]]:
-    if a.resume in (None, "false", "no"):
+def _find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], Optional[dict]]:
+    if resume in (None, "false", "no"):
         return None, None
-    if a.resume in ("auto", "true", "yes"):
-        path, state = load_latest_checkpoint(a.out_dir)
-        if state is None and a.resume != "auto":
-            raise UserError(f"--resume: no intact checkpoint in {a.out_dir / 'checkpoints'}; use --resume auto to start fresh")
+    if resume in ("auto", "true", "yes"):
+        path, state = load_latest_checkpoint(out_dir)
+        if state is None and resume != "auto":
+            raise UserError(f"--resume: no intact checkpoint in {out_dir / 'checkpoints'}; use --resume auto to start fresh")
         return path, state
-    path = Path(a.resume)
+    path = Path(resume)
     if not path.is_file():
         raise UserError(f"--resume {path}: no such checkpoint; pass --resume auto or an iter-*.pth file")
-    return path, torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UserError(f"--resume {path}: the checkpoint is damaged ({type(e).__name__}); pass an earlier one or --resume auto")
+    if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
+        raise UserError(f"--resume {path} is not a resumable checkpoint of finetune/lora.py; pass an iter-*.pth file")
+    return path, state
 
 
-def _resume_settings(a: "_Args", lora: LoRAConfig) -> dict:
-    return dict(lora=asdict(lora), precision=a.precision, quantize=a.quantize, micro_batch_size=a.micro_batch_size,
-                batch_size=a.batch_size, optimizer=a.optimizer, seed=a.seed, checkpoint_dir=str(a.checkpoint_dir))
+def _resume_settings_of(lora: LoRAConfig, precision: str, quantize: Optional[str], micro_batch_size: int, batch_size: int,
+                        optimizer: str, seed: int, checkpoint_dir) -> dict:
+    return dict(lora=asdict(lora), precision=precision, quantize=quantize, micro_batch_size=micro_batch_size,
+                batch_size=batch_size, optimizer=optimizer, seed=seed, checkpoint_dir=str(checkpoint_dir))
 
 
-def _check_resume_compatible(state: dict, a: "_Args", lora: LoRAConfig) -> None:
+def _check_resume_compatible(state: dict, now: dict) -> None:
     saved = state["resume"].get("settings", {})
-    now = _resume_settings(a, lora)
     for k, v in now.items():
         if k in saved and saved[k] != v and k != "checkpoint_dir":
             raise UserError(f"the checkpoint was made with {k}={saved[k]} but this run uses {k}={v}; resume with the same "
                             "settings or start a new --out_dir")
+
+
+def _count_lora_params(config, lora: LoRAConfig) -> int:
+    """Trainable parameters of this LoRA on this model, counted on the meta device (allocates nothing)."""
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+        apply_lora(model, lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 class _Args:

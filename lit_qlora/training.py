@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_qlora.lora import ADAPTER_FORMAT
-from lit_qlora.utils import UserError, atomic_torch_save
+from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
 CKPT_DIR = "checkpoints"
@@ -53,6 +53,62 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     out = torch.full_like(labels, ignore_index)
     out[:, :-1] = labels[:, 1:]
     return out
+
+
+# ---- up-front checks --------------------------------------------------------------------------
+def check_checkpoint_dir(checkpoint_dir: Path):
+    """The model's Config, after making sure the converted checkpoint is whole and agrees with its config.
+
+    Converts a Hugging Face folder on first use. Reads only the safetensors header (and the file size), so a
+    broken or partial checkpoint is refused in one line before anything heavy is loaded."""
+    import json
+
+    from lit_qlora.config import Config
+    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, ensure_converted, lit_param_shapes
+
+    checkpoint_dir = Path(checkpoint_dir)
+    weights, cfg_file = checkpoint_dir / LIT_WEIGHTS, checkpoint_dir / LIT_CONFIG
+    hf = (checkpoint_dir / "config.json").is_file()
+    if checkpoint_dir.is_dir() and not hf and weights.is_file() != cfg_file.is_file():
+        have, lost = (weights, cfg_file) if weights.is_file() else (cfg_file, weights)
+        raise UserError(f"{checkpoint_dir} is partially converted: {have.name} is there but {lost.name} is missing "
+                        "(and there is no config.json to convert from); convert the Hugging Face checkpoint again")
+    if weights.is_file() and cfg_file.is_file():
+        try:
+            config = Config.from_file(cfg_file)
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, unexpected values
+            raise UserError(f"{cfg_file} is damaged ({type(e).__name__}: {e}); convert the checkpoint again") from None
+    else:
+        config = ensure_converted(checkpoint_dir)  # converts a Hugging Face folder on first use
+    redo = ("delete it and run again to convert the Hugging Face files again" if hf
+            else "convert the checkpoint again")
+    size = weights.stat().st_size
+    try:
+        with open(weights, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        end = 8 + n + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        shapes = {k: tuple(e["shape"]) for k, e in header.items()}
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+        raise UserError(f"{weights} is damaged or truncated (unreadable header, {size} bytes); {redo}") from None
+    if size < end:
+        raise UserError(f"{weights} is truncated ({size} of {end} bytes); {redo}")
+    expected = lit_param_shapes(config)
+    for key, shape in expected.items():
+        if key not in shapes:
+            raise UserError(f"{weights} has no tensor {key}; the checkpoint is incomplete: {redo}")
+        if shapes[key] != tuple(shape):
+            raise UserError(f"{weights} holds {key} with shape {shapes[key]} but {cfg_file.name} implies "
+                            f"{tuple(shape)}; the config and the weights disagree: convert the checkpoint again")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise UserError(f"{weights} holds {extra[0]!r}, which the model in {cfg_file.name} has no place for; the config and "
+                        "the weights disagree: convert the checkpoint again")
+    return config
 
 
 # ---- learning rate ------------------------------------------------------------------------------
@@ -96,8 +152,16 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(path: Path, payload: dict, keep: int = 3) -> None:
-    """Atomically write a resumable checkpoint (also a valid adapter file) and prune old ones."""
-    atomic_torch_save(payload, path)
+    """Atomically write a resumable checkpoint (also a valid adapter file) and prune old ones.
+
+    Temp files left by a process killed while writing (`.iter-*.tmp`) are removed once a write succeeds."""
+    try:
+        atomic_torch_save(payload, path)
+    except OSError as e:  # disk full, quota, permissions changed mid-run: the previous checkpoints are intact
+        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint is intact: "
+                        "free disk space or fix the folder, then rerun with --resume") from None
+    for stale in path.parent.glob(".iter-*.tmp"):
+        stale.unlink(missing_ok=True)
     if keep > 0:
         for old in list_checkpoints(path.parent.parent)[:-keep]:
             old.unlink(missing_ok=True)
@@ -130,6 +194,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def checkpoint_bytes(n_lora_params: int) -> int:
+    """About what one resumable checkpoint takes: fp32 LoRA weights + two AdamW moments, with a margin."""
+    return n_lora_params * 4 * 4
+
+
 def check_disk_space(out_dir: Path, needed_bytes: int) -> None:
     import shutil
 
@@ -153,12 +222,15 @@ class MetricsLog:
             return
         rows = []
         if resume_iter and self.path.is_file():  # keep the rows up to the resumed iteration, drop the lost tail
-            with open(self.path) as f:
-                rows = [r for r in csv.DictReader(f) if int(r["iter"]) <= resume_iter]
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, self.FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+            rows = [r for r in self._read_rows() if int(r["iter"]) <= resume_iter]
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, self.FIELDS)
+                w.writeheader()
+                w.writerows(rows)
+
+        atomic_write(self.path, write)  # a kill while rewriting must not lose the rows of the earlier run
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -175,6 +247,20 @@ class MetricsLog:
             for k, v in row.items():
                 if k not in ("iter", "step") and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["iter"])
+
+    def _read_rows(self) -> list[dict]:
+        """Whole rows only: the last line of a run killed while appending may be cut short."""
+        with open(self.path, newline="") as f:
+            rows = []
+            for r in csv.DictReader(f):
+                if r.get(None) is not None or any(r.get(k) is None for k in self.FIELDS):
+                    continue
+                try:
+                    int(r["iter"]), float(r["loss"])
+                except ValueError:
+                    continue
+                rows.append(r)
+            return rows
 
     def read_losses(self) -> list[float]:
         with open(self.path) as f:

@@ -1,8 +1,14 @@
 """The embedded default: a tiny Llama-shaped model and tokenizer built locally with fixed seeds, and the bundled
-instruction data, so `python finetune/lora.py` with no arguments runs end to end without any download."""
+instruction data, so `python finetune/lora.py` with no arguments runs end to end without any download.
+
+The base model is pretrained for a few seconds at build time on the training split of the demo tasks written as
+plain text ("Reverse the word. happy => yppah"), never on the validation split. LoRA fine-tuning then teaches
+it to answer in the instruction format, which a randomly initialized base could barely learn in minutes.
+"""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +21,7 @@ from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_safetensors_stream
 DEMO_CHECKPOINT = Path("checkpoints/lit-qlora/demo")
 DEMO_DATA_DIR = Path("data/demo")
 DEMO_DATA_FILE = Path(__file__).parent / "demo_data.json"
-DEMO_PROMPT = ("Reverse the word.", "garden")
+DEMO_PROMPT = ("Add the numbers.", "7 + 5")
 
 DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", block_size=256, vocab_size=384, n_layer=4,
                    n_head=4, n_query_groups=2, n_embd=256, intermediate_size=704, norm_eps=1e-5)
@@ -32,6 +38,7 @@ def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT) -> Path:
     config = Config(**DEMO_CONFIG)
     _write_random_weights(folder, config, seed=1234)
     config.save(folder / LIT_CONFIG)
+    _pretrain(folder, config)
     return folder
 
 
@@ -57,6 +64,40 @@ def _write_random_weights(folder: Path, config: Config, seed: int) -> None:
 
     specs = [(k, s, torch.bfloat16) for k, s in shapes.items()]
     write_safetensors_stream(folder / LIT_WEIGHTS, specs, ((k, make(k, s)) for k, s in shapes.items()))
+
+
+def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 16, seed: int = 1234) -> None:
+    """Full-parameter language-model training of the demo base on the demo tasks' training split (fp32, ~20 s)."""
+    from lit_qlora.data import collate, split
+    from lit_qlora.loader import load_model
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(folder)
+    records, _ = split(json.loads(DEMO_DATA_FILE.read_text()), 0.05, 42)  # the split finetune/lora.py validates on
+    texts = [" ".join(x for x in (r["instruction"], r.get("input", "")) if x) + " => " + r["output"] for r in records]
+    samples = [{"input_ids": (ids := tok.encode(t, eos=True)), "labels": ids} for t in texts]
+    torch.manual_seed(seed)
+    model = load_model(folder, precision="32-true").train()
+    for p in model.parameters():
+        p.requires_grad = True
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        idx = torch.randint(len(samples), (batch_size,), generator=g).tolist()
+        batch = collate([samples[i] for i in idx], pad_id=tok.eos_id, ignore_index=-100)
+        logits = model(batch["input_ids"])
+        targets = torch.full_like(batch["labels"], -100)
+        targets[:, :-1] = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.step()
+        opt.zero_grad()
+    print(f"Pretrained the demo base for {steps} steps (final loss {loss.item():.2f})", file=sys.stderr)
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    specs = [(k, v.shape, v.dtype) for k, v in sd.items()]
+    write_safetensors_stream(folder / LIT_WEIGHTS, specs, iter(sd.items()))
 
 
 def _write_tokenizer(folder: Path) -> None:

@@ -1,0 +1,535 @@
+"""Predict the peak memory of a LoRA / QLoRA training run from the model config and the settings alone.
+
+    peak = runtime + frozen weights (quantized + dense) + LoRA weights, gradients and optimizer state
+           + activations of one micro-batch at their peak (saved for backward + logits + the largest temporary)
+
+What is predicted is what finetune/lora.py reports as "Memory used": peak resident set size on CPU,
+`torch.cuda.max_memory_allocated` on CUDA. Nothing is loaded: the shapes come from `Config`, and every term
+mirrors what actually exists during training:
+
+- quantized weights: the bytes bitsandbytes keeps per layer (4-bit: packed nibbles + one fp32 absmax per
+  64-value block, or with double quantization one uint8 absmax per block + fp32 scales per 256 blocks; int8:
+  one byte per value + one fp32 scale per output row), see `quantized_layer_bytes`;
+- dense weights in the dtypes of `lit_qlora.quantize.Precision` (under *-mixed frozen Linear weights are in
+  the low dtype, embeddings and norms in fp32);
+- LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
+- activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
+  `_block_saved`), the logits the training loop holds plus the fp32 log-probabilities the loss saves, and the
+  largest temporary alive at the peak (the loss gradients of one logits chunk, a dequantized 4-bit/int8 weight,
+  the gradients inside one block's backward).
+
+The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
+saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
+two measured terms come on top (scripts/bench_estimator.py): the runtime (interpreter, torch, Lightning,
+bitsandbytes, thread pools) and glibc's heap slack (`_allocator_slack`). Not modelled: oneDNN's per-shape
+caches, which grow the CPU resident size over the first iterations when batches come in many different
+lengths (up to a few hundred MB), so variable-length data on CPU can peak above the estimate.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig, lora_targets
+from lit_qlora.quantize import QUANTIZE_MODES, parse_precision
+from lit_qlora.utils import UserError
+
+GiB = 2**30
+MiB = 2**20
+
+# Measured on CPU (scripts/bench_estimator.py --calibrate_runtime): peak RSS of a training run of a ~0-size
+# model: Python, torch, Lightning, jsonargparse, tokenizers, oneDNN/OpenMP buffers after the first steps.
+CPU_RUNTIME_BYTES = int(0.376 * GiB)
+CPU_RUNTIME_BNB_BYTES = int(0.047 * GiB)  # extra when bitsandbytes is imported (quantization or its optimizers)
+CPU_HEAP_FIXED = int(0.03 * GiB)  # glibc heap slack (see `_allocator_slack`), fitted on measured runs
+CPU_HEAP_SLACK = 0.6  # ... per byte of sub-threshold tensors alive at the peak
+CPU_DEQUANT_CHURN = 2.5  # ... per byte of the largest sub-threshold dequantized weight (quantized layers)
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB  # larger allocations are always mmapped, and unmapped when freed
+CUDA_RUNTIME_BYTES = 64 * MiB  # cuBLAS workspaces and small buffers that go through the caching allocator
+BNB_4BIT_BLOCKSIZE = 64
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' 8-bit optimizers keep fp32 state for smaller tensors
+BNB_OPTIM_BLOCKSIZE = 256
+
+
+# ---- weights -----------------------------------------------------------------------------------
+def quantized_layer_bytes(out_features: int, in_features: int, mode: str) -> int:
+    """Bytes bitsandbytes stores for one quantized [out, in] weight, statistics included."""
+    n = out_features * in_features
+    if mode == "bnb.int8":
+        return n + 4 * out_features  # int8 values + one fp32 absmax per row (SCB)
+    blocks = -(-n // BNB_4BIT_BLOCKSIZE)
+    size = -(-n // 2) + 16 * 4  # two 4-bit values per byte + the layer's 16-entry fp32 code table
+    if mode.endswith("-dq"):
+        # absmax itself quantized to uint8 (blocks of 256), plus its fp32 scales, 256-entry code and offset
+        return size + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4
+    return size + 4 * blocks
+
+
+def _meta_model(config: Config, lora: LoRAConfig):
+    """The model on the meta device (allocates nothing): its modules give every shape and tie."""
+    import torch
+
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+        apply_lora(model, lora)
+    return model
+
+
+def _dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
+                 quantize_lm_head: bool = True) -> dict:
+    """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes."""
+    import torch.nn as nn
+
+    from lit_qlora.lora import LoRALinear
+
+    prec = parse_precision(precision)
+    model = _meta_model(config, lora)
+    linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
+    quant, quant_params, dense, lora_numels = 0, 0, 0, []
+    quantized_shapes: list[tuple[str, int, int]] = []
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        parent_is_lora = isinstance(m, LoRALinear)
+        if parent_is_lora:
+            lora_numels += [m.lora_A.numel(), m.lora_B.numel()]
+            continue
+        base_name = name[:-len(".base")] if name.endswith(".base") else name
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            is_linear = type(m) is nn.Linear
+            quantized = (quantize is not None and is_linear and pname == "weight"
+                         and (quantize_lm_head or base_name.split(".")[0] != "lm_head"))
+            if quantized:
+                out_f, in_f = p.shape
+                quant += quantized_layer_bytes(out_f, in_f, quantize)
+                quant_params += p.numel()
+                quantized_shapes.append((base_name, out_f, in_f))
+            else:
+                dense += p.numel() * (linear_b if is_linear else other_b)
+    return dict(quantized=quant, quantized_params=quant_params, dense=dense, lora_numels=lora_numels,
+                quantized_shapes=quantized_shapes)
+
+
+def optimizer_state_bytes(optimizer: str, numels: list[int], param_bytes: int, device_type: str = "cpu") -> int:
+    """Bytes of optimizer state for trainable tensors of the given sizes."""
+    total = 0
+    for n in numels:
+        if optimizer == "AdamW":  # torch keeps exp_avg and exp_avg_sq in the parameter's dtype
+            total += 2 * n * param_bytes + 4
+        elif optimizer in ("AdamW8bit", "PagedAdamW8bit") and n >= BNB_MIN_8BIT_SIZE:
+            paged = optimizer.startswith("Paged") and device_type == "cuda" and n >= 1e5
+            total += (0 if paged else 2 * n) + 2 * 4 * -(-n // BNB_OPTIM_BLOCKSIZE)
+        else:  # bitsandbytes' 32-bit state (and the 8-bit optimizers below min_8bit_size): two fp32 buffers
+            paged = optimizer.startswith("Paged") and device_type == "cuda" and n >= 1e5
+            total += 0 if paged else 2 * 4 * n  # paged buffers live in CUDA unified memory, outside "allocated"
+    return total
+
+
+# ---- activations ---------------------------------------------------------------------------------
+# Activations are collected as lists of tensor sizes (bytes): the CPU allocator treats small and large tensors
+# differently (see `_allocator_slack`).
+@dataclass
+class _Dims:
+    """Shapes and byte sizes of one micro-batch's tensors."""
+    B: int
+    T: int
+    a: int  # bytes of a matmul output (the compute dtype)
+    r: int  # bytes of the residual stream and norm outputs (fp32 under *-mixed: embeddings stay fp32)
+    mask: int  # bytes per element of a dropout mask: 1 on CUDA (bool), 0 on CPU (the input's dtype)
+    mixed: bool
+    lora_dropout: bool
+
+    @property
+    def N(self) -> int:
+        return self.B * self.T
+
+
+def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
+    """What a norm saves; `input_shared`: its input is already saved by the other norm reading it (parallel blocks)."""
+    N, C = d.N, c.n_embd
+    if c.norm_class == "RMSNorm":
+        if d.r == 4:  # x.float() is x itself: the input is what is saved
+            return ([] if input_shared else [N * C * 4]) + [N * 4]
+        return [N * C * 4, N * 4]  # an fp32 copy of the input and 1/rms
+    return ([] if input_shared else [N * C * d.r]) + [N * d.r, N * d.r]  # LayerNorm: input, mean, rstd
+
+
+def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
+                  quantize: Optional[str], in_bytes: int, saved_inputs: set, input_name: str) -> tuple[list[int], bool]:
+    """What a (LoRA-wrapped, maybe quantized) Linear saves for backward, and whether its output needs grad."""
+    s: list[int] = []
+    N = d.N
+    if quantize == "bnb.int8" and grad_in and input_name not in saved_inputs:
+        s.append(N * in_f * in_bytes)  # bitsandbytes' int8 matmul keeps its input (ctx.A) for a weight gradient
+        saved_inputs.add(input_name)
+    if name not in targets:
+        return s, grad_in
+    parts = targets[name]
+    n_parts = len(parts) if parts else 1
+    if d.lora_dropout:
+        if grad_in:
+            s.append(N * in_f * (d.mask or in_bytes))  # the dropout mask (CPU: in the input's dtype; CUDA: bool)
+        s.append(N * in_f * d.a)  # the dropped-out input of x @ A (autocast's low-precision copy under *-mixed)
+    elif in_bytes != d.a:
+        s.append(N * in_f * d.a)  # autocast's low-precision copy of the (fp32) input
+    elif input_name not in saved_inputs:
+        s.append(N * in_f * d.a)  # the input itself (shared with other layers reading it)
+        saved_inputs.add(input_name)
+    s.append(N * n_parts * lora.r * d.a)  # x @ A, kept for B's gradient
+    return s, True
+
+
+def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims, i: int,
+                 grad_in: bool) -> tuple[list[int], bool]:
+    """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
+    targets = lora_targets(c, lora)
+    p = f"transformer.h.{i}."
+    N, C, H, G, hs, I = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
+    seen: set = set()  # tensors saved already (several layers reading the same input)
+    s = _norm_saved(c, d) if grad_in else []  # norm_1
+    s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1")
+    s += s_qkv
+    if g_qkv:
+        # scaled_dot_product_attention keeps q and k (rotated; k repeated to every head with GQA), v, its output
+        # and the fp32 log-sum-exp. Without GQA v is a view of the qkv output, which then stays alive whole.
+        s += [N * H * hs * d.a, N * H * hs * d.a, N * H * hs * d.a, d.B * H * d.T * 4]
+        s.append(N * H * hs * d.a if G != H else N * sum(c.qkv_sizes) * d.a)
+        seen.add("y")  # the projection's input is a view of the attention output saved here
+    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y")
+    s += s_proj
+    if c.parallel_residual:
+        g_mlp_in = grad_in
+        if not c.shared_attention_norm and grad_in:
+            s += _norm_saved(c, d, input_shared=True)  # norm_2 reads the same block input
+    else:
+        g_mlp_in = grad_in or g_attn
+        if g_mlp_in:
+            s += _norm_saved(c, d)  # norm_2
+    if c.mlp_class == "LLaMAMLP":
+        s1, g1 = _linear_saved(p + "mlp.fc_1", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
+        s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
+        s += s1 + s2
+        if g1:
+            s.append(N * I * d.a)  # the activation's input
+            s.append(N * I * d.a)  # fc_2's output, for the product's gradient wrt act(fc_1)
+        if g2:
+            s.append(N * I * d.a)  # act(fc_1), for the product's gradient wrt fc_2
+        g_hidden = g1 or g2
+    else:
+        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
+        s += s1 + ([N * I * d.a] if g_hidden else [])  # the activation's input
+    s_p, g_mlp = _linear_saved(p + "mlp.proj", I, g_hidden, d, targets, lora, quantize, d.a, seen, "m")
+    return s + s_p, grad_in or g_attn or g_mlp
+
+
+def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
+    """Gradients alive inside one block's backward (the MLP's are the largest) plus one dequantized weight."""
+    N, C, I = d.N, c.n_embd, c.intermediate_size
+    return [N * I * d.a] * 3 + [N * C * 4] * 2 + ([dequant] if dequant else [])
+
+
+def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int) -> int:
+    """CPU: glibc serves allocations below its self-raising mmap threshold (at most 32 MiB) from heaps it rarely
+    gives back: holes and an untrimmed top keep the resident size above the live tensors, by a share of the
+    small tensors alive at the peak, more when quantized layers allocate and free a dequantized weight of that
+    size for every matmul. Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
+    cell is about +-5%). CUDA: 0, max_memory_allocated counts live blocks only."""
+    if device_type != "cpu":
+        return 0
+    return int(CPU_HEAP_FIXED + CPU_HEAP_SLACK * small_bytes + CPU_DEQUANT_CHURN * churn_bytes)
+
+
+@dataclass
+class Estimate:
+    """A predicted peak with its breakdown (bytes)."""
+    parts: dict[str, int]
+    notes: dict[str, str]
+    settings: dict
+    device_type: str
+    peak_phase: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total_gb(self) -> float:
+        return self.total / GiB
+
+    def table(self) -> str:
+        kind = "peak RSS" if self.device_type == "cpu" else "CUDA max allocated"
+        s = self.settings
+        head = (f"Estimated peak training memory ({kind}) of {s['model']} | {s['precision']}, quantize {s['quantize'] or 'none'}, "
+                f"{s['optimizer']}, micro batch {s['micro_batch_size']} x {s['seq_length']} tokens"
+                f"{', activation checkpointing' if s['activation_checkpointing'] else ''}, LoRA r={s['lora_r']} on "
+                f"{','.join(s['lora_targets'])}")
+        rows = [(k, f"{v / GiB:.3f}", self.notes.get(k, "")) for k, v in self.parts.items()]
+        rows.append(("Total", f"{self.total_gb:.3f}", f"peak at: {self.peak_phase}"))
+        w0, w1 = max(len(r[0]) for r in rows + [("Component", "")]), max(len(r[1]) for r in rows + [("", "GiB")])
+        lines = [head, f"| {'Component':<{w0}} | {'GiB':>{w1}} | Detail", f"|{'-' * (w0 + 2)}|{'-' * (w1 + 2)}|-------"]
+        lines += [f"| {name:<{w0}} | {gb:>{w1}} | {note}" for name, gb, note in rows]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return dict(total_gb=self.total_gb, parts_gb={k: v / GiB for k, v in self.parts.items()}, peak_phase=self.peak_phase,
+                    settings=self.settings, device_type=self.device_type)
+
+
+def estimate_training_memory(
+    config: Config,
+    lora: Optional[LoRAConfig] = None,
+    precision: str = "bf16-true",
+    quantize: Optional[str] = None,
+    optimizer: str = "AdamW",
+    micro_batch_size: int = 1,
+    seq_length: Optional[int] = None,
+    activation_checkpointing: bool = False,
+    quantize_lm_head: bool = True,
+    device_type: str = "cpu",
+) -> Estimate:
+    """Peak memory of one training process of finetune/lora.py with these settings (see the module docstring).
+
+    `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context."""
+    lora = lora or LoRAConfig()
+    quantize = None if quantize in (None, "none", "None") else quantize
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise UserError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZE_MODES)} or none")
+    prec = parse_precision(precision)
+    c = config
+    B = int(micro_batch_size)
+    T = min(int(seq_length or c.block_size), c.block_size)
+    if B < 1 or T < 1:
+        raise UserError(f"the micro batch size and the sequence length must be positive, got {B} and {T}")
+    a = _dtype_bytes(prec.dtype)
+    d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
+              lora_dropout=lora.dropout > 0)
+    N, C, V = d.N, c.n_embd, c.vocab_size
+
+    # Frozen weights, LoRA weights + gradients, optimizer state
+    w = weight_bytes(c, lora, precision, quantize, quantize_lm_head)
+    t_bytes = _dtype_bytes(prec.trainable_dtype)
+    n_lora = sum(w["lora_numels"])
+    opt = optimizer_state_bytes(optimizer, w["lora_numels"], t_bytes, device_type)
+    runtime = CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES
+    if device_type == "cpu" and (quantize or optimizer != "AdamW"):
+        runtime += CPU_RUNTIME_BNB_BYTES
+    static = runtime + w["quantized"] + w["dense"] + 2 * n_lora * t_bytes + opt
+
+    # Saved for backward, block by block (the first block's input never needs grad)
+    grad, blocks, block_max = False, [], []
+    for i in range(c.n_layer):
+        s, grad = _block_saved(c, lora, quantize, d, i, grad)
+        blocks += s
+        block_max = max(block_max, s, key=sum)
+    targets = lora_targets(c, lora)
+    tail = _norm_saved(c, d) if grad else []  # ln_f
+    head_saved, _ = _linear_saved("lm_head", C, grad, d, targets, lora, quantize if quantize_lm_head else None, d.r,
+                                  set(), "hf")
+    tail += head_saved + [2 * T * c.rope_n_elem * d.r]  # + the rope cos/sin
+    if prec.mixed:
+        tail.append(n_lora * a)  # autocast's low-precision copies of the LoRA weights
+    # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see finetune/lora.py
+    # _head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
+    chunk_T = min(256 if V >= 32000 else T, T)
+    n_chunks = -(-T // chunk_T)
+    N_c = B * chunk_T
+    logits = [N_c * V * a] * n_chunks
+    log_probs = [N_c * V * 4] * n_chunks + [N * 8]
+
+    # A quantized layer computes with a dequantized copy of its weight. int8: bitsandbytes scales the int8 copy in
+    # place by fp32 row scales, which on CPU goes through two fp32 temporaries of the weight's size.
+    per_value = a + (8 if a != 4 and device_type == "cpu" else 0) if quantize == "bnb.int8" else a
+    dq = {name: out_f * in_f * per_value for name, out_f, in_f in w["quantized_shapes"]}
+    layer_dq = max((v for k, v in dq.items() if k != "lm_head"), default=0)
+    head_dq = [dq["lm_head"]] if "lm_head" in dq else []
+
+    # The candidate peaks of one step, in backward order (name, saved, logits etc., temporaries, note). Backward
+    # first runs the loss of every chunk (the fp32 gradients of one chunk at a time, its log-probs still saved),
+    # then the head (the bf16 gradients of all logits), then the blocks from the last one.
+    loss_grads = [N_c * V * 4] * 2
+    head_temps = [N_c * C * a] + head_dq
+    block_temps = _layer_backward_temp(c, d, layer_dq)
+    head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
+    block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
+    saved_all = ([N * C * d.r] * c.n_layer if activation_checkpointing else blocks) + tail  # checkpointing: block inputs
+    phases = [
+        ("loss backward", saved_all, logits + log_probs, loss_grads, "loss gradients of one logits chunk (fp32)"),
+        ("head backward", saved_all, logits + [N * V * a], head_temps, head_note + " + the logits' gradients"),
+    ]
+    if activation_checkpointing:  # one block at a time is recomputed in backward: its saved tensors and gradients
+        phases.append(("block recomputation", saved_all[:c.n_layer] + block_max, logits, block_temps,
+                       "a recomputed block + " + block_note))
+    else:
+        phases.append(("block backward", saved_all, logits, block_temps, block_note))
+
+    # CPU: the heap grows to the most small-tensor bytes of any phase and stays resident through the others
+    def small(sizes: list[int]) -> int:
+        return sum(t for t in sizes if t < GLIBC_MMAP_THRESHOLD_MAX)
+
+    small_max = max(small(ph[1] + ph[2] + ph[3]) for ph in phases)
+    churn = max((out_f * in_f * a for _, out_f, in_f in w["quantized_shapes"] if out_f * in_f * a < GLIBC_MMAP_THRESHOLD_MAX),
+                default=0)
+    slack = _allocator_slack(device_type, small_max, churn)
+    phase, saved, held, temp, temp_note = max(phases, key=lambda ph: sum(ph[1]) + sum(ph[2]) + sum(ph[3]))
+    parts = {
+        "runtime": runtime,
+        "quantized weights": w["quantized"],
+        "dense weights": w["dense"],
+        "LoRA weights + grads": 2 * n_lora * t_bytes,
+        "optimizer state": opt,
+        "activations saved": sum(saved),
+        "logits (+ grads/log-probs)": sum(held),
+        "temporaries": sum(temp),
+    }
+    if device_type == "cpu":
+        parts["allocator slack"] = slack
+    # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
+    load_peak = runtime + w["quantized"] + w["dense"] + _load_temp(c, quantize, prec, device_type)
+    if load_peak > sum(parts.values()):
+        parts["temporaries"] += load_peak - sum(parts.values())
+        phase, temp_note = "loading", "reading + converting the largest tensor"
+    bits = 8 * w["quantized"] / w["quantized_params"] if w["quantized_params"] else 0.0
+    notes = {
+        "runtime": "Python, torch, Lightning, bitsandbytes: measured" if device_type == "cpu" else "CUDA workspaces",
+        "quantized weights": f"{w['quantized_params'] / 1e6:.1f}M params at {bits:.3f} bits" if w["quantized_params"] else "",
+        "dense weights": "embeddings, norms" + (", unquantized layers" if quantize else ", Linear layers") + f" ({precision})",
+        "LoRA weights + grads": f"{n_lora / 1e6:.2f}M params, {t_bytes} bytes each, twice",
+        "optimizer state": optimizer,
+        "activations saved": ("each block's input (checkpointing)" + (" + one recomputed block" if "recomputation" in phase else "")
+                              if activation_checkpointing else f"{c.n_layer} blocks, for backward"),
+        "logits (+ grads/log-probs)": f"[{B}, {T}, {V}] held by the loop" + {"loss backward": " + fp32 log-probs",
+                                                                            "head backward": " + their gradients"}.get(phase, ""),
+        "temporaries": temp_note,
+        "allocator slack": "glibc heap growth, ~ the small tensors of the peak",
+    }
+    settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer, micro_batch_size=B,
+                    seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
+                    lora_targets=lora.targets())
+    extra = dict(saved_for_backward=sum(saved_all) + sum(log_probs),
+                 live_dynamic=sum(saved) + sum(held) + sum(temp),
+                 small_max=small_max)
+    return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
+
+
+def _load_temp(c: Config, quantize: Optional[str], prec, device_type: str) -> int:
+    """The loader reads one tensor at a time (bf16 on disk) and casts or quantizes it: the largest one counts."""
+    big = max(c.vocab_size * c.n_embd, c.intermediate_size * c.n_embd, sum(c.qkv_sizes) * c.n_embd)
+    a = _dtype_bytes(prec.dtype)
+    if device_type == "cuda":  # the tensor is read on the CPU; the device sees its copy while it is quantized
+        return big * (2 + 1) if quantize == "bnb.int8" else big * 2 if quantize else 0
+    if quantize == "bnb.int8":
+        return big * (2 + 2 + 4 + 1)  # read, fp16 copy, fp32 absmax work, int8 result
+    if quantize:
+        return big * (2 + 4)  # read + fp32 work of the blockwise quantizer
+    return big * (2 + (a if a != 2 else 0))
+
+
+def pick_micro_batch_size(budget_bytes: float, max_micro_batch_size: int = 1024, **kw) -> tuple[int, Estimate]:
+    """The largest micro batch size whose estimated peak fits in `budget_bytes` (powers of two, then refined).
+
+    Returns (0, estimate at 1) when not even a micro batch of 1 fits."""
+    est1 = estimate_training_memory(micro_batch_size=1, **kw)
+    if est1.total > budget_bytes:
+        return 0, est1
+    lo, best = 1, est1  # the estimate grows with the micro batch size: binary search
+    hi = 2
+    while hi <= max_micro_batch_size:
+        e = estimate_training_memory(micro_batch_size=hi, **kw)
+        if e.total > budget_bytes:
+            break
+        lo, best, hi = hi, e, hi * 2
+    hi = min(hi, max_micro_batch_size + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        e = estimate_training_memory(micro_batch_size=mid, **kw)
+        if e.total <= budget_bytes:
+            lo, best = mid, e
+        else:
+            hi = mid
+    return lo, best
+
+
+# ---- configs without loading --------------------------------------------------------------------
+def read_config(checkpoint_dir: Path) -> Config:
+    """The model config of a checkpoint folder, without converting or loading weights."""
+    from lit_qlora.convert import LIT_CONFIG
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / LIT_CONFIG).is_file():
+        return Config.from_file(checkpoint_dir / LIT_CONFIG)
+    if (checkpoint_dir / "config.json").is_file():
+        return Config.from_hf_config(checkpoint_dir / "config.json")
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded model folder")
+    raise UserError(f"{checkpoint_dir} holds no model_config.json or config.json; pass a model folder")
+
+
+def available_memory_bytes(device_type: str) -> int:
+    """Free memory of the device: CUDA free memory, or the system's available RAM."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, memory_budget: Optional[float],
+                          estimate_only: bool, accelerator: str, devices: int, lora: LoRAConfig, **settings) -> int:
+    """What finetune/lora.py calls before loading anything: resolves `--micro_batch_size auto` to the largest
+    micro batch whose estimate fits `--memory_budget` (GB, default: the memory free now) and prints the estimate
+    (to stdout with --estimate_only, else to stderr)."""
+    import sys
+
+    import torch
+
+    out = sys.stdout if estimate_only else sys.stderr
+    device_type = "cuda" if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
+    kw = dict(config=read_config(checkpoint_dir), lora=lora, device_type=device_type, **settings)
+    if micro_batch_size == "auto":
+        if memory_budget is None and devices > 1:  # every DDP process would measure a different free memory
+            raise UserError("--micro_batch_size auto with --devices > 1 needs --memory_budget (GB per device); pass e.g. "
+                            "--memory_budget 20")
+        if memory_budget is not None and memory_budget <= 0:
+            raise UserError(f"--memory_budget must be positive (GB), got {memory_budget}")
+        budget = memory_budget * GiB if memory_budget else available_memory_bytes(device_type)
+        where = f"--memory_budget {memory_budget} GB" if memory_budget else f"the free {device_type} memory"
+        mbs, est = pick_micro_batch_size(budget, **kw)
+        if mbs == 0:
+            raise UserError(f"even --micro_batch_size 1 needs about {est.total_gb:.2f} GB, more than {where} ({budget / GiB:.2f} "
+                            "GB); use --quantize bnb.nf4-dq, --activation_checkpointing true, a smaller --max_seq_length, or "
+                            "a larger --memory_budget")
+        print(f"--micro_batch_size auto: {mbs}, the largest whose estimated peak fits {where} ({budget / GiB:.2f} GB)",
+              file=out)
+    else:
+        try:
+            mbs = int(micro_batch_size)
+        except ValueError:
+            raise UserError(f"--micro_batch_size must be a positive number or auto, got {micro_batch_size!r}") from None
+        if mbs < 1:
+            raise UserError(f"--micro_batch_size must be at least 1, got {mbs}; pass a positive number or auto")
+        est = estimate_training_memory(micro_batch_size=mbs, **kw)
+    print(est.table(), file=out)
+    if estimate_only and memory_budget and est.total > memory_budget * GiB:
+        print(f"This exceeds --memory_budget {memory_budget} GB.", file=out)
+    return mbs
+
+
+def estimate_to_json(est: Estimate) -> str:
+    return json.dumps(est.as_dict(), indent=2)

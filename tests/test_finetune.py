@@ -1,0 +1,124 @@
+"""finetune/lora.py end to end, as a real subprocess on a tiny Llama (no mocks).
+
+What is shown here:
+1. every --quantize value and every --optimizer trains and writes the expected files and figures;
+2. the loss goes down on a learnable task;
+3. a resumed run equals an uninterrupted one (per-iteration losses and final adapters), starting from a folder whose
+   newest checkpoint is torn (the loader falls back to the previous one and says so);
+4. DDP on CPU (gloo, 2 processes) gives the same LoRA weights on both ranks as one process with the same global batch.
+Prompt masking is shown in tests/test_data.py; SIGTERM, SIGKILL and NaN runs in tests/test_reliability.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import torch
+
+import helpers_train as h
+from lit_qlora.lora import load_adapter
+from lit_qlora.training import list_checkpoints
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return h.tiny_setup(tmp_path_factory)
+
+
+# ---- 1. every --quantize value, every --optimizer ----------------------------------------------
+# Each quantize value once, the five optimizers spread over them (AdamW also trains in every other test here).
+QUANT_OPT = [("none", "AdamW8bit", "32-true"), ("bnb.nf4", "PagedAdamW", "bf16-true"),
+             ("bnb.nf4-dq", "PagedAdamW8bit", "bf16-true"), ("bnb.fp4", "PagedAdamW32bit", "32-true"),
+             ("bnb.fp4-dq", "AdamW", "bf16-true"), ("bnb.int8", "AdamW", "32-true")]
+SUMMARY_KEYS = ("peak_memory_gb", "training_time_s", "tokens_per_sec", "final_train_loss", "final_val_loss")
+
+
+@pytest.mark.parametrize("quantize,optimizer,precision", QUANT_OPT)
+def test_quantize_and_optimizer_runs_write_everything(tiny, tmp_path, quantize, optimizer, precision):
+    out = tmp_path / "out"
+    r = h.train(tiny, out, max_iters=3, save_interval=2, quantize=quantize, optimizer=optimizer, precision=precision,
+                learning_rate=1e-2)
+    assert [p.name for p in list_checkpoints(out)] == ["iter-000002.pth", "iter-000003.pth"]
+    for name in ("lit_model_lora_finetuned.pth", "hyperparameters.json", "metrics.csv", "metrics.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "metrics.json").read_text())
+    for k in SUMMARY_KEYS:
+        assert isinstance(summary[k], float) and math.isfinite(summary[k]) and summary[k] > 0, (k, summary[k])
+    assert summary["quantize"] == quantize and summary["optimizer"] == optimizer and summary["iterations"] == 3
+    hp = json.loads((out / "hyperparameters.json").read_text())
+    assert hp["optimizer"] == optimizer and hp["precision"] == precision
+    rows = h.read_metrics(out)
+    assert [int(r["iter"]) for r in rows] == [1, 2, 3] and all(math.isfinite(float(r["loss"])) for r in rows)
+    assert rows[-1]["val_loss"] != ""
+    err = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"Training time: \d+\.\d+s", err[-2]), err[-2:]
+    assert re.fullmatch(r"Memory used: \d+\.\d+ GB", err[-1]), err[-2:]
+    # the adapter is a real one: it loads for this base and training moved lora_B away from zero
+    from lit_qlora.config import Config
+
+    adapter = load_adapter(out / "lit_model_lora_finetuned.pth", Config.from_file(tiny["ckpt"] / "model_config.json"))
+    assert adapter["train"]["quantize"] == (None if quantize == "none" else quantize)
+    assert all(torch.isfinite(v).all() for v in adapter["lora"].values())
+    assert any(v.abs().max() > 0 for k, v in adapter["lora"].items() if k.endswith("lora_B"))
+
+
+# ---- 2. the loss goes down -------------------------------------------------------------------------
+def test_loss_decreases_on_a_learnable_task(tmp_path_factory):
+    out, _ = h.trained_run(tmp_path_factory)
+    rows = h.read_metrics(out)
+    losses = [float(r["loss"]) for r in rows]
+    vals = [float(r["val_loss"]) for r in rows if r["val_loss"]]
+    assert len(losses) == 40 and len(vals) == 10
+    first, last = losses[0], sum(losses[-4:]) / 4  # iteration 1 is the untrained model (lora_B = 0)
+    assert first == pytest.approx(math.log(h.VOCAB), abs=0.5) and last < 0.4 * first, (first, last)
+    assert vals[-1] < 0.5 * vals[0] and vals[-1] < 0.4 * first, vals
+    assert vals[-1] <= min(vals[:-1]) + 0.1, vals
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["final_val_loss"] == pytest.approx(vals[-1])
+    assert summary["final_train_loss"] == pytest.approx(losses[-1])
+
+
+# ---- 3. resume == uninterrupted ----------------------------------------------------------------------
+RESUME_ARGS = h.RESUME_ARGS
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return h.resume_reference(tmp_path_factory)
+
+
+def test_resume_from_torn_checkpoint_equals_uninterrupted(tiny, uninterrupted, tmp_path):
+    """B starts from A's iter-4 checkpoint; the newest file, iter-8, is torn (a truncated copy of A's), and a temp file
+    of a killed write lies next to them: B must fall back to iter-4, say so, and then retrace A exactly."""
+    a, b = uninterrupted, tmp_path / "B"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copy(a / "checkpoints/iter-000004.pth", b / "checkpoints/iter-000004.pth")
+    whole = (a / "checkpoints/iter-000008.pth").read_bytes()
+    (b / "checkpoints/iter-000008.pth").write_bytes(whole[: len(whole) // 2])
+    (b / "checkpoints/.iter-000012.pth.abc123.tmp").write_bytes(whole[:100])
+    shutil.copy(a / "metrics.csv", b / "metrics.csv")  # rows up to iteration 4 are kept, the rest is redone
+    r = h.train(tiny, b, resume="true", **RESUME_ARGS)
+    assert f"warning: {b / 'checkpoints/iter-000008.pth'} is damaged" in r.stderr
+    assert f"Resuming from {b / 'checkpoints/iter-000004.pth'} at iteration 4" in r.stderr
+    h.assert_same_run(a, b, first_iter=5)
+    assert not list((b / "checkpoints").glob("*.tmp")), "the stale temp file of the killed write is cleaned up"
+    rewritten = torch.load(b / "checkpoints/iter-000008.pth", map_location="cpu", weights_only=False)
+    assert rewritten["resume"]["step"] == 8, "the torn checkpoint was written again"
+
+
+# ---- 4. DDP on CPU -------------------------------------------------------------------------------------
+def test_ddp_two_processes_equal_one_process(tiny, tmp_path):
+    common = dict(max_iters=4, eval_interval=4, learning_rate=1e-2, precision="32-true", accelerator="cpu", lora_dropout=0.0)
+    one = tmp_path / "one"
+    h.train(tiny, one, devices=1, micro_batch_size=4, **common)
+    two = tmp_path / "two"
+    r = h.train(tiny, two, devices=2, micro_batch_size=2, **common)
+    m = re.search(r"ranks agree: max diff (\S+)", r.stderr)
+    assert m and float(m.group(1)) <= 1e-6, r.stderr
+    assert h.max_abs_diff(h.load_lora(one / "lit_model_lora_finetuned.pth"), h.load_lora(two / "lit_model_lora_finetuned.pth")) < 1e-5
+    l1, l2 = h.losses_by_iter(one), h.losses_by_iter(two)
+    assert l1.keys() == l2.keys() and all(abs(l1[i] - l2[i]) < 1e-5 for i in l1), (l1, l2)
+    assert json.loads((two / "metrics.json").read_text())["devices"] == 2

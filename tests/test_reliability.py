@@ -1,0 +1,460 @@
+"""What goes wrong in real use: bad inputs, full disks, kills, signals and diverging runs.
+
+What is shown here:
+1. every bad input is refused up front (before Lightning or the model load) with exit code 2 and one `error: ...` line
+   naming the cause, and no file of the previous run in --out_dir is modified;
+2. a sample longer than --max_seq_length is truncated with a warning that counts them (the run goes on);
+3. an adapter made for another base model is refused by generate/lora.py;
+4. not enough disk space is found before training and a failed checkpoint write keeps the previous checkpoint;
+5. SIGKILL at random moments of a run that checkpoints every iteration: every checkpoint file on disk is intact and the
+   next run resumes from the newest one, ten times in a row, and the last run finishes;
+6. SIGTERM saves a checkpoint and exits with 143; resuming retraces an uninterrupted run exactly;
+7. an exploding learning rate in 16-true stops with the NaN message, and the last good checkpoint loads.
+
+The error cases call finetune/lora.py's CLI entry point (`run_cli(setup)`) in-process, which is what `python
+finetune/lora.py` runs, to spare a Python + torch start per case; a sample of them also runs as a real subprocess.
+"""
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import helpers_train as h
+from lit_qlora.training import list_checkpoints, load_latest_checkpoint
+from lit_qlora.utils import UserError, run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return h.tiny_setup(tmp_path_factory)
+
+
+@pytest.fixture
+def prev_run(tmp_path_factory, tmp_path):
+    """A copy of a finished run's out_dir (checkpoints, adapter, metrics): a bad command must leave it untouched."""
+    src, _ = h.trained_run(tmp_path_factory)
+    out = tmp_path / "prev_run"
+    shutil.copytree(src, out)
+    return out
+
+
+_MODULE = {}
+
+
+def finetune_module():
+    if "ft" not in _MODULE:
+        spec = importlib.util.spec_from_file_location("finetune_lora_cli", h.FINETUNE)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # jsonargparse resolves the string annotations through sys.modules
+        spec.loader.exec_module(mod)
+        _MODULE["ft"] = mod
+    return _MODULE["ft"]
+
+
+def run_inprocess(args: list, capfd) -> SimpleNamespace:
+    """`python finetune/lora.py ARGS` without a new interpreter: the same `run_cli(setup)` with the same argv."""
+    mod = finetune_module()
+    capfd.readouterr()
+    argv, sys.argv = sys.argv, [str(h.FINETUNE), *map(str, args)]
+    try:
+        run_cli(mod.setup)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
+def copy_ckpt(tiny, dest: Path, drop: tuple = ()) -> Path:
+    shutil.copytree(tiny["ckpt"], dest, ignore=shutil.ignore_patterns(*drop) if drop else None)
+    return dest
+
+
+def write_data(folder: Path, name: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+    return folder
+
+
+def prepared_folder(tiny, dest: Path, tokenizer_dir: Path, max_seq_length: int) -> Path:
+    from lit_qlora.data import prepare_files
+    from lit_qlora.tokenizer import Tokenizer
+
+    prepare_files(tiny["data_file"], None, Tokenizer(tokenizer_dir), dest, max_seq_length, template="plain")
+    return dest
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+# case -> function(tiny, tmp_path) returning ({flag: value} overrides, [substrings the error line must hold])
+def _ckpt_missing(t, p):
+    return dict(checkpoint_dir=p / "nope"), ["checkpoint folder", str(p / "nope"), "does not exist"]
+
+
+def _ckpt_not_converted(t, p):
+    d = copy_ckpt(t, p / "ckpt", drop=("*.safetensors", "*config.json"))
+    return dict(checkpoint_dir=d), [str(d), "holds no model", "config.json"]
+
+
+def _ckpt_truncated(t, p):
+    d = copy_ckpt(t, p / "ckpt")
+    _truncate(d / "lit_model.safetensors")
+    return dict(checkpoint_dir=d), [str(d / "lit_model.safetensors"), "truncated"]
+
+
+def _ckpt_partial(t, p):
+    d = copy_ckpt(t, p / "ckpt", drop=("model_config.json", "config.json", "model.safetensors"))
+    return dict(checkpoint_dir=d), ["partially converted", "model_config.json is missing"]
+
+
+def _ckpt_disagrees(t, p):
+    d = copy_ckpt(t, p / "ckpt")
+    _edit_config(d / "model_config.json", n_embd=96)
+    return dict(checkpoint_dir=d), [str(d / "lit_model.safetensors"), "disagree", "(320, 64)", "(320, 96)"]
+
+
+def _ckpt_config_corrupt(t, p):
+    d = copy_ckpt(t, p / "ckpt")
+    (d / "model_config.json").write_text('{"name": "tiny-llama", "n_embd": ')
+    return dict(checkpoint_dir=d), [str(d / "model_config.json"), "is damaged"]
+
+
+def _tokenizer_missing(t, p):
+    d = copy_ckpt(t, p / "ckpt", drop=("tokenizer*",))
+    return dict(checkpoint_dir=d), ["no tokenizer found in", str(d), "tokenizer.json or tokenizer.model"]
+
+
+def _tokenizer_of_another_model(t, p):
+    from helpers_tokenizer import make_hf_bpe_tokenizer
+
+    d = copy_ckpt(t, p / "ckpt", drop=("tokenizer*",))
+    make_hf_bpe_tokenizer(d, vocab_size=512)
+    return dict(checkpoint_dir=d), ["has 512 tokens but the model only 320"]
+
+
+def _data_missing(t, p):
+    return dict(data_dir=p / "nodata"), ["data folder", str(p / "nodata"), "does not exist"]
+
+
+def _data_other_tokenizer(t, p):
+    from helpers_tokenizer import make_hf_bpe_tokenizer
+
+    other = make_hf_bpe_tokenizer(p / "other_tok", vocab_size=300)
+    return dict(data_dir=prepared_folder(t, p / "prep", other, 128)), ["was prepared for tokenizer", "this run uses tokenizer"]
+
+
+def _data_other_max_len(t, p):
+    d = prepared_folder(t, p / "prep", t["ckpt"], 128)
+    return dict(data_dir=d, max_seq_length=64), ["max_seq_length=128", "max_seq_length=64"]
+
+
+def _data_not_json(t, p):
+    d = write_data(p / "data", "tasks.json", "instruction: kind\noutput: animal\n")
+    return dict(data_dir=d), [str(d / "tasks.json"), "is not valid JSON"]
+
+
+def _data_bad_jsonl(t, p):
+    d = write_data(p / "data", "tasks.jsonl", '{"instruction": "kind", "input": "owl", "output": "animal"}\n{"instruction": \n')
+    return dict(data_dir=d), ["line 2 of", "is not valid JSON"]
+
+
+def _data_missing_field(t, p):
+    recs = h.make_records()
+    del recs[3]["output"]
+    d = write_data(p / "data", "tasks.json", json.dumps(recs))
+    return dict(data_dir=d), ["record 3", "has no 'output' field"]
+
+
+def _data_empty(t, p):
+    d = write_data(p / "data", "tasks.json", "")
+    return dict(data_dir=d), [str(d / "tasks.json"), "is empty"]
+
+
+def _batch_size(t, p):
+    return dict(batch_size=6), ["--batch_size 6 is not a multiple of --micro_batch_size 4 x devices 1"]
+
+
+def _batch_size_devices(t, p):
+    return dict(batch_size=12, devices=2), ["--batch_size 12 is not a multiple of --micro_batch_size 4 x devices 2"]
+
+
+def _quantize(t, p):
+    return dict(quantize="bnb.nf5"), ["unknown --quantize 'bnb.nf5'", "bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8"]
+
+
+def _precision(t, p):
+    return dict(precision="fp8-true"), ["unknown --precision 'fp8-true'", "32-true, 16-true, bf16-true, 16-mixed, bf16-mixed"]
+
+
+def _optimizer(t, p):
+    return dict(optimizer="SGD"), ["unknown --optimizer 'SGD'", "AdamW, AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit"]
+
+
+def _interval_zero(t, p):
+    return dict(eval_interval=0), ["--eval_interval must be at least 1, got 0"]
+
+
+def _resume_other_settings(t, p):
+    return dict(lora_r=4), ["the checkpoint was made with lora=", "'r': 8", "'r': 4"]
+
+
+def _resume_no_such_file(t, p):
+    return dict(resume=p / "iter-000001.pth"), ["no such checkpoint"]
+
+
+CASES = {f.__name__[1:]: f for f in (
+    _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_partial, _ckpt_disagrees, _ckpt_config_corrupt,
+    _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
+    _data_not_json, _data_bad_jsonl, _data_missing_field, _data_empty, _batch_size, _batch_size_devices, _quantize,
+    _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file)}
+SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "optimizer"}  # also through a fresh interpreter
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_refused_up_front(case, tiny, prev_run, tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv("LIT_QLORA_DEBUG", raising=False)
+    overrides, expect = CASES[case](tiny, tmp_path)
+    args = h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "auto", **overrides})
+    before = h.snapshot(prev_run)
+    r = run_inprocess(args, capfd)
+    line = h.assert_one_line_error(r, *expect)  # one line: nothing was loaded or printed before the check
+    assert "Loaded" not in r.stderr and "Seed set" not in r.stderr
+    assert h.snapshot(prev_run) == before, f"{case} modified files of the previous run"
+    if case in SUBPROCESS:
+        r2 = h.run_script(h.FINETUNE, args)
+        assert h.assert_one_line_error(r2, *expect) == line
+        assert h.snapshot(prev_run) == before
+
+
+def test_out_dir_under_a_regular_file(tiny, tmp_path, capfd):
+    (tmp_path / "afile").write_text("x")
+    r = run_inprocess(h.train_args(tiny, tmp_path / "afile" / "out"), capfd)
+    h.assert_one_line_error(r, "cannot write to --out_dir", str(tmp_path / "afile" / "out"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 555 folder anyway")
+def test_out_dir_not_writable(tiny, tmp_path, capfd):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        r = run_inprocess(h.train_args(tiny, out), capfd)
+    finally:
+        out.chmod(0o755)
+    h.assert_one_line_error(r, "cannot write to --out_dir", str(out))
+
+
+def test_resume_true_without_checkpoint(tiny, prev_run, capfd):
+    shutil.rmtree(prev_run / "checkpoints")
+    before = h.snapshot(prev_run)
+    r = run_inprocess(h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "true"}), capfd)
+    h.assert_one_line_error(r, "--resume: no intact checkpoint in", "--resume auto")
+    assert h.snapshot(prev_run) == before
+
+
+def test_new_run_over_a_previous_one_is_refused(tiny, prev_run, capfd):
+    before = h.snapshot(prev_run)
+    r = run_inprocess(h.train_args(tiny, prev_run, **h.LEARN_ARGS), capfd)
+    h.assert_one_line_error(r, "already holds checkpoints", "--resume")
+    assert h.snapshot(prev_run) == before
+
+
+# ---- 2. long samples ---------------------------------------------------------------------------------------
+def test_long_sample_is_truncated_with_a_warning(tiny, tmp_path):
+    recs = h.make_records()
+    recs[5]["output"] = "a very long answer that goes on and on " * 3
+    data = write_data(tmp_path / "data", "tasks.json", json.dumps(recs))
+    r = h.train(dict(tiny, data=data), tmp_path / "out", max_iters=2, max_seq_length=24)
+    assert "warning: 1 of 64 samples were longer than max_seq_length=24 and were truncated" in r.stderr
+    assert (tmp_path / "out" / "lit_model_lora_finetuned.pth").is_file()
+
+
+# ---- 3. adapter of another base model ------------------------------------------------------------------------
+def test_adapter_for_another_base_model_is_refused(tiny, tmp_path):
+    from lit_qlora.config import Config
+    from lit_qlora.lora import LoRAConfig, apply_lora, save_adapter
+    from lit_qlora.model import GPT
+
+    other = Config.from_file(tiny["ckpt"] / "model_config.json")
+    other.name, other.n_embd, other.intermediate_size = "other-tiny", 32, 64
+    model = GPT(other)
+    lora = LoRAConfig(r=4, alpha=8)
+    apply_lora(model, lora)
+    save_adapter(tmp_path / "other.pth", model, lora, train_info={"template": "plain"})
+    r = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", tiny["ckpt"], "--lora_path", tmp_path / "other.pth",
+                                       "--prompt", "kind", "--precision", "32-true"])
+    h.assert_one_line_error(r, str(tmp_path / "other.pth"), "other-tiny (n_embd=32)", "(n_embd=64)")
+    assert r.stdout == ""
+
+
+# ---- 4. disk space -----------------------------------------------------------------------------------------------
+def test_not_enough_disk_space_is_found_before_training(tiny, prev_run, capfd, monkeypatch):
+    import shutil as shutil_mod
+
+    real = shutil_mod.disk_usage
+    monkeypatch.setattr(shutil_mod, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    before = h.snapshot(prev_run)
+    r = run_inprocess(h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "auto"}), capfd)
+    h.assert_one_line_error(r, "only 1 MiB free in", str(prev_run), "free disk space or choose another --out_dir")
+    assert h.snapshot(prev_run) == before
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    import lit_qlora.utils as utils
+    from lit_qlora.training import save_checkpoint
+
+    payload = {"format": "lit-qlora-adapter-v1", "lora": {"w": torch.ones(3)}, "resume": {"step": 1}}
+    first = tmp_path / "checkpoints" / "iter-000001.pth"
+    save_checkpoint(first, payload)
+
+    def full_disk(obj, f, *a, **k):
+        Path(f).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(utils.torch, "save", full_disk)
+    with pytest.raises(UserError, match=r"could not write checkpoint .*iter-000002.pth \(No space left on device\); "
+                                        r"the previous checkpoint is intact"):
+        save_checkpoint(tmp_path / "checkpoints" / "iter-000002.pth", payload)
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["iter-000001.pth"]  # no temp file left
+    assert load_latest_checkpoint(tmp_path)[0] == first
+
+
+# ---- 5. SIGKILL at random moments ----------------------------------------------------------------------------------
+# r=64 on every target: ~2 MB checkpoints, so writing one (with its fsyncs) is a good part of each iteration
+KILL_ARGS = dict(max_iters=100000, save_interval=1, eval_interval=100000, log_interval=100000, keep_checkpoints=3,
+                 resume="auto", micro_batch_size=2, lora_r=64, lora_alpha=64, lora_key=True, lora_projection=True,
+                 lora_mlp=True, lora_head=True)
+
+
+def _wait_for_temp_file(folder: Path, timeout: float = 3.0) -> bool:
+    """Poll (busily) until a checkpoint is being written, i.e. its temp file exists."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if any(e.name.startswith(".iter-") and e.name.endswith(".tmp") for e in os.scandir(folder)):
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def test_sigkill_at_random_moments_always_resumes(tiny, tmp_path):
+    """Ten kills in a row, each at a random moment (seeded): while loading, a random time into the training loop
+    (where much of the time goes to writing a checkpoint, one per iteration), or right when a checkpoint's temp file
+    appears. After each kill every checkpoint on disk must load, and the next run must resume from the newest one."""
+    rng = random.Random(20240531)
+    out = tmp_path / "out"
+    expect_resume, mid_write, trials = None, 0, 10
+    for trial in range(trials + 1):
+        last = trial == trials
+        args = h.train_args(tiny, out, **{**KILL_ARGS, **({"max_iters": expect_resume[1] + 3, "resume": "true"} if last else {})})
+        if last:
+            r = h.run_script(h.FINETUNE, args)
+            assert r.returncode == 0, r.stderr
+            err = r.stderr
+        else:
+            proc = h.spawn_script(h.FINETUNE, args)
+            kind = rng.choice(["loading", "training", "training", "writing"])
+            anchor = "Seed set" if kind == "loading" else "Training "
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if anchor in line:
+                    break
+            if kind == "writing":
+                _wait_for_temp_file(out / "checkpoints")
+            else:
+                time.sleep(rng.uniform(0.0, 0.6 if kind == "loading" else 0.4))
+            proc.kill()
+            _, rest = proc.communicate(timeout=60)
+            assert proc.returncode == -signal.SIGKILL, "".join(lines) + rest
+            err = "".join(lines) + rest
+        # the run resumed from the newest checkpoint left by the previous kill (or started fresh when there was none)
+        if expect_resume is not None and ("Training " in err or last):
+            assert f"Resuming from {expect_resume[0]} at iteration {expect_resume[1]}" in err, (trial, err)
+        assert "is damaged" not in err and "Traceback" not in err, err
+        if last:
+            break
+        # every checkpoint file on disk is whole: atomic writes leave either the old file or the new one
+        ckpts = list_checkpoints(out)
+        for p in ckpts:
+            state = torch.load(p, map_location="cpu", weights_only=False)
+            assert state["resume"]["step"] == int(p.stem.split("-")[1])
+        mid_write += bool(list((out / "checkpoints").glob(".iter-*.tmp"))) if (out / "checkpoints").is_dir() else 0
+        path, state = load_latest_checkpoint(out)
+        if state is not None:
+            expect_resume = (path, state["resume"]["step"])
+    assert expect_resume is not None, "no kill happened after the first checkpoint; the test did not test anything"
+    assert (out / "lit_model_lora_finetuned.pth").is_file()
+    assert len(list_checkpoints(out)) <= 3 and not list((out / "checkpoints").glob(".iter-*.tmp"))
+    assert mid_write >= 1, "no kill hit a checkpoint write"
+    print(f"{trials} kills, {mid_write} of them while a checkpoint was being written; last resume at iteration "
+          f"{expect_resume[1]}")
+
+
+# ---- 6. SIGTERM ------------------------------------------------------------------------------------------------------
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tiny, tmp_path_factory, tmp_path):
+    a, c = h.resume_reference(tmp_path_factory), tmp_path / "C"
+    proc = h.spawn_script(h.FINETUNE, h.train_args(tiny, c, **h.RESUME_ARGS))
+    err = []
+    for line in proc.stderr:  # the signal handler is in place once "Training ..." is printed
+        err.append(line)
+        if line.startswith("Training "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(err) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    m = re.search(r"Stopped at iteration (\d+); continue with --resume \(checkpoint (.+)\)", err)
+    assert m, err
+    step, path = int(m.group(1)), Path(m.group(2))
+    assert 1 <= step < h.RESUME_ARGS["max_iters"] and path == c / f"checkpoints/iter-{step:06d}.pth" and path.is_file()
+    assert not (c / "lit_model_lora_finetuned.pth").exists()
+    r = h.train(tiny, c, resume="true", **h.RESUME_ARGS)
+    assert f"Resuming from {path} at iteration {step}" in r.stderr
+    h.assert_same_run(a, c)
+
+
+# ---- 7. NaN ---------------------------------------------------------------------------------------------------------
+def test_exploding_learning_rate_stops_with_nan_message(tiny, tmp_path):
+    from lit_qlora.config import Config
+    from lit_qlora.lora import load_adapter
+
+    out = tmp_path / "out"
+    r = h.train(tiny, out, check=False, max_iters=20, precision="16-true", learning_rate=1e4, save_interval=1,
+                eval_interval=100)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = h.last_line(r.stderr)
+    m = re.fullmatch(r"error: (loss|weights) became (nan|inf|-inf|non-finite) at iteration (\d+) \((.+?)\); .+", line)
+    assert m, line
+    n, ckpts = int(m.group(3)), list_checkpoints(out)
+    assert n >= 2 and ckpts[-1].name == f"iter-{n - 1:06d}.pth", (n, ckpts)
+    assert m.group(4) == f"the last good checkpoint is {ckpts[-1]}"
+    adapter = load_adapter(ckpts[-1], Config.from_file(tiny["ckpt"] / "model_config.json"))
+    assert all(torch.isfinite(v).all() for v in adapter["lora"].values())
+    assert not (out / "lit_model_lora_finetuned.pth").exists()

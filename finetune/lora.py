@@ -349,7 +349,7 @@ def main(fabric, args: dict) -> None:
         row = dict(iter=step, step=step, loss=step_loss, lr=optimizer.param_groups[0]["lr"], iter_time_ms=dt * 1000,
                    tokens=tokens, tokens_per_sec=tokens / dt)
 
-        if step % a.eval_interval == 0 or step == max_steps:
+        if a.eval_iters > 0 and (step % a.eval_interval == 0 or step == max_steps):
             val_loss = validate(fabric, model, gpt, val_data, a, tokenizer, data_meta, config)
             row.update(val_loss=val_loss, val_ppl=float(torch.tensor(val_loss).exp()))
         metrics.log(row)

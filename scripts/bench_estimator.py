@@ -1,0 +1,171 @@
+"""Benchmark: predicted (lit_qlora.memory) vs measured peak training memory on CPU.
+
+    python scripts/bench_estimator.py                       # the full matrix (12 cells, ~10 iterations each)
+    python scripts/bench_estimator.py --cells 0 --iters 3   # one cell, to check that it runs
+    python scripts/bench_estimator.py --calibrate_runtime   # re-measure the CPU runtime constant first
+
+Writes a random Llama-shaped checkpoint of ~56M parameters (vocab 32000, 8 layers, n_embd 512, GQA) in our format
+(`lit_model.safetensors` streamed tensor by tensor + `model_config.json`) with the demo tokenizer, and a prepared
+dataset whose samples all have exactly `--seq_length` tokens (so every micro-batch has the same shape). Each cell
+runs `finetune/lora.py` in a fresh process and reads its measured peak (metrics.json `peak_memory_gb`: peak RSS
+on CPU). Prints figures only (not a test). Goal: every cell within 15% of its prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from lit_qlora.config import Config  # noqa: E402
+from lit_qlora.convert import lit_param_shapes  # noqa: E402
+from lit_qlora.lora import LoRAConfig  # noqa: E402
+from lit_qlora.memory import GiB, estimate_training_memory  # noqa: E402
+
+MODEL = dict(name="bench-llama-56m", hf_architecture="LlamaForCausalLM", block_size=1024, vocab_size=32000, n_layer=8,
+             n_head=8, n_query_groups=4, n_embd=512, intermediate_size=1408)
+TINY = dict(name="bench-tiny", hf_architecture="LlamaForCausalLM", block_size=64, vocab_size=384, n_layer=1, n_head=2,
+            n_embd=64, intermediate_size=128)
+CELLS = [(q, mbs, ac) for q in ("none", "bnb.nf4-dq", "bnb.int8") for mbs in (1, 4) for ac in (False, True)]
+
+
+def write_checkpoint(folder: Path, config: Config) -> None:
+    from lit_qlora import demo
+    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_safetensors_stream
+
+    if (folder / LIT_WEIGHTS).is_file() and (folder / LIT_CONFIG).is_file() and Config.from_file(folder / LIT_CONFIG) == config:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    demo._write_tokenizer(folder)  # the demo's byte-level BPE (384 ids); the model's larger vocab is just unused rows
+    shapes = lit_param_shapes(config)
+    gen = torch.Generator().manual_seed(0)
+
+    def make(name: str, shape: torch.Size) -> torch.Tensor:
+        if "norm" in name or "ln_f" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    specs = [(k, s, torch.bfloat16) for k, s in shapes.items()]
+    write_safetensors_stream(folder / LIT_WEIGHTS, specs, ((k, make(k, s)) for k, s in shapes.items()))
+    config.save(folder / LIT_CONFIG)
+
+
+def write_data(folder: Path, checkpoint: Path, seq_length: int, n_train: int = 64, n_val: int = 4) -> None:
+    """A prepared dataset (train.pt, val.pt, prepare_config.json) of random samples of exactly seq_length tokens."""
+    from lit_qlora.data import CONFIG_NAME
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint)
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(1)
+
+    def samples(n: int) -> list[dict]:
+        out = []
+        for _ in range(n):
+            ids = torch.randint(4, tok.vocab_size, (seq_length,), generator=gen)
+            labels = ids.clone()
+            labels[:8] = -100  # a masked "prompt", as prepared instruction data has
+            out.append({"input_ids": ids, "labels": labels})
+        return out
+
+    torch.save(samples(n_train), folder / "train.pt")
+    torch.save(samples(n_val), folder / "val.pt")
+    (folder / CONFIG_NAME).write_text(json.dumps({"tokenizer_fingerprint": tok.fingerprint, "max_seq_length": seq_length,
+                                                  "template": "plain", "mask_inputs": True, "n_train": n_train,
+                                                  "n_val": n_val}))
+
+
+def run_cell(ckpt: Path, data: Path, out: Path, precision: str, quantize: str, optimizer: str, mbs: int, ac: bool,
+             iters: int, seq_length: int) -> tuple[float | None, str]:
+    """Run finetune/lora.py; returns (measured peak GiB or None, the error's last line)."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, str(ROOT / "finetune" / "lora.py"), "--checkpoint_dir", str(ckpt), "--data_dir", str(data),
+           "--out_dir", str(out), "--precision", precision, "--quantize", quantize, "--optimizer", optimizer,
+           "--micro_batch_size", str(mbs), "--max_iters", str(iters), "--activation_checkpointing", str(ac).lower(),
+           "--max_seq_length", str(seq_length), "--eval_interval", str(10**6), "--eval_iters", "1",
+           "--eval_max_new_tokens", "1", "--save_interval", str(10**6), "--warmup_steps", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if res.returncode != 0 or not (out / "metrics.json").is_file():
+        last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return None, f"exit {res.returncode}: {last}"
+    return json.loads((out / "metrics.json").read_text())["peak_memory_gb"], ""
+
+
+def predict(config: Config, precision: str, quantize: str, optimizer: str, mbs: int, ac: bool, seq_length: int):
+    return estimate_training_memory(config, lora=LoRAConfig(), precision=precision, quantize=quantize, optimizer=optimizer,
+                                    micro_batch_size=mbs, seq_length=seq_length, activation_checkpointing=ac,
+                                    device_type="cpu")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out_dir", type=Path, default=Path("/tmp/bench_estimator"))
+    p.add_argument("--iters", type=int, default=10, help="training iterations per cell (the peak is reached from the 2nd)")
+    p.add_argument("--seq_length", type=int, default=256)
+    p.add_argument("--precision", default="bf16-true")
+    p.add_argument("--optimizer", default="AdamW")
+    p.add_argument("--cells", default="all", help="'all' or comma-separated indices into the matrix")
+    p.add_argument("--calibrate_runtime", action="store_true", help="first measure the runtime on a ~0-size model")
+    p.add_argument("--n_layer", type=int, default=MODEL["n_layer"])
+    args = p.parse_args()
+
+    out_root = args.out_dir
+    config = Config(**{**MODEL, "n_layer": args.n_layer})
+    ckpt, data = out_root / "checkpoint", out_root / f"data-{args.seq_length}"
+    write_checkpoint(ckpt, config)
+    write_data(data, ckpt, args.seq_length)
+    n_params = sum(s.numel() for s in lit_param_shapes(config).values())
+    print(f"Model: {config.name}, {n_params / 1e6:.1f}M parameters, seq {args.seq_length}, {args.iters} iterations per cell, "
+          f"{args.precision}, {args.optimizer}, LoRA r=8 on q,v", flush=True)
+
+    if args.calibrate_runtime:
+        tiny = Config(**TINY)
+        tckpt, tdata = out_root / "tiny", out_root / "tiny-data"
+        write_checkpoint(tckpt, tiny)
+        write_data(tdata, tckpt, 16)
+        for q in ("none", "bnb.nf4"):
+            measured, err = run_cell(tckpt, tdata, out_root / f"tiny-{q}", args.precision, q, args.optimizer, 1, False, 3, 16)
+            e = predict(tiny, args.precision, q, args.optimizer, 1, False, 16)
+            model_part = e.total - e.parts["runtime"]
+            if measured is None:
+                print(f"runtime calibration ({q}) failed: {err}")
+            else:
+                print(f"runtime calibration ({q}): peak {measured:.3f} GiB - predicted tensors {model_part / GiB:.3f} GiB = "
+                      f"runtime {measured - model_part / GiB:.3f} GiB (lit_qlora.memory assumes {e.parts['runtime'] / GiB:.3f})",
+                      flush=True)
+
+    cells = list(enumerate(CELLS))
+    if args.cells != "all":
+        keep = {int(i) for i in args.cells.split(",")}
+        cells = [c for c in cells if c[0] in keep]
+    print(f"\n| # | quantize | micro batch | checkpointing | predicted GiB | measured GiB | error | time s |", flush=True)
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    worst = 0.0
+    for i, (q, mbs, ac) in cells:
+        e = predict(config, args.precision, q, args.optimizer, mbs, ac, args.seq_length)
+        t0 = time.perf_counter()
+        measured, err = run_cell(ckpt, data, out_root / f"cell-{i}", args.precision, q, args.optimizer, mbs, ac, args.iters,
+                                 args.seq_length)
+        dt = time.perf_counter() - t0
+        if measured is None:
+            print(f"| {i} | {q} | {mbs} | {ac} | {e.total_gb:.3f} | FAILED | {err} | {dt:.0f} |", flush=True)
+            continue
+        error = (e.total_gb - measured) / measured
+        worst = max(worst, abs(error))
+        print(f"| {i} | {q} | {mbs} | {ac} | {e.total_gb:.3f} | {measured:.3f} | {100 * error:+.1f}% | {dt:.0f} |", flush=True)
+        if len(cells) == 1:
+            print("\n" + e.table())
+    print(f"\nWorst error: {100 * worst:.1f}% (goal: within 15% for every cell) -> {'OK' if worst <= 0.15 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

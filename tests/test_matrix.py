@@ -1,0 +1,145 @@
+"""scripts/run_matrix.sh + scripts/report.py on a tiny model: every cell in the table, failures recorded and marked,
+finished cells skipped on a re-run, an interrupted cell finished by the re-run."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import make_tiny_hf_model
+from helpers_tokenizer import make_hf_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ["32-true:none:AdamW:2", "bf16-true:bnb.nf4-dq:AdamW:2", "32-true:none:AdamW:2:ckpt", "bf16-true:none:NoSuchOpt:2"]
+SLUGS = ["32-true_none_AdamW_mb2", "bf16-true_bnb.nf4-dq_AdamW_mb2", "32-true_none_AdamW_mb2_ckpt", "bf16-true_none_NoSuchOpt_mb2"]
+FAILED = SLUGS[3]
+
+
+def run_matrix(tmp: Path, ckpt: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MODELS=str(ckpt), DATA_DIR=str(data), OUT_ROOT=str(out), MAX_ITERS="2", SETTINGS=" ".join(SETTINGS),
+               EXTRA_TRAIN_ARGS="--eval_iters 1 --eval_max_new_tokens 2 --template plain", EXTRA_GEN_ARGS="--max_new_tokens 3",
+               PYTHON=sys.executable, PROMPT="Say the word: cat")
+    return subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env,
+                          cwd=tmp, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("matrix")
+    ckpt = tmp / "tiny-llama"
+    make_tiny_hf_model("llama", ckpt, seed=0, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       max_position_embeddings=128)
+    make_hf_bpe_tokenizer(ckpt, vocab_size=320)
+    data = tmp / "data"
+    data.mkdir()
+    records = [{"instruction": "Say the word", "input": w, "output": w} for w in ["cat", "dog", "red", "map", "pen", "owl"] * 6]
+    (data / "train.json").write_text(json.dumps(records))
+    out = tmp / "out"
+    first = run_matrix(tmp, ckpt, data, out)
+    return tmp, ckpt, data, out, first
+
+
+def test_every_cell_is_in_the_report(matrix):
+    tmp, ckpt, data, out, first = matrix
+    assert first.returncode == 0, first.stderr
+    cells = out / "tiny-llama"
+    status = {slug: json.loads((cells / slug / "status.json").read_text()) for slug in SLUGS}
+    assert [status[s]["status"] for s in SLUGS] == ["ok", "ok", "ok", "failed"]
+    assert status[FAILED]["exit_code"] == 2 and "unknown --optimizer" in status[FAILED]["error"]
+    for slug in SLUGS[:3]:
+        for name in ("metrics.json", "metrics.csv", "generate_metrics.json", "train_stdout.log", "train_stderr.log",
+                     "generate_stdout.log", "lit_model_lora_finetuned.pth"):
+            assert (cells / slug / name).is_file(), (slug, name)
+
+    md = (out / "report.md").read_text()
+    assert md == first.stdout[first.stdout.index("| Model |"):].rstrip("\n") + "\n"  # printed too
+    assert md.splitlines()[0] == ("| Model | Settings | Iterations | Micro batch size | Optimizer | Training Memory | "
+                                  "Training Time | Loss | Inference tokens/s | Inference memory | Status |")
+    rows = [line for line in md.splitlines()[2:] if line.startswith("| tiny-llama")]
+    assert len(rows) == 4
+    assert all(r.rstrip().endswith("| ok |") for r in rows[:3])
+    assert "FAILED: unknown --optimizer 'NoSuchOpt'" in rows[3]
+    assert "bnb.nf4-dq" in rows[1] and "checkpointing" in rows[2]
+
+    with open(out / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["status"] for r in table] == ["ok", "ok", "ok", "failed"]
+    for r in table[:3]:
+        assert int(r["iterations"]) == 2 and float(r["peak_memory_gb"]) > 0 and float(r["inference_tokens_per_sec"]) > 0
+        assert float(r["final_train_loss"]) > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in first.stderr
+    else:
+        assert all((out / f).stat().st_size > 1000 for f in ("loss.png", "memory.png", "time.png"))
+
+
+def test_rerun_skips_done_cells_and_finishes_interrupted_ones(matrix):
+    tmp, ckpt, data, out, first = matrix
+    cells = out / "tiny-llama"
+    stamps = {slug: (cells / slug / "train_stdout.log").stat().st_mtime_ns for slug in SLUGS}
+    gen_stamp = (cells / SLUGS[2] / "generate_stdout.log").stat().st_mtime_ns
+    # An interrupted cell: training finished, generation never ran, status still "running"
+    (cells / SLUGS[2] / "status.json").write_text(json.dumps({"status": "running", "exit_code": 0, "error": "", "stage": "generate"}))
+    (cells / SLUGS[2] / "generate_metrics.json").unlink()
+
+    again = run_matrix(tmp, ckpt, data, out)
+    assert again.returncode == 0, again.stderr
+    assert f"[skip] tiny-llama {SLUGS[0]} (ok)" in again.stdout and f"[skip] tiny-llama {SLUGS[1]} (ok)" in again.stdout
+    for slug in SLUGS[:3]:  # no finished training ran again
+        assert (cells / slug / "train_stdout.log").stat().st_mtime_ns == stamps[slug]
+    assert f"[train] tiny-llama {SLUGS[2]}" not in again.stdout and f"[generate] tiny-llama {SLUGS[2]}" in again.stdout
+    assert (cells / SLUGS[2] / "generate_stdout.log").stat().st_mtime_ns != gen_stamp
+    assert json.loads((cells / SLUGS[2] / "status.json").read_text())["status"] == "ok"
+    assert f"[train] tiny-llama {FAILED}" in again.stdout  # failed cells are retried (SKIP_FAILED=1 skips them)
+    assert "Cells: 1 done now, 2 skipped (done before), 1 failed" in again.stdout
+    assert (out / "report.md").read_text().count("| ok |") == 3
+
+
+def test_report_marks_oom_and_incomplete_cells(tmp_path):
+    for slug, status in (("a", {"status": "oom", "exit_code": 137, "error": "Killed", "stage": "train"}),
+                         ("b", {"status": "running", "exit_code": 0, "error": "", "stage": "train"}),
+                         ("c", {"status": "failed", "exit_code": 1, "error": "RuntimeError: x | y", "stage": "train"})):
+        cell = tmp_path / "model" / slug
+        cell.mkdir(parents=True)
+        (cell / "status.json").write_text(json.dumps(status))
+        (cell / "cell.json").write_text(json.dumps({"model": "model", "setting": "bf16-true:bnb.nf4:AdamW:8", "order": ord(slug)}))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--no_plots"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = (tmp_path / "report.md").read_text().splitlines()[2:5]
+    assert rows[0].endswith("| OOM |") and rows[1].endswith("| INCOMPLETE |")
+    assert rows[2].endswith("| FAILED: RuntimeError: x \\| y |")  # a | in the message cannot break the table
+    assert all("| bf16-true, bnb.nf4 | - | 8 | AdamW |" in r for r in rows)
+
+    empty = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path / "model" / "a")],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: no cells")
+
+
+def test_out_of_memory_cells_are_recorded_as_oom(tmp_path):
+    """A training killed by the OOM killer (exit 137) or failing with an out-of-memory error is an OOM cell."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = finetune/lora.py ]; then
+    case "$*" in
+        *"--micro_batch_size 3 "*) kill -KILL $$ ;;
+        *"--micro_batch_size 5 "*) echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1 ;;
+    esac
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, MODELS=str(tmp_path / "some-model"), DATA_DIR=str(tmp_path), OUT_ROOT=str(tmp_path / "out"),
+               SETTINGS="bf16-true:none:AdamW:3 bf16-true:none:AdamW:5", PYTHON=str(fake))
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    killed = json.loads((tmp_path / "out" / "some-model" / "bf16-true_none_AdamW_mb3" / "status.json").read_text())
+    raised = json.loads((tmp_path / "out" / "some-model" / "bf16-true_none_AdamW_mb5" / "status.json").read_text())
+    assert (killed["status"], killed["exit_code"]) == ("oom", 137)
+    assert (raised["status"], raised["exit_code"]) == ("oom", 1) and "CUDA out of memory" in raised["error"]
+    assert [line.rsplit("|", 2)[1].strip() for line in (tmp_path / "out" / "report.md").read_text().splitlines()[2:4]] == ["OOM", "OOM"]

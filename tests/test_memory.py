@@ -1,0 +1,178 @@
+"""The memory estimator (lit_qlora/memory.py): exact weight and saved-activation bytes, monotonicity, checkpointing,
+--micro_batch_size auto and --estimate_only. (Predicted vs measured peak RSS is a benchmark: scripts/bench_estimator.py.)"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig
+from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, quantized_layer_bytes, weight_bytes
+from lit_qlora.quantize import QUANTIZE_MODES, memory_report
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704, vocab_size=1000,
+             block_size=512)
+NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_head=4, n_embd=128, intermediate_size=512,
+            vocab_size=500, block_size=512, norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP", activation="gelu",
+            parallel_residual=True, rotary_percentage=0.25)
+QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
+ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
+BIG = Config.from_name("Llama-2-7b-hf")
+
+
+def _checkpoint(folder: Path, config: Config) -> Path:
+    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
+
+    g = torch.Generator().manual_seed(0)
+    shapes = lit_param_shapes(config)
+    write_safetensors_stream(folder / LIT_WEIGHTS, [(k, s, torch.bfloat16) for k, s in shapes.items()],
+                             ((k, (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)) for k, s in shapes.items()))
+    config.save(folder / LIT_CONFIG)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for name, cfg in (("llama", LLAMA), ("neox", NEOX)):
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = (_checkpoint(folder, Config(**cfg)), Config(**cfg))
+    return out
+
+
+@pytest.mark.parametrize("quantize", QUANTIZE_MODES)
+def test_quantized_bytes_match_bitsandbytes(ckpts, quantize):
+    from lit_qlora.loader import load_model
+
+    folder, config = ckpts["llama"]
+    model = load_model(folder, precision="bf16-true", quantize=quantize, lora=QV, config=config, seed=0)
+    real = memory_report(model)
+    predicted = weight_bytes(config, QV, "bf16-true", quantize)
+    assert predicted["quantized"] == real["quantized_bytes"]
+    assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]  # the report counts LoRA as dense
+    assert sum(predicted["lora_numels"]) == real["trainable_params"]
+    # the figures the estimator is built on, for a large layer
+    bits = 8 * quantized_layer_bytes(4096, 4096, quantize) / 4096**2
+    assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5), abs=2e-3)
+
+
+def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward + loss (what backward will need)."""
+    from lit_qlora.training import chunked_cross_entropy
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    idx = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        chunked_cross_entropy(model(idx), idx)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch,lora,precision,quantize,ac", [
+    ("llama", QV, "bf16-true", None, False),
+    ("llama", ALL, "bf16-true", None, False),
+    ("llama", QV, "bf16-true", "bnb.nf4-dq", False),
+    ("llama", ALL, "32-true", None, False),
+    ("llama", ALL, "bf16-true", None, True),
+    ("llama", ALL, "bf16-mixed", None, False),
+    ("neox", ALL, "bf16-true", None, False),
+    ("neox", QV, "32-true", None, True),
+])
+def test_saved_activations_match_autograd(ckpts, arch, lora, precision, quantize, ac):
+    """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""
+    from lit_qlora.loader import load_model
+
+    folder, config = ckpts[arch]
+    model = load_model(folder, precision=precision, quantize=quantize, lora=lora, config=config, seed=0)
+    model.activation_checkpointing = ac
+    model.train()
+    B, T = 2, 64
+    measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
+    est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T, activation_checkpointing=ac)
+    tolerance = 0.01 if precision.endswith("mixed") else 1e-4  # autocast's weight-copy cache is approximated
+    assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=tolerance)
+
+
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq", "bnb.int8"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("ac", [False, True])
+def test_estimate_grows_with_micro_batch_size(quantize, device, ac):
+    ests = [estimate_training_memory(BIG, QV, "bf16-true", quantize, micro_batch_size=b, seq_length=512,
+                                     activation_checkpointing=ac, device_type=device) for b in (1, 2, 3, 4, 8, 16)]
+    totals = [e.total for e in ests]
+    assert all(a <= b for a, b in zip(totals, totals[1:]))  # equal while loading is the peak (tiny batches)
+    assert totals[-1] > totals[0]
+    training = [e.extra["live_dynamic"] for e in ests]  # the micro-batch's own tensors always grow
+    assert all(a < b for a, b in zip(training, training[1:]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_checkpointing_lowers_activations(device):
+    kw = dict(config=BIG, lora=ALL, precision="bf16-true", quantize="bnb.nf4-dq", micro_batch_size=4, seq_length=1024,
+              device_type=device)
+    plain, ckpt = estimate_training_memory(**kw), estimate_training_memory(activation_checkpointing=True, **kw)
+    assert ckpt.parts["activations saved"] < plain.parts["activations saved"] / 4
+    assert ckpt.total < plain.total
+    assert plain.parts["quantized weights"] == ckpt.parts["quantized weights"]
+    # the 7B model's 4-bit weights: ~6.6B quantized parameters at ~4.13 bits
+    assert 3.0 < plain.parts["quantized weights"] / GiB < 3.4
+
+
+def test_auto_picks_the_largest_fitting_micro_batch():
+    kw = dict(config=BIG, lora=QV, precision="bf16-true", quantize="bnb.nf4-dq", seq_length=512, device_type="cuda")
+    for budget_gb in (7, 12, 24, 40):
+        mbs, est = pick_micro_batch_size(budget_gb * GiB, **kw)
+        assert mbs >= 1 and est.total <= budget_gb * GiB
+        assert est.settings["micro_batch_size"] == mbs
+        assert estimate_training_memory(micro_batch_size=mbs + 1, **kw).total > budget_gb * GiB
+    assert pick_micro_batch_size(1 * GiB, **kw)[0] == 0  # not even the weights fit
+
+
+def _finetune(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "finetune" / "lora.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+def test_estimate_only_exits_before_loading(tmp_path):
+    """A folder with nothing but model_config.json: no weights, no tokenizer, no data to load."""
+    folder = tmp_path / "model-without-weights"
+    folder.mkdir()
+    BIG.save(folder / "model_config.json")
+    res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out",
+                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--max_seq_length", "512", "--estimate_only", "true")
+    assert res.returncode == 0, res.stderr
+    assert "Estimated peak training memory" in res.stdout and "quantized weights" in res.stdout
+    assert not (tmp_path / "out").exists()
+
+    res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out",
+                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "auto", "--memory_budget", "12", "--max_seq_length", "512",
+                    "--accelerator", "cpu", "--estimate_only", "true")
+    assert res.returncode == 0, res.stderr
+    mbs, _ = pick_micro_batch_size(12 * GiB, config=BIG, lora=LoRAConfig(), quantize="bnb.nf4-dq", seq_length=512)
+    assert f"--micro_batch_size auto: {mbs}," in res.stdout and f"micro batch {mbs} x 512 tokens" in res.stdout
+
+    res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--quantize", "bnb.nf4-dq",
+                    "--micro_batch_size", "auto", "--memory_budget", "1", "--max_seq_length", "512", "--accelerator", "cpu")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: even --micro_batch_size 1")
+
+
+def test_estimate_memory_script(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "estimate_memory.py"), "--model_name", "Llama-2-7b-hf",
+                          "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--seq_length", "256", "--device", "cuda",
+                          "--json", "true"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert res.returncode == 0, res.stderr
+    est = json.loads(res.stdout)
+    assert est["settings"]["micro_batch_size"] == 2 and est["device_type"] == "cuda"
+    assert est["total_gb"] == pytest.approx(sum(est["parts_gb"].values()))

@@ -421,7 +421,8 @@ def validate(fabric, model, gpt, val_data: list, a: "_Args", tokenizer, data_met
     if rank == 0 and val_data:
         # One sample from the first validation prompt, so progress is visible in words too
         labels = val_data[0]["labels"]
-        n_prompt = int((labels == IGNORE_INDEX).sum()) if a.mask_inputs else max(1, len(labels) // 2)
+        n_prompt = int((labels == IGNORE_INDEX).sum()) if a.mask_inputs else 0
+        n_prompt = n_prompt or max(1, len(labels) // 2)  # nothing masked: prompt with the first half
         prompt = val_data[0]["input_ids"][:n_prompt]
         with fabric.autocast():
             out = generate(gpt, prompt, max_new_tokens=min(a.eval_max_new_tokens, config.block_size - len(prompt)),

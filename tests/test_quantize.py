@@ -487,3 +487,21 @@ def test_cpu_inference_packing_skips_layers_it_cannot_pack(odd_ckpt):
     # and back to training-safe for the layers that were not packed yet
     assert enable_cpu_inference_packing(model, False) == 0
     assert not any(m.support_avx512bf16_for_cpu for m in layers.values())
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+def test_greedy_output_matches_bnb_dequantized_reference(small_ckpt, mode):
+    """Our quantized model decodes the same tokens as a dense model whose weights are bitsandbytes' own
+    dequantization of the very same 4-bit tensors (the reference for what a 4-bit model computes)."""
+    import bitsandbytes as bnb
+
+    model = load_model(small_ckpt, precision="bf16-true", quantize=mode).eval()
+    reference = load_model(small_ckpt, precision="bf16-true").eval()
+    for name, q in quantized_layers(model).items():
+        ref_layer = reference.get_submodule(name)
+        w = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).to(torch.bfloat16)
+        ref_layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    prompt = tokens(6, seed=5)
+    ours = generate(model, prompt, max_new_tokens=16)
+    ref = generate(reference, prompt, max_new_tokens=16)
+    assert torch.equal(ours, ref)

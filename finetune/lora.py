@@ -32,7 +32,7 @@ from lit_qlora.training import (  # noqa: E402
     FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_checkpoint_dir, check_disk_space,
     checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, is_tty, list_checkpoints, load_latest_checkpoint,
     lr_at, make_optimizer, rng_state, save_checkpoint, set_rng_state, shift_labels)
-from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_cli  # noqa: E402
+from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_cli, tune_cpu_allocator  # noqa: E402
 
 IGNORE_INDEX = -100
 
@@ -212,6 +212,8 @@ def _check_out_dir(out_dir: Path, resume: Optional[str]) -> None:
 def main(fabric, args: dict) -> None:
     a = _Args(args)
     fabric.seed_everything(a.seed)
+    if fabric.device.type == "cpu":
+        tune_cpu_allocator()  # freed step temporaries go back to the OS instead of fragmenting the heap
     from lit_qlora.loader import load_model
     import psutil
 

@@ -94,3 +94,23 @@ def num_parameters(module: torch.nn.Module, requires_grad: bool | None = None) -
             qs = getattr(p, "quant_state", None)
             total += int(torch.Size(qs.shape).numel()) if qs is not None else p.numel()
     return total
+
+
+def tune_cpu_allocator(mmap_threshold: int = 4 << 20) -> bool:
+    """Serve allocations of `mmap_threshold` bytes or more with their own mmap (glibc only).
+
+    glibc raises its mmap threshold as large blocks are freed, after which the large, short-lived tensors of
+    a training step (dequantized 4-bit weights, attention and MLP intermediates) come from the heap and leave
+    holes that stay resident. A fixed 4 MiB threshold returns them to the OS as soon as they are freed: the peak
+    RSS of a 56M-parameter nf4 run fell from 1.23 to 0.79 GB, a 221M one from 2.99 to 2.75 GB, with no measurable
+    change in speed (tutorials/performance.md). Returns whether the setting was applied.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        M_MMAP_THRESHOLD = -3
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
+    except (OSError, AttributeError):
+        return False

@@ -365,3 +365,21 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False) -> Config:
         print(f"Converting the Hugging Face checkpoint in {checkpoint_dir} (first use; reused next time) ...", file=sys.stderr)
     convert_hf_checkpoint(checkpoint_dir)
     return Config.from_file(cfg)
+
+
+def write_random_checkpoint(folder: Path, config: Config, seed: int = 0, std: float = 0.02) -> None:
+    """Our checkpoint with random weights (normal, `std`; norms at 1) in bf16, streamed tensor by tensor, so even
+    a model too large for memory can be written: for demos, benchmarks and tests."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes = lit_param_shapes(config)
+
+    def make(name: str, shape: torch.Size) -> torch.Tensor:
+        if "norm" in name or "ln_f" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+
+    write_safetensors_stream(folder / LIT_WEIGHTS, [(k, s, torch.bfloat16) for k, s in shapes.items()],
+                             ((k, make(k, s)) for k, s in shapes.items()))
+    config.save(folder / LIT_CONFIG)

@@ -38,23 +38,13 @@ CELLS = [(q, mbs, ac) for q in ("none", "bnb.nf4-dq", "bnb.int8") for mbs in (1,
 
 def write_checkpoint(folder: Path, config: Config) -> None:
     from lit_qlora import demo
-    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_safetensors_stream
+    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_random_checkpoint
 
     if (folder / LIT_WEIGHTS).is_file() and (folder / LIT_CONFIG).is_file() and Config.from_file(folder / LIT_CONFIG) == config:
         return
     folder.mkdir(parents=True, exist_ok=True)
     demo._write_tokenizer(folder)  # the demo's byte-level BPE (384 ids); the model's larger vocab is just unused rows
-    shapes = lit_param_shapes(config)
-    gen = torch.Generator().manual_seed(0)
-
-    def make(name: str, shape: torch.Size) -> torch.Tensor:
-        if "norm" in name or "ln_f" in name:
-            return torch.ones(shape, dtype=torch.bfloat16)
-        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-
-    specs = [(k, s, torch.bfloat16) for k, s in shapes.items()]
-    write_safetensors_stream(folder / LIT_WEIGHTS, specs, ((k, make(k, s)) for k, s in shapes.items()))
-    config.save(folder / LIT_CONFIG)
+    write_random_checkpoint(folder, config, seed=0)
 
 
 def write_data(folder: Path, checkpoint: Path, seq_length: int, n_train: int = 64, n_val: int = 4) -> None:

@@ -22,24 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream  # noqa: E402
+from lit_qlora.convert import LIT_WEIGHTS, lit_param_shapes, write_random_checkpoint  # noqa: E402
 from lit_qlora.utils import run_cli  # noqa: E402
 
 SETTINGS = ["none", "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8", "bnb.nf4:nopack"]
-
-
-def write_checkpoint(folder: Path, config: Config) -> None:
-    g = torch.Generator().manual_seed(0)
-    shapes = lit_param_shapes(config)
-
-    def make(name: str, shape: torch.Size) -> torch.Tensor:
-        if "norm" in name or "ln_f" in name:
-            return torch.ones(shape, dtype=torch.bfloat16)
-        return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    write_safetensors_stream(folder / LIT_WEIGHTS, [(k, s, torch.bfloat16) for k, s in shapes.items()],
-                             ((k, make(k, s)) for k, s in shapes.items()))
-    config.save(folder / LIT_CONFIG)
 
 
 def child(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int) -> None:
@@ -73,7 +59,7 @@ def main(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, n_query_groups:
     folder = Path(out_dir or tempfile.mkdtemp(prefix="bench-generate-"))
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / LIT_WEIGHTS).is_file():
-        write_checkpoint(folder, config)
+        write_random_checkpoint(folder, config)
     params = sum(s.numel() for s in lit_param_shapes(config).values())
     print(f"model: {params / 1e6:.0f}M parameters ({n_layer} layers, n_embd {n_embd}), bf16 on disk; {precision}, batch 1, "
           f"prompt {prompt_len} tokens, {new_tokens} new tokens, torch threads {torch.get_num_threads()}")

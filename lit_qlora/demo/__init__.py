@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lit_qlora.config import Config
-from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_safetensors_stream
+from lit_qlora.convert import LIT_WEIGHTS, write_random_checkpoint, write_safetensors_stream
 
 DEMO_CHECKPOINT = Path("checkpoints/lit-qlora/demo")
 DEMO_DATA_DIR = Path("data/demo")
@@ -30,15 +30,16 @@ DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", bl
 def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT) -> Path:
     """Write the demo model and tokenizer into `folder` unless they are there already."""
     folder = Path(folder)
-    if (folder / LIT_WEIGHTS).is_file() and (folder / "tokenizer.json").is_file():
+    ready = folder / ".demo-ready"  # written last: a build killed halfway is redone
+    if ready.is_file() and (folder / LIT_WEIGHTS).is_file():
         return folder
     print(f"Building the demo model and tokenizer in {folder} (fixed seeds, no download) ...", file=sys.stderr)
     folder.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(folder)
     config = Config(**DEMO_CONFIG)
-    _write_random_weights(folder, config, seed=1234)
-    config.save(folder / LIT_CONFIG)
+    write_random_checkpoint(folder, config, seed=1234)
     _pretrain(folder, config)
+    ready.write_text("")
     return folder
 
 
@@ -48,22 +49,6 @@ def ensure_demo_data(folder: Path = DEMO_DATA_DIR) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.copy(DEMO_DATA_FILE, folder / DEMO_DATA_FILE.name)
     return folder
-
-
-def _write_random_weights(folder: Path, config: Config, seed: int) -> None:
-    """GPT-2 style init (normal, std 0.02; norms at 1) streamed straight to disk."""
-    from lit_qlora.convert import lit_param_shapes
-
-    g = torch.Generator().manual_seed(seed)
-    shapes = lit_param_shapes(config)
-
-    def make(name: str, shape: torch.Size) -> torch.Tensor:
-        if "norm" in name or "ln_f" in name:
-            return torch.ones(shape, dtype=torch.bfloat16)
-        return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    specs = [(k, s, torch.bfloat16) for k, s in shapes.items()]
-    write_safetensors_stream(folder / LIT_WEIGHTS, specs, ((k, make(k, s)) for k, s in shapes.items()))
 
 
 def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 16, seed: int = 1234) -> None:

@@ -47,7 +47,9 @@ CPU_RUNTIME_BNB_BYTES = int(0.047 * GiB)  # extra when bitsandbytes is imported 
 CPU_HEAP_FIXED = int(0.03 * GiB)  # glibc heap slack (see `_allocator_slack`), fitted on measured runs
 CPU_HEAP_SLACK = 0.6  # ... per byte of sub-threshold tensors alive at the peak
 CPU_DEQUANT_CHURN = 2.5  # ... per byte of the largest sub-threshold dequantized weight (quantized layers)
-GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB  # larger allocations are always mmapped, and unmapped when freed
+# Allocations from this size up are mmapped and unmapped when freed, so they leave no heap slack: finetune/lora.py
+# fixes glibc's threshold at 4 MiB on CPU (lit_qlora.utils.tune_cpu_allocator); left alone it rises up to 32 MiB.
+GLIBC_MMAP_THRESHOLD_MAX = 4 * MiB
 CUDA_RUNTIME_BYTES = 64 * MiB  # cuBLAS workspaces and small buffers that go through the caching allocator
 BNB_4BIT_BLOCKSIZE = 64
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' 8-bit optimizers keep fp32 state for smaller tensors
@@ -363,6 +365,10 @@ def estimate_training_memory(
     # then the head (the bf16 gradients of all logits), then the blocks from the last one.
     loss_grads = [N_c * V * 4] * 2
     head_temps = [N_c * C * a] + head_dq
+    if quantize == "bnb.int8" and head_dq and device_type == "cpu":
+        # bitsandbytes' CPU int8 matmul works in fp32: the head's backward holds two fp32 copies of the logits'
+        # gradients (fitted with scripts/bench_estimator.py: the int8 gap grew by 1.9 fp32 logits from micro batch 1 to 4)
+        head_temps += [N * V * 4] * 2
     block_temps = _layer_backward_temp(c, d, layer_dq)
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")

@@ -135,13 +135,13 @@ def setup(
         raise UserError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if nan_policy not in ("stop", "skip"):
         raise UserError(f"unknown --nan_policy {nan_policy!r}; choose stop or skip")
+    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
+                      projection=lora_projection, mlp=lora_mlp, head=lora_head)
     if estimate_only or micro_batch_size == "auto":  # before anything is loaded
         from lit_qlora.memory import plan_micro_batch_size
 
         micro_batch_size = plan_micro_batch_size(
-            checkpoint_dir, micro_batch_size, memory_budget, estimate_only, accelerator, devices,
-            LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
-                       projection=lora_projection, mlp=lora_mlp, head=lora_head),
+            checkpoint_dir, micro_batch_size, memory_budget, estimate_only, accelerator, devices, lora,
             precision=precision, quantize=quantize, optimizer=optimizer, seq_length=max_seq_length,
             activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head)
         if estimate_only:
@@ -170,8 +170,6 @@ def setup(
     if tokenizer.vocab_size > config.vocab_size:
         raise UserError(f"the tokenizer in {checkpoint_dir} has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}; "
                         "the tokenizer files belong to another model: copy the model's own tokenizer files there")
-    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
-                      projection=lora_projection, mlp=lora_mlp, head=lora_head)
     n_lora = _count_lora_params(config, lora)
     resume_path, resume_state = _find_resume(out_dir, resume)
     if resume_state is not None:
@@ -217,7 +215,6 @@ def main(fabric, args: dict) -> None:
     from lit_qlora.loader import load_model
     import psutil
 
-    prec = parse_precision(a.precision)
     # checked and prepared up front by `setup`
     tokenizer, config, lora, max_seq_length = a.tokenizer, a.config, a.lora, a.max_seq_length
     train_data, val_data, data_meta = a.train_data, a.val_data, a.data_meta
@@ -226,12 +223,6 @@ def main(fabric, args: dict) -> None:
     model = load_model(a.checkpoint_dir, precision=a.precision, quantize=a.quantize, lora=lora, device=fabric.device,
                        quantize_lm_head=a.quantize_lm_head, config=config, seed=a.seed)
     model.activation_checkpointing = a.activation_checkpointing
-    if prec.dtype == torch.float16 and not prec.mixed:
-        # AdamW state in fp16 underflows (eps=1e-8 rounds to 0, so the zero gradient of lora_A at the first step
-        # gives 0/0 = NaN): the few LoRA weights and their optimizer state stay fp32, the base is fp16
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
     report = memory_report(model)
     rss_after_load = psutil.Process().memory_info().rss / 2**30
     fabric.print(f"Loaded {config.name} in {time.perf_counter() - t0:.1f}s | {a.quantize or 'no quantization'}, {a.precision} | "
@@ -437,7 +428,7 @@ def validate(fabric, model, gpt, val_data: list, a: "_Args", tokenizer, data_met
 
 
 def _head_chunk(config) -> int:
-    # Large vocabularies: project 256 positions at a time so fp32 logits of the whole sequence never coexist
+    # Large vocabularies: project 256 positions at a time, so the fp32 upcast for the loss is made per chunk
     return 256 if config.vocab_size >= 32000 else 0
 
 

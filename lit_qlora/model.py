@@ -69,7 +69,7 @@ class GPT(nn.Module):
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len)
         x = self.transformer.ln_f(x)
         if lm_head_chunk:
-            # Chunks of the sequence keep the [B, T, V] logits from existing at once (see loss.chunked_cross_entropy)
+            # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
             return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=1)]
         return self.lm_head(x)  # [B, T, V]
 

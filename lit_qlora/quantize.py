@@ -24,7 +24,7 @@ PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
 class Precision:
     """What a `--precision` value means for our tensors.
 
-    *-true: every floating weight and the compute in `dtype`.
+    *-true: every floating weight and the compute in `dtype` (16-true keeps the LoRA weights in fp32, see below).
     *-mixed: trainable (LoRA) weights in fp32, compute under autocast in `dtype`; frozen Linear weights are
     stored in `dtype` (autocast would cast them to it for every matmul anyway), embeddings and norms in fp32.
     """
@@ -35,7 +35,9 @@ class Precision:
 
     @property
     def trainable_dtype(self) -> torch.dtype:
-        return torch.float32 if self.mixed else self.dtype
+        # fp16 LoRA weights cannot train with AdamW: its eps (1e-8) rounds to 0 in fp16, and lora_A's first gradient
+        # is exactly 0 (B starts at 0), so the first update is 0/0. The few LoRA weights stay fp32 under 16-true too.
+        return torch.float32 if self.mixed or self.dtype == torch.float16 else self.dtype
 
     @property
     def frozen_linear_dtype(self) -> torch.dtype:

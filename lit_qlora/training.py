@@ -33,8 +33,8 @@ class TrainingDiverged(UserError):
 # ---- loss -------------------------------------------------------------------------------------
 def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
                           ignore_index: int = -100) -> torch.Tensor:
-    """Sum (not mean) of token losses. `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`,
-    so the fp32 upcast of a large-vocabulary [B, T, V] tensor never exists at once."""
+    """Sum (not mean) of token losses. `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`: the fp32
+    upcast is then made chunk by chunk (autograd still keeps every chunk's fp32 log-probabilities for backward)."""
     if isinstance(logits, torch.Tensor):
         logits = [logits]
     total, start = None, 0

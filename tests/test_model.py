@@ -1,5 +1,6 @@
 """Our GPT against transformers for every supported family, checkpoint conversion both ways, and the convert scripts."""
 import contextlib
+import copy
 import io
 import json
 import runpy
@@ -56,6 +57,54 @@ def test_logits_match_transformers(tiny):
     got = tiny.ours(idx)
     assert got.shape == (2, 24, VOCAB)
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_training_gradients_match_transformers(tiny, monkeypatch):
+    """Backward through our model equals transformers' in fp32, and in bf16 (where it goes through cpu_attention's
+    backward) it is as close to the fp32 gradient as transformers' own bf16 backward is."""
+    from lit_qlora import cpu_attention
+    calls = []
+    fast = cpu_attention.causal_attention
+    monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(1) or fast(*a))
+    idx = tokens(2, 24, seed=3)
+    pad = tiny.hf.config.pad_token_id
+    if pad is not None:  # HF's embedding gives its padding row no gradient; ours (always frozen in LoRA) does
+        idx[idx == pad] = (pad + 1) % VOCAB
+
+    def embedding_grad(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        model = copy.deepcopy(model).to(dtype)
+        logits = model(idx)
+        getattr(logits, "logits", logits).float().logsumexp(-1).sum().backward()
+        wte = model.transformer.wte if isinstance(model, GPT) else model.get_input_embeddings()
+        return wte.weight.grad.float()
+
+    expected = embedding_grad(tiny.hf, torch.float32)
+    torch.testing.assert_close(embedding_grad(tiny.ours, torch.float32), expected, atol=1e-4, rtol=1e-4)
+    assert not calls  # fp32 keeps PyTorch's flash backward
+    err_ours = (embedding_grad(tiny.ours, torch.bfloat16) - expected).abs().max()
+    err_hf = (embedding_grad(tiny.hf, torch.bfloat16) - expected).abs().max()
+    assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
+    sliding = tiny.ours.config.sliding_window_size is not None  # a window needs a mask: SDPA with attn_mask
+    assert bool(calls) == (not sliding)
+
+
+@pytest.mark.parametrize("T", [7, 100, 200])  # 200: at or above RECOMPUTE_BELOW, ATen's flash backward
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the model takes this path in bf16 only
+def test_cpu_attention_matches_sdpa(T, dtype):
+    from lit_qlora.cpu_attention import causal_attention, usable
+    gen = torch.Generator().manual_seed(T)
+    q, k, v, g = (torch.randn(2, 4, T, 16, generator=gen) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]  # fp32 reference: PyTorch's own SDPA
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True, scale=0.25).backward(g)
+    ours = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    assert usable(*ours) == (dtype == torch.bfloat16)
+    out = causal_attention(*ours, 0.25)
+    out.backward(g.to(dtype))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad.float(), b.grad, **tol)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from lit_qlora.data import BatchStream, ensure_prepared  # noqa: E402
 from lit_qlora.generation import generate  # noqa: E402
 from lit_qlora.lora import ADAPTER_FORMAT, LoRAConfig, load_lora_weights, lora_state_dict, save_adapter  # noqa: E402
 from lit_qlora.quantize import (  # noqa: E402
-    assert_trainable_4bit, check_quantize, format_memory_report, memory_report, parse_precision)
+    assert_trainable_4bit, check_quantize, format_memory_report, memory_report, parse_precision, validation_mode)
 from lit_qlora.training import (  # noqa: E402
     FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_checkpoint_dir, check_disk_space,
     checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, is_tty, list_checkpoints, load_latest_checkpoint,
@@ -143,7 +143,8 @@ def setup(
         micro_batch_size = plan_micro_batch_size(
             checkpoint_dir, micro_batch_size, memory_budget, estimate_only, accelerator, devices, lora,
             precision=precision, quantize=quantize, optimizer=optimizer, seq_length=max_seq_length,
-            activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head)
+            activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head,
+            validation=eval_iters > 0)
         if estimate_only:
             return
     for name, value in (("devices", devices), ("micro_batch_size", micro_batch_size), ("epochs", epochs),
@@ -397,7 +398,7 @@ def validate(fabric, model, gpt, val_data: list, a: "_Args", tokenizer, data_met
     """Token-weighted validation loss over the first `eval_iters` batches, then one greedy sample (rank 0)."""
     from lit_qlora.data import collate, get_template
 
-    model.eval()
+    validation_mode(model)  # eval(), but int8 layers on CPU keep their lean training matmul
     world, rank = fabric.world_size, fabric.global_rank
     total = torch.zeros(2, device=fabric.device)  # loss sum, token count
     mb = a.micro_batch_size

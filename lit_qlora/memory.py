@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from lit_qlora.config import Config
+from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, lora_targets
 from lit_qlora.quantize import QUANTIZE_MODES, parse_precision
 from lit_qlora.utils import UserError
@@ -171,10 +174,16 @@ def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
 
 
 def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
-                  quantize: Optional[str], in_bytes: int, saved_inputs: set, input_name: str) -> tuple[list[int], bool]:
-    """What a (LoRA-wrapped, maybe quantized) Linear saves for backward, and whether its output needs grad."""
+                  quantize: Optional[str], in_bytes: int, saved_inputs: set, input_name: str,
+                  int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
+    """What a (LoRA-wrapped, maybe quantized) Linear saves for backward, and whether its output needs grad.
+
+    `int8_inputs` collects the inputs bitsandbytes' int8 layers keep as `ctx.A`: a plain attribute, not a saved
+    tensor, so activation checkpointing does not free them."""
     s: list[int] = []
     N = d.N
+    if quantize == "bnb.int8" and grad_in and int8_inputs is not None:
+        int8_inputs[input_name] = N * in_f * in_bytes
     if quantize == "bnb.int8" and grad_in and input_name not in saved_inputs:
         s.append(N * in_f * in_bytes)  # bitsandbytes' int8 matmul keeps its input (ctx.A) for a weight gradient
         saved_inputs.add(input_name)
@@ -196,14 +205,14 @@ def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, 
 
 
 def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims, i: int,
-                 grad_in: bool) -> tuple[list[int], bool]:
+                 grad_in: bool, int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
     """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
     targets = lora_targets(c, lora)
     p = f"transformer.h.{i}."
     N, C, H, G, hs, I = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
     seen: set = set()  # tensors saved already (several layers reading the same input)
     s = _norm_saved(c, d) if grad_in else []  # norm_1
-    s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1")
+    s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
         # scaled_dot_product_attention keeps q and k (rotated; k repeated to every head with GQA), v, its output
@@ -211,7 +220,7 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         s += [N * H * hs * d.a, N * H * hs * d.a, N * H * hs * d.a, d.B * H * d.T * 4]
         s.append(N * H * hs * d.a if G != H else N * sum(c.qkv_sizes) * d.a)
         seen.add("y")  # the projection's input is a view of the attention output saved here
-    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y")
+    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y", int8_inputs)
     s += s_proj
     if c.parallel_residual:
         g_mlp_in = grad_in
@@ -222,8 +231,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         if g_mlp_in:
             s += _norm_saved(c, d)  # norm_2
     if c.mlp_class == "LLaMAMLP":
-        s1, g1 = _linear_saved(p + "mlp.fc_1", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
-        s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
+        s1, g1 = _linear_saved(p + "mlp.fc_1", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
+        s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s += s1 + s2
         if g1:
             s.append(N * I * d.a)  # the activation's input
@@ -232,9 +241,9 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
             s.append(N * I * d.a)  # act(fc_1), for the product's gradient wrt fc_2
         g_hidden = g1 or g2
     else:
-        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2")
+        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s += s1 + ([N * I * d.a] if g_hidden else [])  # the activation's input
-    s_p, g_mlp = _linear_saved(p + "mlp.proj", I, g_hidden, d, targets, lora, quantize, d.a, seen, "m")
+    s_p, g_mlp = _linear_saved(p + "mlp.proj", I, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
     return s + s_p, grad_in or g_attn or g_mlp
 
 
@@ -303,10 +312,12 @@ def estimate_training_memory(
     activation_checkpointing: bool = False,
     quantize_lm_head: bool = True,
     device_type: str = "cpu",
+    validation: bool = True,
 ) -> Estimate:
     """Peak memory of one training process of finetune/lora.py with these settings (see the module docstring).
 
-    `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context."""
+    `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
+    `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8."""
     lora = lora or LoRAConfig()
     quantize = None if quantize in (None, "none", "None") else quantize
     if quantize is not None and quantize not in QUANTIZE_MODES:
@@ -333,11 +344,13 @@ def estimate_training_memory(
     static = runtime + w["quantized"] + w["dense"] + 2 * n_lora * t_bytes + opt
 
     # Saved for backward, block by block (the first block's input never needs grad)
-    grad, blocks, block_max = False, [], []
+    grad, blocks, block_max, int8_kept = False, [], [], []
     for i in range(c.n_layer):
-        s, grad = _block_saved(c, lora, quantize, d, i, grad)
+        int8_inputs: dict = {}
+        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs)
         blocks += s
         block_max = max(block_max, s, key=sum)
+        int8_kept += int8_inputs.values()
     targets = lora_targets(c, lora)
     tail = _norm_saved(c, d) if grad else []  # ln_f
     head_saved, _ = _linear_saved("lm_head", C, grad, d, targets, lora, quantize if quantize_lm_head else None, d.r,
@@ -365,23 +378,27 @@ def estimate_training_memory(
     # then the head (the bf16 gradients of all logits), then the blocks from the last one.
     loss_grads = [N_c * V * 4] * 2
     head_temps = [N_c * C * a] + head_dq
-    if quantize == "bnb.int8" and head_dq and device_type == "cpu":
-        # bitsandbytes' CPU int8 matmul works in fp32: the head's backward holds two fp32 copies of the logits'
-        # gradients (fitted with scripts/bench_estimator.py: the int8 gap grew by 1.9 fp32 logits from micro batch 1 to 4)
-        head_temps += [N * V * 4] * 2
     block_temps = _layer_backward_temp(c, d, layer_dq)
+    if device_type == "cpu" and prec.dtype is torch.bfloat16 and T < RECOMPUTE_BELOW:
+        # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds
+        block_temps.append(B * c.n_head * T * T * (4 + 2 + 4 + 2))
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
-    saved_all = ([N * C * d.r] * c.n_layer if activation_checkpointing else blocks) + tail  # checkpointing: block inputs
+    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
+    saved_all = ([N * C * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
     phases = [
         ("loss backward", saved_all, logits + log_probs, loss_grads, "loss gradients of one logits chunk (fp32)"),
         ("head backward", saved_all, logits + [N * V * a], head_temps, head_note + " + the logits' gradients"),
     ]
     if activation_checkpointing:  # one block at a time is recomputed in backward: its saved tensors and gradients
-        phases.append(("block recomputation", saved_all[:c.n_layer] + block_max, logits, block_temps,
+        phases.append(("block recomputation", saved_all[:-len(tail) or None] + block_max, logits, block_temps,
                        "a recomputed block + " + block_note))
     else:
         phases.append(("block backward", saved_all, logits, block_temps, block_note))
+    if validation:  # the same micro batch without grad: nothing saved (int8 layers keep their training matmul, see
+        # quantize.validation_mode: LLM.int8 inference would hold an int32 and two fp32 copies of a logits chunk)
+        phases.append(("validation forward", [], logits[:-1], [N_c * V * a, N_c * C * a] + head_dq,
+                       "the head's output for one logits chunk (no grad)"))
 
     # CPU: the heap grows to the most small-tensor bytes of any phase and stays resident through the others
     def small(sizes: list[int]) -> int:
@@ -416,7 +433,8 @@ def estimate_training_memory(
         "dense weights": "embeddings, norms" + (", unquantized layers" if quantize else ", Linear layers") + f" ({precision})",
         "LoRA weights + grads": f"{n_lora / 1e6:.2f}M params, {t_bytes} bytes each, twice",
         "optimizer state": optimizer,
-        "activations saved": ("each block's input (checkpointing)" + (" + one recomputed block" if "recomputation" in phase else "")
+        "activations saved": ("none: no grad" if phase == "validation forward" else
+                              "each block's input (checkpointing)" + (" + one recomputed block" if "recomputation" in phase else "")
                               if activation_checkpointing else f"{c.n_layer} blocks, for backward"),
         "logits (+ grads/log-probs)": f"[{B}, {T}, {V}] held by the loop" + {"loss backward": " + fp32 log-probs",
                                                                             "head backward": " + their gradients"}.get(phase, ""),

@@ -228,6 +228,23 @@ def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
     return n
 
 
+def validation_mode(model: nn.Module) -> None:
+    """`model.eval()` for validation during training, except that bitsandbytes int8 layers on CPU keep their
+    training matmul (dequantize, then a bf16/fp32 matmul) instead of LLM.int8 inference.
+
+    Why: in eval mode an int8 layer quantizes its input and multiplies int8 by int8 into an int32 product that it
+    rescales in two fp32 steps: for the head that is three fp32-sized copies of the logits at once, and it set the
+    peak memory of int8 runs on CPU (bench_estimator.py). The training matmul also makes the validation loss the
+    loss of the function being trained. Dropout and everything else are in eval mode as usual."""
+    model.eval()
+    if not _bnb_loaded():
+        return
+    bnb = _bnb()
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear8bitLt) and m.weight.device.type == "cpu":
+            m.training = True  # read by Linear8bitLt.forward only to pick the matmul (state.is_training)
+
+
 def assert_trainable_4bit(model: nn.Module) -> None:
     """Fail loudly if any 4-bit layer was repacked for inference: gradients would silently stop there."""
     bnb = _bnb() if _bnb_loaded() else None

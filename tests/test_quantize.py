@@ -28,7 +28,7 @@ from lit_qlora.loader import load_model, read_safetensors
 from lit_qlora.lora import LoRAConfig, LoRALinear
 from lit_qlora.quantize import (PRECISIONS, QUANTIZE_MODES, assert_trainable_4bit, check_quantize, dequantize_weight,
                                 enable_cpu_inference_packing, make_quantized_linear, memory_report, parse_precision,
-                                quantize_into, quiet_bnb_import)
+                                quantize_into, quiet_bnb_import, validation_mode)
 from lit_qlora.utils import UserError
 
 quiet_bnb_import()
@@ -395,6 +395,27 @@ def test_lora_grads_survive_validation_and_generation(small_ckpt, mode):
             assert_all_lora_grads_flow(model, grads, "lora_B")
             assert_all_lora_grads_flow(model, grads, "lora_A")
     assert not [w for w in caught if NO_AUTOGRAD_KERNEL in str(w.message)]
+
+
+def test_validation_mode_keeps_int8_training_matmul(small_ckpt):
+    """finetune validates int8 models with bitsandbytes' training matmul (MatMul8bitFp), not LLM.int8 inference."""
+    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.int8", lora=LoRAConfig(**ALL_LORA), seed=0)
+    idx = tokens(2, 16, seed=7)
+    for m in model.modules():  # no dropout, so the training forward is deterministic: the reference
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    model.train()
+    with torch.no_grad():
+        expected = model(idx)
+    model.eval()
+    with torch.no_grad():
+        int8_inference = model(idx)
+    validation_mode(model)
+    assert not any(m.training for m in model.modules() if isinstance(m, nn.Dropout))
+    with torch.no_grad():
+        got = model(idx)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert (int8_inference - expected).abs().max() > 0  # eval() alone would have switched the matmul
 
 
 @pytest.mark.skipif(not has_avx512bf16(), reason="bitsandbytes only repacks 4-bit weights on CPUs with AVX512-BF16")

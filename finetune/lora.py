@@ -30,7 +30,7 @@ from lit_qlora.quantize import (  # noqa: E402
     assert_trainable_4bit, check_quantize, format_memory_report, memory_report, parse_precision, validation_mode)
 from lit_qlora.training import (  # noqa: E402
     FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_checkpoint_dir, check_disk_space,
-    checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, is_tty, list_checkpoints, load_latest_checkpoint,
+    checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, head_chunk, is_tty, list_checkpoints, load_latest_checkpoint,
     lr_at, make_optimizer, rng_state, save_checkpoint, set_rng_state, shift_labels)
 from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_cli, tune_cpu_allocator  # noqa: E402
 
@@ -300,7 +300,7 @@ def main(fabric, args: dict) -> None:
         loss_sum = torch.zeros((), device=fabric.device)
         for j, (batch, tgt) in enumerate(zip(micro, targets)):
             with fabric.no_backward_sync(model, enabled=j < accum - 1):
-                logits = model(batch["input_ids"].to(fabric.device), lm_head_chunk=_head_chunk(config))
+                logits = model(batch["input_ids"].to(fabric.device), lm_head_chunk=head_chunk(config))
                 loss = chunked_cross_entropy(logits, tgt.to(fabric.device), IGNORE_INDEX)
                 fabric.backward(loss * world / n_tok.clamp(min=1))
             loss_sum += loss.detach()
@@ -408,7 +408,7 @@ def validate(fabric, model, gpt, val_data: list, a: "_Args", tokenizer, data_met
             continue
         batch = collate(chunk, pad_id=tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
         tgt = shift_labels(batch["labels"], IGNORE_INDEX).to(fabric.device)
-        logits = model(batch["input_ids"].to(fabric.device), lm_head_chunk=_head_chunk(config))
+        logits = model(batch["input_ids"].to(fabric.device), lm_head_chunk=head_chunk(config))
         total += torch.stack([chunked_cross_entropy(logits, tgt, IGNORE_INDEX).float(), (tgt != IGNORE_INDEX).sum().float()])
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total
     val_loss = float(total[0] / total[1].clamp(min=1))
@@ -426,11 +426,6 @@ def validate(fabric, model, gpt, val_data: list, a: "_Args", tokenizer, data_met
               file=sys.stderr)
     model.train()
     return val_loss
-
-
-def _head_chunk(config) -> int:
-    # Large vocabularies: project 256 positions at a time, so the fp32 upcast for the loss is made per chunk
-    return 256 if config.vocab_size >= 32000 else 0
 
 
 def _local(batch: dict, rank: int, world: int) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -62,17 +62,25 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
 def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Optional[str] = None,
                lora: Optional[LoRAConfig] = None, device: torch.device | str = "cpu", quantize_lm_head: bool = True,
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
-               merge_adapter: Optional[dict] = None) -> GPT:
+               merge_adapter: Optional[dict] = None,
+               tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
     LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
 
     `merge_adapter` (an adapter dict) is added to the full-precision weights as they are read, before any
-    quantization, so a merged 4-bit model rounds once, like any quantized checkpoint."""
+    quantization, so a merged 4-bit model rounds once, like any quantized checkpoint.
+
+    `tensors` ((name, tensor) pairs in our naming, with `config`) fills the model instead of the checkpoint file:
+    scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
     config = config or ensure_converted(checkpoint_dir)
-    weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
+    if tensors is None:
+        weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
+        tensors = read_safetensors(weights)
+    else:
+        weights = Path("<the given tensors>")  # only named in error messages
     with torch.device("meta"):
         model = GPT(config)
     if lora is not None:
@@ -81,7 +89,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         swap_linears(model, quantize, prec.dtype, quantize_lm_head)
 
     merge_targets = _merge_targets(config, merge_adapter)
-    for key, t in read_safetensors(weights):
+    for key, t in tensors:
         name = key.rpartition(".")[0]
         if name in merge_targets and key.endswith(".weight"):
             t = t.float() + _delta(merge_adapter, name, config, t.shape)

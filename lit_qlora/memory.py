@@ -359,7 +359,7 @@ def estimate_training_memory(
     if prec.mixed:
         tail.append(n_lora * a)  # autocast's low-precision copies of the LoRA weights
     # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see finetune/lora.py
-    # _head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
+    # training.head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
     chunk_T = min(256 if V >= 32000 else T, T)
     n_chunks = -(-T // chunk_T)
     N_c = B * chunk_T

@@ -48,6 +48,12 @@ def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: to
     return total
 
 
+def head_chunk(config) -> int:
+    """Positions per lm_head chunk for `GPT(lm_head_chunk=...)`: large vocabularies project 256 positions at a time,
+    so the loss's fp32 upcast is made per chunk; 0 (all at once) below 32000 entries."""
+    return 256 if config.vocab_size >= 32000 else 0
+
+
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """targets[t] = labels[t + 1]; the last position predicts nothing. Keeps the [B, T] shape so logits need no slicing."""
     out = torch.full_like(labels, ignore_index)

@@ -49,7 +49,7 @@ def main() -> None:
 
     from lit_qlora.loader import load_model
     from lit_qlora.lora import LoRAConfig
-    from lit_qlora.training import chunked_cross_entropy
+    from lit_qlora.training import chunked_cross_entropy, head_chunk
     from lit_qlora.utils import tune_cpu_allocator
 
     device = torch.device(args.device)
@@ -62,7 +62,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=3e-4)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_length), generator=gen).to(device)
-    chunk = 256 if model.config.vocab_size >= 32000 else 0  # as finetune/lora.py's _head_chunk
+    chunk = head_chunk(model.config)  # as finetune/lora.py
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step() -> None:

@@ -52,6 +52,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
+@torch.compiler.disable  # under GPT.compile_blocks the backward's length test would make a second compilation
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for q, k, v [B, H, T, hs] of the same length."""
     return _CausalAttention.apply(q, k, v, scale)

@@ -32,6 +32,7 @@ class GPT(nn.Module):
         self.max_seq_length = config.block_size
         self.kv_caches: Optional[list[KVCache]] = None
         self.activation_checkpointing = False  # recompute each block in backward instead of keeping its activations
+        self.compiled_blocks: Optional[list] = None  # set by compile_blocks(): used for training steps only
 
     def rope_cache(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]."""
@@ -62,9 +63,12 @@ class GPT(nn.Module):
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
+        training = self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             cache = self.kv_caches[i] if input_pos is not None else None
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if training and self.compiled_blocks is not None:
+                block = self.compiled_blocks[i]
+            if self.activation_checkpointing and training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len, use_reentrant=False)
             else:
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len)
@@ -73,6 +77,11 @@ class GPT(nn.Module):
             # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
             return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=1)]
         return self.lm_head(x)  # [B, T, V]
+
+    def compile_blocks(self) -> None:
+        """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
+        KV cache never triggers a recompilation). dynamic=True: one compilation serves every batch length."""
+        self.compiled_blocks = [torch.compile(block, dynamic=True) for block in self.transformer.h]
 
     def _mask(self, positions: torch.Tensor, T: int, cached: bool, device: torch.device):
         """(mask or None, keys to attend). None means plain causal attention (or no mask for one decode step).

@@ -71,8 +71,11 @@ def test_training_gradients_match_transformers(tiny, monkeypatch):
     if pad is not None:  # HF's embedding gives its padding row no gradient; ours (always frozen in LoRA) does
         idx[idx == pad] = (pad + 1) % VOCAB
 
-    def embedding_grad(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    def embedding_grad(model: torch.nn.Module, dtype: torch.dtype, compiled: bool = False) -> torch.Tensor:
         model = copy.deepcopy(model).to(dtype)
+        if compiled:
+            model.train()  # compiled blocks serve training steps only
+            model.compile_blocks()
         logits = model(idx)
         getattr(logits, "logits", logits).float().logsumexp(-1).sum().backward()
         wte = model.transformer.wte if isinstance(model, GPT) else model.get_input_embeddings()
@@ -86,6 +89,10 @@ def test_training_gradients_match_transformers(tiny, monkeypatch):
     assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     sliding = tiny.ours.config.sliding_window_size is not None  # a window needs a mask: SDPA with attn_mask
     assert bool(calls) == (not sliding)
+    if tiny.kind in ("llama", "gpt_neox"):  # finetune --compile: the same check through torch.compile'd blocks
+        torch.testing.assert_close(embedding_grad(tiny.ours, torch.float32, compiled=True), expected, atol=1e-4, rtol=1e-4)
+        err_compiled = (embedding_grad(tiny.ours, torch.bfloat16, compiled=True) - expected).abs().max()
+        assert err_compiled <= 1.5 * err_hf + 1e-3 * expected.abs().max()
 
 
 @pytest.mark.parametrize("T", [7, 100, 200])  # 200: at or above RECOMPUTE_BELOW, ATen's flash backward

@@ -30,8 +30,8 @@ from lit_qlora.quantize import (  # noqa: E402
     assert_trainable_4bit, check_quantize, format_memory_report, memory_report, parse_precision, validation_mode)
 from lit_qlora.training import (  # noqa: E402
     FINAL_ADAPTER, OPTIMIZERS, MetricsLog, StopRequest, TrainingDiverged, check_checkpoint_dir, check_disk_space,
-    checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, head_chunk, is_tty, list_checkpoints, load_latest_checkpoint,
-    lr_at, make_optimizer, rng_state, save_checkpoint, set_rng_state, shift_labels)
+    checkpoint_bytes, checkpoint_path, chunked_cross_entropy, fmt_eta, head_chunk, is_tty, list_checkpoints,
+    load_latest_checkpoint, lr_at, make_optimizer, rng_state, save_checkpoint, set_rng_state, shift_labels)
 from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_cli, tune_cpu_allocator  # noqa: E402
 
 IGNORE_INDEX = -100

@@ -11,6 +11,7 @@ newest intact one.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import time
@@ -137,6 +138,10 @@ def setup(
     check_quantize(quantize, precision, "cuda" if accelerator == "cuda" else "cpu")
     if optimizer not in OPTIMIZERS:
         raise UserError(f"unknown --optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    on_cpu = accelerator == "cpu" or not torch.cuda.is_available()
+    if compile and on_cpu and not (shutil.which("g++") or shutil.which("clang++")):
+        raise UserError("--compile on CPU needs a C++ compiler (torch.compile builds its kernels with g++ or clang++); "
+                        "install one, or leave --compile off")
     if nan_policy not in ("stop", "skip"):
         raise UserError(f"unknown --nan_policy {nan_policy!r}; choose stop or skip")
     lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,

@@ -4,6 +4,7 @@ import copy
 import io
 import json
 import runpy
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -89,7 +90,8 @@ def test_training_gradients_match_transformers(tiny, monkeypatch):
     assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     sliding = tiny.ours.config.sliding_window_size is not None  # a window needs a mask: SDPA with attn_mask
     assert bool(calls) == (not sliding)
-    if tiny.kind in ("llama", "gpt_neox"):  # finetune --compile: the same check through torch.compile'd blocks
+    has_cxx = shutil.which("g++") or shutil.which("clang++")  # torch.compile's CPU kernels are built with one
+    if tiny.kind in ("llama", "gpt_neox") and has_cxx:  # finetune --compile: the same check through compiled blocks
         torch.testing.assert_close(embedding_grad(tiny.ours, torch.float32, compiled=True), expected, atol=1e-4, rtol=1e-4)
         err_compiled = (embedding_grad(tiny.ours, torch.bfloat16, compiled=True) - expected).abs().max()
         assert err_compiled <= 1.5 * err_hf + 1e-3 * expected.abs().max()

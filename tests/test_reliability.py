@@ -323,6 +323,15 @@ def test_not_enough_disk_space_is_found_before_training(tiny, prev_run, capfd, m
     assert h.snapshot(prev_run) == before
 
 
+def test_compile_without_a_cpp_compiler_is_refused_up_front(tiny, tmp_path, capfd, monkeypatch):
+    import shutil as shutil_mod
+
+    monkeypatch.setattr(shutil_mod, "which", lambda name, *a, **k: None)  # no g++ / clang++ on PATH
+    r = run_inprocess(h.train_args(tiny, tmp_path / "out", compile="true"), capfd)
+    h.assert_one_line_error(r, "--compile on CPU needs a C++ compiler", "leave --compile off")
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     import lit_qlora.utils as utils
     from lit_qlora.training import save_checkpoint

@@ -383,7 +383,8 @@ def main(fabric, args: dict) -> None:
     n_tokens = sum(iter_tokens)
     summary = dict(model=config.name, precision=a.precision, quantize=a.quantize or "none", optimizer=a.optimizer,
                    micro_batch_size=a.micro_batch_size, batch_size=a.batch_size, devices=world, iterations=step,
-                   max_seq_length=max_seq_length, lora=asdict(lora), activation_checkpointing=a.activation_checkpointing, compile=a.compile,
+                   max_seq_length=max_seq_length, lora=asdict(lora), activation_checkpointing=a.activation_checkpointing,
+                   compile=a.compile,
                    training_time_s=train_time, tokens_per_sec=n_tokens / max(sum(iter_times), 1e-9) if iter_times else None,
                    peak_memory_gb=mem, memory_kind="cuda max allocated" if fabric.device.type == "cuda" else "peak RSS",
                    final_train_loss=losses[-1] if losses else None, final_val_loss=val_loss,

@@ -367,19 +367,22 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False) -> Config:
     return Config.from_file(cfg)
 
 
+def random_weight(name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """One tensor of a random bf16 checkpoint: norms at 1, everything else normal(0, `std`). Works for our names and
+    Hugging Face's (both call their norms "*norm*"; ours also "ln_f")."""
+    if "norm" in name or "ln_f" in name:
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    return (torch.randn(shape, generator=generator, device=device) * std).to(torch.bfloat16)
+
+
 def write_random_checkpoint(folder: Path, config: Config, seed: int = 0, std: float = 0.02) -> None:
-    """Our checkpoint with random weights (normal, `std`; norms at 1) in bf16, streamed tensor by tensor, so even
-    a model too large for memory can be written: for demos, benchmarks and tests."""
+    """Our checkpoint with random weights (`random_weight`) in bf16, streamed tensor by tensor, so even a model too
+    large for memory can be written: for demos, benchmarks and tests."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     shapes = lit_param_shapes(config)
-
-    def make(name: str, shape: torch.Size) -> torch.Tensor:
-        if "norm" in name or "ln_f" in name:
-            return torch.ones(shape, dtype=torch.bfloat16)
-        return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
-
     write_safetensors_stream(folder / LIT_WEIGHTS, [(k, s, torch.bfloat16) for k, s in shapes.items()],
-                             ((k, make(k, s)) for k, s in shapes.items()))
+                             ((k, random_weight(k, s, g, std)) for k, s in shapes.items()))
     config.save(folder / LIT_CONFIG)

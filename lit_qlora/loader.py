@@ -25,20 +25,32 @@ from lit_qlora.quantize import check_quantize, is_quantized, parse_precision, qu
 from lit_qlora.utils import UserError
 
 
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file's JSON header (without `__metadata__`) and the byte offset where the
+    tensor data starts. ValueError when the file is too short for its header or the header is not readable JSON."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"a header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def read_safetensors(path: Path, keys: Optional[set[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from a safetensors file, one freshly read tensor at a time, in file order."""
     path = Path(path)
     size = path.stat().st_size
+    try:
+        header, base = safetensors_header(path)
+    except ValueError:
+        raise UserError(f"{path} is truncated or has a damaged header; convert the checkpoint again (delete it and "
+                        "rerun)") from None
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"{path} is truncated; convert the checkpoint again (delete it and rerun)")
-        n = int.from_bytes(head, "little")
-        if n <= 0 or 8 + n > size:
-            raise UserError(f"{path} has a damaged header; convert the checkpoint again (delete it and rerun)")
-        header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        base = 8 + n
         for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if keys is not None and name not in keys:
                 continue

@@ -39,10 +39,9 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 
 def safetensors_specs(path: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
     """(name, shape, dtype) of every tensor in a safetensors file, in file order (the order `read_safetensors` yields)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
+    from lit_qlora.loader import safetensors_header
+
+    header, _ = safetensors_header(path)
     items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     return [(k, torch.Size(e["shape"]), _ST_DTYPES[e["dtype"]]) for k, e in items]
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora.utils import UserError
+from lit_qlora.utils import UserError, release_freed_memory
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
 PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
@@ -131,29 +131,6 @@ def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device)
 # never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the result
 # is bit-identical. 1M elements per chunk: ~20 MB of temporaries, and no slower than bigger chunks.
 _CPU_CHUNK = 1 << 20
-_malloc_trim = None
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc only; a no-op elsewhere).
-
-    Quantizing layer after layer leaves freed read buffers and temporaries (a few to tens of MB each: under glibc's
-    adaptive mmap threshold, so on the heap) in holes between the long-lived quantized tensors, and glibc keeps such
-    holes resident: loading a 1.1B model with nf4-dq ended at 2.1 GB RSS for 0.67 GB of tensors. malloc_trim
-    releases them (~1 ms a call)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-            import sys
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim if sys.platform.startswith("linux") else False
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
 def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
     F = bnb.functional
     if isinstance(module, bnb.nn.Linear8bitLt):
@@ -163,7 +140,7 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
             cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(weight[r:r + rows].contiguous().to(torch.float16))
         module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
-        _release_freed_memory()
+        release_freed_memory()  # quantizing leaves freed buffers in heap holes
         return
     w = module.weight  # the meta Params4bit carries the settings
     flat = weight.contiguous().reshape(-1)
@@ -190,7 +167,7 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
                                       compress_statistics=w.compress_statistics, quant_type=w.quant_type,
                                       quant_storage=w.quant_storage, module=module, bnb_quantized=True)
     module.quant_state = state
-    _release_freed_memory()
+    release_freed_memory()  # quantizing leaves freed buffers in heap holes
 
 
 def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = True) -> list[str]:

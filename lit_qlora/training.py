@@ -67,10 +67,9 @@ def check_checkpoint_dir(checkpoint_dir: Path):
 
     Converts a Hugging Face folder on first use. Reads only the safetensors header (and the file size), so a
     broken or partial checkpoint is refused in one line before anything heavy is loaded."""
-    import json
-
     from lit_qlora.config import Config
     from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, ensure_converted, lit_param_shapes
+    from lit_qlora.loader import safetensors_header
 
     checkpoint_dir = Path(checkpoint_dir)
     weights, cfg_file = checkpoint_dir / LIT_WEIGHTS, checkpoint_dir / LIT_CONFIG
@@ -90,16 +89,10 @@ def check_checkpoint_dir(checkpoint_dir: Path):
             else "convert the checkpoint again")
     size = weights.stat().st_size
     try:
-        with open(weights, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        end = 8 + n + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        header, base = safetensors_header(weights)
+        end = base + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
         shapes = {k: tuple(e["shape"]) for k, e in header.items()}
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise UserError(f"{weights} is damaged or truncated (unreadable header, {size} bytes); {redo}") from None
     if size < end:
         raise UserError(f"{weights} is truncated ({size} of {end} bytes); {redo}")

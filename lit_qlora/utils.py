@@ -1,6 +1,7 @@
 """Small helpers shared by the scripts: the user-error path, atomic writes, memory figures."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -96,6 +97,19 @@ def num_parameters(module: torch.nn.Module, requires_grad: bool | None = None) -
     return total
 
 
+@functools.lru_cache(maxsize=None)
+def _libc():
+    """glibc through ctypes (loaded once), or None where there is none (not Linux, or another C library)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_cpu_allocator(mmap_threshold: int = 4 << 20) -> bool:
     """Serve allocations of `mmap_threshold` bytes or more with their own mmap (glibc only).
 
@@ -105,12 +119,17 @@ def tune_cpu_allocator(mmap_threshold: int = 4 << 20) -> bool:
     RSS of a 56M-parameter nf4 run fell from 1.23 to 0.79 GB, a 221M one from 2.99 to 2.75 GB, with no measurable
     change in speed (tutorials/performance.md). Returns whether the setting was applied.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
+    libc = _libc()
+    M_MMAP_THRESHOLD = -3
+    return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
 
-        M_MMAP_THRESHOLD = -3
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
-    except (OSError, AttributeError):
-        return False
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim, ~1 ms; a no-op elsewhere).
+
+    Quantizing layer after layer leaves freed read buffers and temporaries (a few to tens of MB each: under glibc's
+    adaptive mmap threshold, so on the heap) in holes between the long-lived quantized tensors, and glibc keeps such
+    holes resident: loading a 1.1B model with nf4-dq ended at 2.1 GB RSS for 0.67 GB of tensors."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

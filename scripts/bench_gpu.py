@@ -64,7 +64,6 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the same layers as LORA
 LEARNING_RATE = 3e-4
 WARMUP_ITERS = 2
 SEED = 1337
-STD = 0.02
 # --tiny: every in_features a multiple of 64, as in the real shapes (bitsandbytes' CPU 4-bit kernels expect it)
 TINY = dict(n_layer=2, n_embd=256, n_head=4, n_query_groups=4, head_size=64, intermediate_size=704, vocab_size=1000)
 TINY_SEQ, TINY_ITERS = 64, 4
@@ -79,15 +78,6 @@ def model_config(name: str, tiny: bool, seq_length: int) -> Config:
     if seq_length > config.block_size:
         raise SystemExit(f"error: --seq_length {seq_length} is longer than {name}'s context ({config.block_size}); pass a shorter one")
     return config
-
-
-def random_weight(name: str, shape: torch.Size, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """One bf16 tensor made on `device`: what our random checkpoints hold (norms at 1, biases at 0, the rest N(0, 0.02))."""
-    if "norm" in name or "ln_f" in name:
-        return torch.ones(shape, device=device, dtype=torch.bfloat16)
-    if name.endswith(".bias"):
-        return torch.zeros(shape, device=device, dtype=torch.bfloat16)
-    return torch.empty(shape, device=device, dtype=torch.bfloat16).normal_(0.0, STD, generator=gen)
 
 
 def token_batch(config: Config, micro_batch_size: int, seq_length: int, device: torch.device) -> torch.Tensor:
@@ -121,11 +111,11 @@ def weights_gb(model: nn.Module) -> float:
 def build_ours(config: Config, quantize: Optional[str], device: torch.device, quantize_lm_head: bool) -> nn.Module:
     """Our model with LoRA on `device`, filled by the loader from random weights made there one tensor at a time
     (each 4-bit weight is quantized as soon as it exists, so the bf16 copies never coexist)."""
-    from lit_qlora.convert import lit_param_shapes
+    from lit_qlora.convert import lit_param_shapes, random_weight
     from lit_qlora.loader import load_model
 
     gen = torch.Generator(device=device).manual_seed(SEED)
-    tensors = ((key, random_weight(key, shape, device, gen)) for key, shape in lit_param_shapes(config).items())
+    tensors = ((key, random_weight(key, shape, gen, device=device)) for key, shape in lit_param_shapes(config).items())
     return load_model(None, precision=PRECISION, quantize=quantize, lora=LORA, device=device,
                       quantize_lm_head=quantize_lm_head, config=config, seed=SEED, tensors=tensors)
 
@@ -155,7 +145,7 @@ def build_hf(config: Config, quantize: Optional[str], device: torch.device) -> n
     import transformers
     from accelerate import init_empty_weights
 
-    from lit_qlora.convert import to_hf_config
+    from lit_qlora.convert import random_weight, to_hf_config
 
     hf_dict = to_hf_config(config)
     hf_config = transformers.AutoConfig.for_model(**hf_dict)
@@ -178,7 +168,7 @@ def build_hf(config: Config, quantize: Optional[str], device: torch.device) -> n
     gen = torch.Generator(device=device).manual_seed(SEED)
     for name, p in list(model.named_parameters()):
         module_name, _, param = name.rpartition(".")
-        value = random_weight(name, p.shape, device, gen)
+        value = random_weight(name, p.shape, gen, device=device)
         if quantizer is not None and quantizer.param_needs_quantization(model, name):
             value = hf_quantize(quantizer, model, name, value)
         else:

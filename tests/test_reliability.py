@@ -126,6 +126,13 @@ def _ckpt_truncated(t, p):
     return dict(checkpoint_dir=d), [str(d / "lit_model.safetensors"), "truncated"]
 
 
+def _ckpt_garbage_header(t, p):  # a header length of 2^64 - 1: must be refused, not read
+    d = copy_ckpt(t, p / "ckpt")
+    w = d / "lit_model.safetensors"
+    w.write_bytes(b"\xff" * 8 + w.read_bytes()[8:])
+    return dict(checkpoint_dir=d), [str(w), "damaged or truncated"]
+
+
 def _ckpt_partial(t, p):
     d = copy_ckpt(t, p / "ckpt", drop=("model_config.json", "config.json", "model.safetensors"))
     return dict(checkpoint_dir=d), ["partially converted", "model_config.json is missing"]
@@ -227,7 +234,7 @@ def _resume_no_such_file(t, p):
 
 
 CASES = {f.__name__[1:]: f for f in (
-    _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_partial, _ckpt_disagrees, _ckpt_config_corrupt,
+    _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_garbage_header, _ckpt_partial, _ckpt_disagrees, _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file)}

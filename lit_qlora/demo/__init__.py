@@ -56,6 +56,7 @@ def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 
     from lit_qlora.data import collate, split
     from lit_qlora.loader import load_model
     from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.training import shift_labels
 
     tok = Tokenizer(folder)
     records, _ = split(json.loads(DEMO_DATA_FILE.read_text()), 0.05, 42)  # the split finetune/lora.py validates on
@@ -71,8 +72,7 @@ def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 
         idx = torch.randint(len(samples), (batch_size,), generator=g).tolist()
         batch = collate([samples[i] for i in idx], pad_id=tok.eos_id, ignore_index=-100)
         logits = model(batch["input_ids"])
-        targets = torch.full_like(batch["labels"], -100)
-        targets[:, :-1] = batch["labels"][:, 1:]
+        targets = shift_labels(batch["labels"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         loss.backward()
         for group in opt.param_groups:

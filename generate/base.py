@@ -1,20 +1,18 @@
 """Generate from a base model (no adapter).
 
-    python generate/base.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf --prompt "Hello, my name is" --quantize bnb.nf4
+    python generate/base.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf --prompt "Hello, my name is" \
+        --quantize bnb.nf4
 
 The generated text alone goes to stdout; loading messages and the speed/memory figures go to stderr.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lit_qlora import demo  # noqa: E402
-from lit_qlora.inference import load_for_inference, pick_device, run_prompts  # noqa: E402
-from lit_qlora.utils import UserError, run_cli  # noqa: E402
+from lit_qlora import demo
+from lit_qlora.inference import load_for_inference, pick_device, run_prompts
+from lit_qlora.utils import UserError, run_cli
 
 
 def main(

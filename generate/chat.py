@@ -11,14 +11,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from lit_qlora import demo  # noqa: E402
-from lit_qlora.generation import generate  # noqa: E402
-from lit_qlora.inference import autocast_for, format_prompt, load_for_inference, pick_device  # noqa: E402
-from lit_qlora.utils import UserError, run_cli  # noqa: E402
+from lit_qlora import demo
+from lit_qlora.generation import generate
+from lit_qlora.inference import autocast_for, format_prompt, load_for_inference, pick_device
+from lit_qlora.utils import UserError, run_cli
 
 
 def render(messages: list[dict], tokenizer, adapter: Optional[dict], template: Optional[str]) -> str:
@@ -26,7 +24,8 @@ def render(messages: list[dict], tokenizer, adapter: Optional[dict], template: O
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(UserError(f"chat template: {msg}; fix the messages"))
+        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(UserError(f"chat template: {msg}; fix the "
+                                                                                     "messages"))
         # bos_token is left empty: `tokenizer.encode` adds bos itself, as the model family expects
         return env.from_string(tokenizer.chat_template).render(messages=messages, add_generation_prompt=True,
                                                                bos_token="", eos_token="")

@@ -8,15 +8,12 @@ The generated text alone goes to stdout; loading messages and the speed/memory f
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lit_qlora import demo  # noqa: E402
-from lit_qlora.inference import format_prompt, load_for_inference, pick_device, run_prompts  # noqa: E402
-from lit_qlora.utils import UserError, run_cli  # noqa: E402
+from lit_qlora import demo
+from lit_qlora.inference import format_prompt, load_for_inference, pick_device, run_prompts
+from lit_qlora.utils import UserError, run_cli
 
 
 def main(
@@ -64,11 +61,13 @@ def main(
         if not Path(lora_path).is_file():
             raise UserError(f"no demo adapter at {lora_path}; run `python finetune/lora.py` first")
     if lora_path is None:
-        raise UserError("--lora_path is required with --checkpoint_dir; use generate/base.py to generate without an adapter")
+        raise UserError("--lora_path is required with --checkpoint_dir; use generate/base.py to generate without an "
+                        "adapter")
     if devices != 1:
         raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
     device = pick_device(accelerator)
-    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device, merge)
+    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device,
+                                                   merge)
     text = format_prompt(prompt if prompt is not None else "", input, adapter, template)
     run_prompts(model, tokenizer, text, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision)

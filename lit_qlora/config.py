@@ -26,7 +26,8 @@ class Config:
     head_size: Optional[int] = None  # defaults to n_embd // n_head (Gemma differs)
     rotary_percentage: float = 1.0  # share of each head that RoPE rotates (partial rotary)
     rope_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # Llama 3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    # Llama 3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    rope_scaling: Optional[dict] = None
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)) instead of sequential blocks
     shared_attention_norm: bool = False  # parallel blocks that feed attn and mlp from one norm
     norm_class: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
@@ -51,7 +52,8 @@ class Config:
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
         if self.n_head % self.n_query_groups:
-            raise UserError(f"n_head={self.n_head} is not a multiple of n_query_groups={self.n_query_groups}; fix the model config")
+            raise UserError(f"n_head={self.n_head} is not a multiple of n_query_groups={self.n_query_groups}; fix the "
+                            "model config")
 
     @property
     def rope_n_elem(self) -> int:
@@ -69,12 +71,17 @@ class Config:
         if name not in NAME_TO_CONFIG:
             close = [n for n in NAME_TO_CONFIG if name.lower() in n.lower()][:8]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise UserError(f"unknown model name {name!r}{hint}; pass one of `lit_qlora.config.NAMES` or a checkpoint folder with config.json")
+            raise UserError(f"unknown model name {name!r}{hint}; pass one of `lit_qlora.config.NAMES` or a checkpoint "
+                            "folder with config.json")
         return replace(cls(**NAME_TO_CONFIG[name]), **overrides)
 
     @classmethod
     def from_file(cls, path: Path) -> "Config":
-        data = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        """Our config from its `to_dict()` form (unknown keys, e.g. from a newer version, are ignored)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -92,7 +99,8 @@ class Config:
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(hf.get("model_type", ""), "")
         if arch not in _HF_MAPPERS:
             raise UserError(
-                f"unsupported architecture {arch or hf.get('model_type')!r} in {path if not isinstance(path, dict) else 'config.json'}; "
+                f"unsupported architecture {arch or hf.get('model_type')!r} in "
+                f"{path if not isinstance(path, dict) else 'config.json'}; "
                 f"supported: {', '.join(sorted(_HF_MAPPERS))}"
             )
         kw = _HF_MAPPERS[arch](hf)
@@ -118,7 +126,8 @@ def _rope_params(hf: dict) -> tuple[float, Optional[dict]]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "llama3":
             raise UserError(f"rope scaling {kind!r} is not supported; only 'llama3' rope scaling is implemented")
-        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                           "original_max_position_embeddings")}
     return base, scaling
 
 
@@ -153,7 +162,8 @@ def _act(name: str) -> str:
 
 def _map_llama(hf: dict) -> dict:
     if hf.get("mlp_bias") or hf.get("attention_bias"):
-        raise UserError("Llama configs with attention_bias or mlp_bias are not supported; use a model without those biases")
+        raise UserError("Llama configs with attention_bias or mlp_bias are not supported; use a model without those "
+                        "biases")
     return _llama_like(hf)
 
 
@@ -235,7 +245,8 @@ def _map_stablelm(hf: dict) -> dict:
         n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
         n_query_groups=hf.get("num_key_value_heads") or n_head, rotary_percentage=_partial_rotary(hf, 0.25),
         rope_base=base, norm_class="LayerNorm", norm_eps=hf.get("layer_norm_eps", 1e-5),
-        attn_bias=bool(hf.get("use_qkv_bias", False)), mlp_class="LLaMAMLP", activation=_act(hf.get("hidden_act", "silu")),
+        attn_bias=bool(hf.get("use_qkv_bias", False)), mlp_class="LLaMAMLP",
+        activation=_act(hf.get("hidden_act", "silu")),
         intermediate_size=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
@@ -266,30 +277,34 @@ for chat in ("", "-chat"):
 for suffix in ("", "-Instruct"):
     l3 = dict(vocab_size=128256, rope_base=500000.0)
     configs += [
-        _llama(f"Meta-Llama-3-8B{suffix}", block_size=8192, n_layer=32, n_head=32, n_query_groups=8, n_embd=4096, intermediate_size=14336, **l3),
-        _llama(f"Meta-Llama-3-70B{suffix}", block_size=8192, n_layer=80, n_head=64, n_query_groups=8, n_embd=8192, intermediate_size=28672, **l3),
+        _llama(f"Meta-Llama-3-8B{suffix}", block_size=8192, n_layer=32, n_head=32, n_query_groups=8, n_embd=4096,
+               intermediate_size=14336, **l3),
+        _llama(f"Meta-Llama-3-70B{suffix}", block_size=8192, n_layer=80, n_head=64, n_query_groups=8, n_embd=8192,
+               intermediate_size=28672, **l3),
         _llama(f"Llama-3.1-8B{suffix}", block_size=131072, n_layer=32, n_head=32, n_query_groups=8, n_embd=4096,
                intermediate_size=14336, rope_scaling=_llama3_scaling(8.0), **l3),
         _llama(f"Llama-3.1-70B{suffix}", block_size=131072, n_layer=80, n_head=64, n_query_groups=8, n_embd=8192,
                intermediate_size=28672, rope_scaling=_llama3_scaling(8.0), **l3),
-        _llama(f"Llama-3.2-1B{suffix}", block_size=131072, n_layer=16, n_head=32, n_query_groups=8, n_embd=2048, head_size=64,
-               intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
-        _llama(f"Llama-3.2-3B{suffix}", block_size=131072, n_layer=28, n_head=24, n_query_groups=8, n_embd=3072, head_size=128,
-               intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
+        _llama(f"Llama-3.2-1B{suffix}", block_size=131072, n_layer=16, n_head=32, n_query_groups=8, n_embd=2048,
+               head_size=64, intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
+        _llama(f"Llama-3.2-3B{suffix}", block_size=131072, n_layer=28, n_head=24, n_query_groups=8, n_embd=3072,
+               head_size=128, intermediate_size=8192, rope_scaling=_llama3_scaling(32.0), tie_embeddings=True, **l3),
     ]
 configs += [
     _llama("TinyLlama-1.1B-intermediate-step-1431k-3T", block_size=2048, n_layer=22, n_head=32, n_query_groups=4,
            n_embd=2048, intermediate_size=5632),
-    _llama("TinyLlama-1.1B-Chat-v1.0", block_size=2048, n_layer=22, n_head=32, n_query_groups=4, n_embd=2048, intermediate_size=5632),
-    dict(name="Mistral-7B-v0.1", hf_architecture="MistralForCausalLM", block_size=32768, n_layer=32, n_head=32, n_query_groups=8,
-         n_embd=4096, intermediate_size=14336, sliding_window_size=4096),
+    _llama("TinyLlama-1.1B-Chat-v1.0", block_size=2048, n_layer=22, n_head=32, n_query_groups=4, n_embd=2048,
+           intermediate_size=5632),
+    dict(name="Mistral-7B-v0.1", hf_architecture="MistralForCausalLM", block_size=32768, n_layer=32, n_head=32,
+         n_query_groups=8, n_embd=4096, intermediate_size=14336, sliding_window_size=4096),
     dict(name="Mistral-7B-Instruct-v0.1", hf_architecture="MistralForCausalLM", block_size=32768, n_layer=32, n_head=32,
          n_query_groups=8, n_embd=4096, intermediate_size=14336, sliding_window_size=4096),
 ]
 for size, (layers, heads, groups, embd, inter) in {"135M": (30, 9, 3, 576, 1536), "360M": (32, 15, 5, 960, 2560),
                                                    "1.7B": (24, 32, 32, 2048, 8192)}.items():
     for suffix in ("", "-Instruct"):
-        configs.append(_llama(f"SmolLM2-{size}{suffix}", block_size=8192, vocab_size=49152, n_layer=layers, n_head=heads,
+        configs.append(_llama(f"SmolLM2-{size}{suffix}", block_size=8192, vocab_size=49152, n_layer=layers,
+                              n_head=heads,
                               n_query_groups=groups, n_embd=embd, intermediate_size=inter, tie_embeddings=True,
                               rope_base=130000.0 if size == "1.7B" else 100000.0))
 for size, (layers, heads, groups, embd, inter, vocab, tied) in {
@@ -297,13 +312,17 @@ for size, (layers, heads, groups, embd, inter, vocab, tied) in {
     "3B": (36, 16, 2, 2048, 11008, 151936, True), "7B": (28, 28, 4, 3584, 18944, 152064, False),
 }.items():
     for suffix in ("", "-Instruct"):
-        configs.append(dict(name=f"Qwen2.5-{size}{suffix}", hf_architecture="Qwen2ForCausalLM", block_size=32768, vocab_size=vocab,
+        configs.append(dict(name=f"Qwen2.5-{size}{suffix}", hf_architecture="Qwen2ForCausalLM", block_size=32768,
+                            vocab_size=vocab,
                             n_layer=layers, n_head=heads, n_query_groups=groups, n_embd=embd, intermediate_size=inter,
                             attn_bias=True, rope_base=1000000.0, norm_eps=1e-6, tie_embeddings=tied))
-for size, (layers, heads, groups, embd, inter) in {"2b": (18, 8, 1, 2048, 16384), "7b": (28, 16, 16, 3072, 24576)}.items():
+for size, (layers, heads, groups, embd, inter) in {"2b": (18, 8, 1, 2048, 16384),
+                                                   "7b": (28, 16, 16, 3072, 24576)}.items():
     for suffix in ("", "-it"):
-        configs.append(dict(name=f"gemma-{size}{suffix}", hf_architecture="GemmaForCausalLM", block_size=8192, vocab_size=256000,
-                            n_layer=layers, n_head=heads, n_query_groups=groups, n_embd=embd, head_size=256, intermediate_size=inter,
+        configs.append(dict(name=f"gemma-{size}{suffix}", hf_architecture="GemmaForCausalLM", block_size=8192,
+                            vocab_size=256000,
+                            n_layer=layers, n_head=heads, n_query_groups=groups, n_embd=embd, head_size=256,
+                            intermediate_size=inter,
                             norm_eps=1e-6, norm_unit_offset=True, scale_embeddings=True, tie_embeddings=True,
                             activation="gelu_tanh"))
 _neox = dict(hf_architecture="GPTNeoXForCausalLM", norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP",
@@ -311,26 +330,31 @@ _neox = dict(hf_architecture="GPTNeoXForCausalLM", norm_class="LayerNorm", bias=
 for size, (layers, heads, embd) in {"14m": (6, 4, 128), "31m": (6, 8, 256), "70m": (6, 8, 512), "160m": (12, 12, 768),
                                     "410m": (24, 16, 1024), "1b": (16, 8, 2048), "1.4b": (24, 16, 2048),
                                     "2.8b": (32, 32, 2560), "6.9b": (32, 32, 4096), "12b": (36, 40, 5120)}.items():
-    configs.append(dict(name=f"pythia-{size}", block_size=2048, vocab_size={"6.9b": 50432, "12b": 50688}.get(size, 50304),
+    configs.append(dict(name=f"pythia-{size}", block_size=2048,
+                        vocab_size={"6.9b": 50432, "12b": 50688}.get(size, 50304),
                         n_layer=layers, n_head=heads, n_embd=embd, intermediate_size=4 * embd, **_neox))
 for size, (layers, heads, embd) in {"3b": (16, 32, 4096), "7b": (16, 48, 6144)}.items():
     for kind in ("base", "tuned"):
-        configs.append(dict(name=f"stablelm-{kind}-alpha-{size}", block_size=4096, vocab_size=50688, n_layer=layers, n_head=heads,
-                            n_embd=embd, intermediate_size=4 * embd, **_neox))
+        configs.append(dict(name=f"stablelm-{kind}-alpha-{size}", block_size=4096, vocab_size=50688, n_layer=layers,
+                            n_head=heads, n_embd=embd, intermediate_size=4 * embd, **_neox))
 configs += [
     dict(name="stablelm-2-1_6b", hf_architecture="StableLmForCausalLM", block_size=4096, vocab_size=100352, n_layer=24,
-         n_head=32, n_embd=2048, intermediate_size=5632, rotary_percentage=0.25, norm_class="LayerNorm", attn_bias=True),
-    dict(name="phi-1_5", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=24, n_head=32, n_embd=2048,
-         intermediate_size=8192, rotary_percentage=0.5, parallel_residual=True, shared_attention_norm=True,
+         n_head=32, n_embd=2048, intermediate_size=5632, rotary_percentage=0.25, norm_class="LayerNorm",
+         attn_bias=True),
+    dict(name="phi-1_5", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=24, n_head=32,
+         n_embd=2048, intermediate_size=8192, rotary_percentage=0.5, parallel_residual=True, shared_attention_norm=True,
          norm_class="LayerNorm", bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP", activation="gelu_tanh"),
-    dict(name="phi-2", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=32, n_head=32, n_embd=2560,
+    dict(name="phi-2", hf_architecture="PhiForCausalLM", block_size=2048, vocab_size=51200, n_layer=32, n_head=32,
+         n_embd=2560,
          intermediate_size=10240, rotary_percentage=0.4, parallel_residual=True, shared_attention_norm=True,
          norm_class="LayerNorm", bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP", activation="gelu_tanh"),
-    dict(name="falcon-7b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=32, n_head=71,
+    dict(name="falcon-7b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=32,
+         n_head=71,
          n_query_groups=1, n_embd=4544, intermediate_size=18176, parallel_residual=True, shared_attention_norm=True,
          norm_class="LayerNorm", mlp_class="GptNeoxMLP", activation="gelu", tie_embeddings=True,
          hf_extra={"new_decoder_architecture": False, "multi_query": True}),
-    dict(name="falcon-40b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=60, n_head=128,
+    dict(name="falcon-40b", hf_architecture="FalconForCausalLM", block_size=2048, vocab_size=65024, n_layer=60,
+         n_head=128,
          n_query_groups=8, n_embd=8192, intermediate_size=32768, parallel_residual=True, norm_class="LayerNorm",
          mlp_class="GptNeoxMLP", activation="gelu", tie_embeddings=True,
          hf_extra={"new_decoder_architecture": True, "multi_query": True}),

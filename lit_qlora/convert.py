@@ -12,12 +12,18 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from safetensors import safe_open
 
+from lit_qlora.checkpoint import (
+    DTYPES,
+    LIT_CONFIG,
+    LIT_WEIGHTS,
+    check_checkpoint,
+    lit_param_shapes,
+    write_safetensors_stream,
+)
 from lit_qlora.config import Config
-from lit_qlora.utils import UserError, atomic_write
-
-LIT_WEIGHTS = "lit_model.safetensors"
-LIT_CONFIG = "model_config.json"
+from lit_qlora.utils import UserError
 
 # ---- key maps ---------------------------------------------------------------------------------
 # Per family: (prefix of HF layer i, {our per-layer suffix: HF per-layer suffix}, {our global key: HF key}).
@@ -27,20 +33,26 @@ _LLAMA_LAYER = {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm
 _LLAMA_GLOBAL = {"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm", "lm_head": "lm_head"}
 
 FAMILIES: dict[str, dict] = {
-    "llama": dict(layer="model.layers.{i}.", map=_LLAMA_LAYER, globals=_LLAMA_GLOBAL, qkv="separate", q_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "llama": dict(layer="model.layers.{i}.", map=_LLAMA_LAYER, globals=_LLAMA_GLOBAL, qkv="separate",
+                  q_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     "gpt_neox": dict(layer="gpt_neox.layers.{i}.",
-                     map={"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
+                     map={"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
+                          "attn.proj": "attention.dense",
                           "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
-                     globals={"transformer.wte": "gpt_neox.embed_in", "transformer.ln_f": "gpt_neox.final_layer_norm", "lm_head": "embed_out"},
+                     globals={"transformer.wte": "gpt_neox.embed_in", "transformer.ln_f": "gpt_neox.final_layer_norm",
+                              "lm_head": "embed_out"},
                      qkv="interleaved", q_names=("attention.query_key_value",)),
     "falcon": dict(layer="transformer.h.{i}.",
                    map={"norm_1": "input_layernorm", "attn.proj": "self_attention.dense", "mlp.fc": "mlp.dense_h_to_4h",
                         "mlp.proj": "mlp.dense_4h_to_h"},
-                   globals={"transformer.wte": "transformer.word_embeddings", "transformer.ln_f": "transformer.ln_f", "lm_head": "lm_head"},
+                   globals={"transformer.wte": "transformer.word_embeddings", "transformer.ln_f": "transformer.ln_f",
+                            "lm_head": "lm_head"},
                    qkv="falcon", q_names=("self_attention.query_key_value",)),
     "phi": dict(layer="model.layers.{i}.",
-                map={"norm_1": "input_layernorm", "attn.proj": "self_attn.dense", "mlp.fc": "mlp.fc1", "mlp.proj": "mlp.fc2"},
-                globals={"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.final_layernorm", "lm_head": "lm_head"},
+                map={"norm_1": "input_layernorm", "attn.proj": "self_attn.dense", "mlp.fc": "mlp.fc1",
+                     "mlp.proj": "mlp.fc2"},
+                globals={"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.final_layernorm",
+                         "lm_head": "lm_head"},
                 qkv="separate", q_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
 }
 _ARCH_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
@@ -50,21 +62,10 @@ _ARCH_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwe
 
 def family(config: Config) -> dict:
     fam = dict(FAMILIES[_ARCH_FAMILY[config.hf_architecture]])
-    if config.hf_architecture == "FalconForCausalLM" and config.hf_extra.get("new_decoder_architecture") and not config.shared_attention_norm:
+    falcon_two_norms = config.hf_extra.get("new_decoder_architecture") and not config.shared_attention_norm
+    if config.hf_architecture == "FalconForCausalLM" and falcon_two_norms:
         fam["map"] = {**fam["map"], "norm_1": "ln_attn", "norm_2": "ln_mlp"}
     return fam
-
-
-def lit_param_shapes(config: Config) -> dict[str, torch.Size]:
-    """Our state-dict keys and shapes, from a model built on the meta device (allocates nothing)."""
-    from lit_qlora.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    sd = {k: v.shape for k, v in model.state_dict().items()}
-    if config.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # shares the embedding; stored once
-    return sd
 
 
 # ---- qkv layouts ------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def qkv_layout(config: Config) -> str:
     return "fused" if config.hf_extra.get("multi_query", True) else "interleaved"
 
 
-def _qkv_from_hf(config: Config, layout: str, parts: list[torch.Tensor]) -> torch.Tensor:
+def qkv_from_hf(config: Config, layout: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """HF q/k/v projection weight or bias -> our fused [q | k | v] rows."""
     if layout == "separate":
         return torch.cat(parts, dim=0)
@@ -96,8 +97,8 @@ def _qkv_from_hf(config: Config, layout: str, parts: list[torch.Tensor]) -> torc
     return torch.cat((q, k, v), dim=0)
 
 
-def _qkv_to_hf(config: Config, layout: str, fused: torch.Tensor) -> list[torch.Tensor]:
-    """Inverse of `_qkv_from_hf`: our fused rows -> the HF tensors (in q_names order)."""
+def qkv_to_hf(config: Config, layout: str, fused: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of `qkv_from_hf`: our fused rows -> the HF tensors (in q_names order)."""
     q, k, v = fused.split(config.qkv_sizes, dim=0)
     if layout == "separate":
         return [q.clone(), k.clone(), v.clone()]
@@ -122,7 +123,7 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
             prefix = fam["layer"].format(i=i)
             if sub == "attn.qkv":
                 hf_keys = [f"{prefix}{n}.{param}" for n in fam["q_names"]]
-                plan.append((key, hf_keys, lambda parts, _l=qkv_layout(config): _qkv_from_hf(config, _l, parts)))
+                plan.append((key, hf_keys, lambda parts, _l=qkv_layout(config): qkv_from_hf(config, _l, parts)))
                 continue
             hf_keys = [f"{prefix}{fam['map'][sub]}.{param}"]
         else:
@@ -133,7 +134,6 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
 
 def lit_to_hf_plan(config: Config) -> list[tuple[str, str, Optional[int]]]:
     """[(HF key, our key, index into the split qkv or None)]."""
-    fam = family(config)
     out = []
     for key, hf_keys, _ in hf_to_lit_plan(config):
         if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
@@ -164,22 +164,22 @@ class HFWeights:
                 files = sorted({self.folder / f for f in weight_map.values()})
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
-                    raise UserError(f"shard {missing[0]} listed in {index} is missing; download every shard listed in {index_name} into {self.folder}")
+                    raise UserError(f"shard {missing[0]} listed in {index} is missing; download every shard listed in "
+                                    f"{index_name} into {self.folder}")
                 return files
         files = sorted(self.folder.glob("*.safetensors"))
         files = [f for f in files if f.name != LIT_WEIGHTS and not f.name.startswith("adapter_")]
         if not files:
             files = sorted(self.folder.glob("pytorch_model*.bin"))
         if not files:
-            raise UserError(f"no weights in {self.folder} (expected *.safetensors or pytorch_model*.bin next to config.json); "
+            raise UserError(f"no weights in {self.folder} (expected *.safetensors or pytorch_model*.bin next to "
+                            "config.json); "
                             "download the model's weight files into that folder")
         return files
 
     def _handle(self, f: Path):
         if f not in self._open:
             if f.suffix == ".safetensors":
-                from safetensors import safe_open
-
                 self._open[f] = safe_open(str(f), framework="pt", device="cpu")
             else:  # zip-format torch files memory-map, so only the tensors we touch are read
                 self._open[f] = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
@@ -191,7 +191,8 @@ class HFWeights:
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.key_to_file:
-            raise UserError(f"tensor {key!r} is missing from the weights in {self.folder}; the checkpoint is incomplete or "
+            raise UserError(f"tensor {key!r} is missing from the weights in {self.folder}; the checkpoint is "
+                            "incomplete or "
                             "not of the architecture in config.json: download it again")
         h = self._handle(self.key_to_file[key])
         return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
@@ -199,41 +200,11 @@ class HFWeights:
     def dtype(self, key: str) -> torch.dtype:
         h = self._handle(self.key_to_file[key])
         if hasattr(h, "get_slice"):
-            return _ST_DTYPES[h.get_slice(key).get_dtype()]
+            return DTYPES[h.get_slice(key).get_dtype()]
         return h[key].dtype
 
     def close(self) -> None:
         self._open.clear()
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-# ---- streaming safetensors writer -------------------------------------------------------------
-def write_safetensors_stream(path: Path, specs: list[tuple[str, torch.Size, torch.dtype]],
-                             tensors: Iterator[tuple[str, torch.Tensor]], metadata: Optional[dict] = None) -> None:
-    """Write a safetensors file whose header is known up front; tensors arrive one at a time (atomic)."""
-    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for name, shape, dtype in specs:
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns tensor data to 8 bytes
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for (name, shape, dtype), (got_name, t) in zip(specs, tensors):
-                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise RuntimeError(f"stream mismatch at {name}: got {got_name} {tuple(t.shape)} {t.dtype}")
-                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-
-    atomic_write(path, write)
 
 
 # ---- the two directions -----------------------------------------------------------------------
@@ -242,7 +213,8 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
     checkpoint_dir = Path(checkpoint_dir)
     cfg_file = checkpoint_dir / "config.json"
     if not cfg_file.is_file():
-        raise UserError(f"{cfg_file} not found; point --checkpoint_dir at a Hugging Face model folder with config.json and weights")
+        raise UserError(f"{cfg_file} not found; point --checkpoint_dir at a Hugging Face model folder with config.json "
+                        "and weights")
     config = Config.from_hf_config(cfg_file)
     config.name = checkpoint_dir.name
     src = HFWeights(checkpoint_dir)
@@ -250,7 +222,8 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
     shapes = lit_param_shapes(config)
     missing = [k for _, ks, _ in plan for k in ks if k not in src.key_to_file]
     if missing:
-        raise UserError(f"tensor {missing[0]!r} ({len(missing)} in all) is missing from the weights in {checkpoint_dir}; "
+        raise UserError(f"tensor {missing[0]!r} ({len(missing)} in all) is missing from the weights in "
+                        f"{checkpoint_dir}; "
                         "the checkpoint is incomplete or not the architecture in config.json: download it again")
     specs = [(k, shapes[k], dtype or src.dtype(ks[0])) for k, ks, _ in plan]
 
@@ -267,8 +240,6 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
 
 def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optional[Path] = None) -> Path:
     """Our checkpoint -> HF folder (config.json + model.safetensors) that transformers loads."""
-    from safetensors import safe_open
-
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = Config.from_file(checkpoint_dir / LIT_CONFIG)
     weights = Path(weights or checkpoint_dir / LIT_WEIGHTS)
@@ -279,9 +250,10 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
         for hf_key, key, j in plan:
             sl = f.get_slice(key)
             shape = list(sl.get_shape())
-            if j is not None and key.endswith(("attn.qkv.weight", "attn.qkv.bias")) and len(family(config)["q_names"]) > 1:
+            if j is not None and key.endswith(("attn.qkv.weight",
+                                               "attn.qkv.bias")) and len(family(config)["q_names"]) > 1:
                 shape[0] = config.qkv_sizes[j]
-            specs.append((hf_key, torch.Size(shape), _ST_DTYPES[sl.get_dtype()]))
+            specs.append((hf_key, torch.Size(shape), DTYPES[sl.get_dtype()]))
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             cache: dict[str, list[torch.Tensor]] = {}
@@ -291,7 +263,7 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
                     continue
                 if key not in cache:
                     cache.clear()  # one fused tensor alive at a time
-                    cache[key] = _qkv_to_hf(config, qkv_layout(config), f.get_tensor(key))
+                    cache[key] = qkv_to_hf(config, qkv_layout(config), f.get_tensor(key))
                 yield hf_key, cache[key][j]
 
         write_safetensors_stream(out_dir / "model.safetensors", specs, stream())
@@ -307,8 +279,8 @@ def to_hf_config(config: Config) -> dict:
     c = config
     arch = c.hf_architecture
     common = dict(architectures=[arch], vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
-                  num_attention_heads=c.n_head, max_position_embeddings=c.block_size, tie_word_embeddings=c.tie_embeddings,
-                  rope_theta=c.rope_base, torch_dtype="bfloat16")
+                  num_attention_heads=c.n_head, max_position_embeddings=c.block_size,
+                  tie_word_embeddings=c.tie_embeddings, rope_theta=c.rope_base, torch_dtype="bfloat16")
     if arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM"):
         model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                       "GemmaForCausalLM": "gemma"}[arch]
@@ -325,22 +297,27 @@ def to_hf_config(config: Config) -> dict:
             d.update(use_sliding_window=c.sliding_window_size is not None, sliding_window=c.sliding_window_size)
         return d
     if arch == "StableLmForCausalLM":
-        return dict(common, model_type="stablelm", num_key_value_heads=c.n_query_groups, intermediate_size=c.intermediate_size,
+        return dict(common, model_type="stablelm", num_key_value_heads=c.n_query_groups,
+                    intermediate_size=c.intermediate_size,
                     layer_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation), use_qkv_bias=c.attn_bias,
                     partial_rotary_factor=c.rotary_percentage, use_parallel_residual=False, qk_layernorm=False)
     if arch == "GPTNeoXForCausalLM":
         return dict(common, model_type="gpt_neox", intermediate_size=c.intermediate_size, layer_norm_eps=c.norm_eps,
-                    hidden_act=_hf_act(c.activation), rotary_pct=c.rotary_percentage, partial_rotary_factor=c.rotary_percentage,
+                    hidden_act=_hf_act(c.activation), rotary_pct=c.rotary_percentage,
+                    partial_rotary_factor=c.rotary_percentage,
                     rotary_emb_base=c.rope_base, use_parallel_residual=c.parallel_residual,
                     attention_bias=c.hf_extra.get("attention_bias", True))
     if arch == "PhiForCausalLM":
-        return dict(common, model_type="phi", num_key_value_heads=c.n_query_groups, intermediate_size=c.intermediate_size,
-                    layer_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation), partial_rotary_factor=c.rotary_percentage,
-                    qk_layernorm=False)
+        return dict(common, model_type="phi", num_key_value_heads=c.n_query_groups,
+                    intermediate_size=c.intermediate_size,
+                    layer_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation),
+                    partial_rotary_factor=c.rotary_percentage, qk_layernorm=False)
     if arch == "FalconForCausalLM":
         new = bool(c.hf_extra.get("new_decoder_architecture"))
-        return dict(common, model_type="falcon", num_kv_heads=c.n_query_groups, layer_norm_epsilon=c.norm_eps, bias=c.bias,
-                    parallel_attn=True, alibi=False, new_decoder_architecture=new, multi_query=c.hf_extra.get("multi_query", True),
+        return dict(common, model_type="falcon", num_kv_heads=c.n_query_groups, layer_norm_epsilon=c.norm_eps,
+                    bias=c.bias,
+                    parallel_attn=True, alibi=False, new_decoder_architecture=new,
+                    multi_query=c.hf_extra.get("multi_query", True),
                     ffn_hidden_size=c.intermediate_size, activation=_hf_act(c.activation),
                     num_ln_in_parallel_attn=(1 if c.shared_attention_norm else 2) if new else None)
     raise UserError(f"export to {arch} is not supported")
@@ -350,21 +327,37 @@ def _hf_act(kind: str) -> str:
     return {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kind]
 
 
-def ensure_converted(checkpoint_dir: Path, quiet: bool = False) -> Config:
-    """Make sure our checkpoint exists in `checkpoint_dir` (converting an HF folder on first use) and return its config."""
+def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = False) -> Config:
+    """Make sure our checkpoint exists in `checkpoint_dir` (converting an HF folder on first use) and return its config.
+
+    `verify` also checks, from the safetensors header alone, that the weights are whole and match the config
+    (`checkpoint.check_checkpoint`): what finetune does before anything heavy loads."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
-        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded model folder")
+        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded "
+                        "model folder")
     ours, cfg = checkpoint_dir / LIT_WEIGHTS, checkpoint_dir / LIT_CONFIG
-    if ours.is_file() and cfg.is_file():
-        return Config.from_file(cfg)
-    if not (checkpoint_dir / "config.json").is_file():
-        have = ", ".join(sorted(p.name for p in checkpoint_dir.iterdir())[:6]) or "nothing"
-        raise UserError(f"{checkpoint_dir} holds no model ({have}); it needs config.json and the weight files of a Hugging Face model")
-    if not quiet:
-        print(f"Converting the Hugging Face checkpoint in {checkpoint_dir} (first use; reused next time) ...", file=sys.stderr)
-    convert_hf_checkpoint(checkpoint_dir)
-    return Config.from_file(cfg)
+    hf = (checkpoint_dir / "config.json").is_file()
+    if not hf and ours.is_file() != cfg.is_file():
+        have, lost = (ours, cfg) if ours.is_file() else (cfg, ours)
+        raise UserError(f"{checkpoint_dir} is partially converted: {have.name} is there but {lost.name} is missing "
+                        "(and there is no config.json to convert from); convert the Hugging Face checkpoint again")
+    if not (ours.is_file() and cfg.is_file()):
+        if not hf:
+            have = ", ".join(sorted(p.name for p in checkpoint_dir.iterdir())[:6]) or "nothing"
+            raise UserError(f"{checkpoint_dir} holds no model ({have}); it needs config.json and the weight files of a "
+                            "Hugging Face model")
+        if not quiet:
+            print(f"Converting the Hugging Face checkpoint in {checkpoint_dir} (first use; reused next time) ...",
+                  file=sys.stderr)
+        convert_hf_checkpoint(checkpoint_dir)
+    try:
+        config = Config.from_file(cfg)
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, unexpected values
+        raise UserError(f"{cfg} is damaged ({type(e).__name__}: {e}); convert the checkpoint again") from None
+    if verify:
+        check_checkpoint(checkpoint_dir, config)
+    return config
 
 
 def random_weight(name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02,

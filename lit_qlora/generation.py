@@ -41,7 +41,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     T = prompt.size(0)
     limit = model.config.block_size
     if T + max_new_tokens > limit:
-        raise UserError(f"the prompt ({T} tokens) plus max_new_tokens={max_new_tokens} exceed the model's context of {limit} "
+        raise UserError(f"the prompt ({T} tokens) plus max_new_tokens={max_new_tokens} exceed the model's context of "
+                        f"{limit} "
                         "tokens; shorten the prompt or lower --max_new_tokens")
     device = model.transformer.wte.weight.device
     prompt = prompt.to(device)

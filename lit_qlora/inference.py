@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from lit_qlora.adapter import Adapter
 from lit_qlora.convert import ensure_converted
-from lit_qlora.data import get_template
 from lit_qlora.generation import generate
-from lit_qlora.loader import load_model
-from lit_qlora.lora import load_adapter
+from lit_qlora.loader import load_model, load_model_with_adapter
+from lit_qlora.precision import parse_precision
 from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
+from lit_qlora.templates import get_template
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, memory_used_gb
 
@@ -40,11 +42,9 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     check_quantize(quantize, precision, device)
     config = ensure_converted(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
-    adapter = load_adapter(Path(lora_path), config) if lora_path else None
+    adapter = Adapter.load(Path(lora_path), config) if lora_path else None
     t0 = time.perf_counter()
     if adapter is not None and not merge:
-        from lit_qlora.loader import load_model_with_adapter
-
         model = load_model_with_adapter(checkpoint_dir, adapter, precision=precision, quantize=quantize, device=device,
                                         config=config)
     else:
@@ -60,9 +60,9 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     return model, tokenizer, adapter
 
 
-def format_prompt(prompt: str, input: str, adapter: Optional[dict], template: Optional[str]) -> str:
+def format_prompt(prompt: str, input: str, adapter: Optional[Adapter], template: Optional[str]) -> str:
     """The prompt as the adapter saw it in training: its stored template unless one is given."""
-    name = template or (adapter or {}).get("train", {}).get("template")
+    name = template or (adapter.train.get("template") if adapter is not None else None)
     if not name:
         return prompt if not input else f"{prompt}\n{input}"
     return get_template(name).format(prompt, input)
@@ -70,10 +70,6 @@ def format_prompt(prompt: str, input: str, adapter: Optional[dict], template: Op
 
 def autocast_for(precision: str, device: torch.device):
     """*-mixed keeps embeddings and norms in fp32 and Linear weights low: compute under autocast, as in training."""
-    from contextlib import nullcontext
-
-    from lit_qlora.quantize import parse_precision
-
     prec = parse_precision(precision)
     return torch.autocast(device.type, dtype=prec.dtype) if prec.mixed else nullcontext()
 
@@ -85,7 +81,8 @@ def run_prompts(model, tokenizer, text: str, max_new_tokens: int, temperature: f
     ids = tokenizer.encode(text)
     max_new_tokens = min(max_new_tokens, model.config.block_size - len(ids))
     if max_new_tokens <= 0:
-        raise UserError(f"the prompt has {len(ids)} tokens, the model's context is {model.config.block_size}; shorten the prompt")
+        raise UserError(f"the prompt has {len(ids)} tokens, the model's context is {model.config.block_size}; shorten "
+                        "the prompt")
     gen = torch.Generator(device=device).manual_seed(seed)
     outputs, total_time, total_tokens = [], 0.0, 0
     stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
@@ -125,5 +122,6 @@ def run_prompts(model, tokenizer, text: str, max_new_tokens: int, temperature: f
     if metrics_file:
         Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
         Path(metrics_file).write_text(json.dumps(dict(tokens_per_sec=total_tokens / total_time, seconds=total_time,
-                                                      new_tokens=total_tokens, memory_gb=mem, outputs=outputs), indent=2))
+                                                      new_tokens=total_tokens, memory_gb=mem, outputs=outputs),
+                                                      indent=2))
     return outputs

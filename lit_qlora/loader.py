@@ -9,58 +9,21 @@ process's resident set once touched, which would make the whole checkpoint count
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
 
+from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors
 from lit_qlora.config import Config
-from lit_qlora.convert import LIT_WEIGHTS, _ST_DTYPES, ensure_converted
-from lit_qlora.lora import LoRAConfig, LoRALinear, apply_lora, load_lora_weights
+from lit_qlora.convert import ensure_converted
+from lit_qlora.lora import LoRAConfig, LoRALinear, meta_model
 from lit_qlora.model import GPT
-from lit_qlora.quantize import check_quantize, is_quantized, parse_precision, quantize_into, swap_linears
+from lit_qlora.precision import parse_precision
+from lit_qlora.quantize import check_quantize, is_quantized, quantize_into, swap_linears
 from lit_qlora.utils import UserError
-
-
-def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor entries of a safetensors file's JSON header (without `__metadata__`) and the byte offset where the
-    tensor data starts. ValueError when the file is too short for its header or the header is not readable JSON."""
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n <= 0 or 8 + n > size:
-            raise ValueError(f"a header of {n} bytes in a file of {size}")
-        header = json.loads(f.read(n))  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-    if not isinstance(header, dict):
-        raise ValueError("a header that is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def read_safetensors(path: Path, keys: Optional[set[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a safetensors file, one freshly read tensor at a time, in file order."""
-    path = Path(path)
-    size = path.stat().st_size
-    try:
-        header, base = safetensors_header(path)
-    except ValueError:
-        raise UserError(f"{path} is truncated or has a damaged header; convert the checkpoint again (delete it and "
-                        "rerun)") from None
-    with open(path, "rb") as f:
-        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            if keys is not None and name not in keys:
-                continue
-            start, end = e["data_offsets"]
-            if base + end > size:
-                raise UserError(f"{path} is truncated at tensor {name}; convert the checkpoint again (delete it and rerun)")
-            t = torch.empty(end - start, dtype=torch.uint8)
-            f.seek(base + start)
-            f.readinto(memoryview(t.numpy()))
-            yield name, t.view(_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
 def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
@@ -74,12 +37,12 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
 def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Optional[str] = None,
                lora: Optional[LoRAConfig] = None, device: torch.device | str = "cpu", quantize_lm_head: bool = True,
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
-               merge_adapter: Optional[dict] = None,
+               merge_adapter: Optional[Adapter] = None,
                tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
     LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
 
-    `merge_adapter` (an adapter dict) is added to the full-precision weights as they are read, before any
+    `merge_adapter` is added to the full-precision weights as they are read, before any
     quantization, so a merged 4-bit model rounds once, like any quantized checkpoint.
 
     `tensors` ((name, tensor) pairs in our naming, with `config`) fills the model instead of the checkpoint file:
@@ -93,18 +56,13 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         tensors = read_safetensors(weights)
     else:
         weights = Path("<the given tensors>")  # only named in error messages
-    with torch.device("meta"):
-        model = GPT(config)
-    if lora is not None:
-        apply_lora(model, lora)
+    model = meta_model(config, lora)
     if quantize:
         swap_linears(model, quantize, prec.dtype, quantize_lm_head)
 
-    merge_targets = _merge_targets(config, merge_adapter)
     for key, t in tensors:
-        name = key.rpartition(".")[0]
-        if name in merge_targets and key.endswith(".weight"):
-            t = t.float() + _delta(merge_adapter, name, config, t.shape)
+        if merge_adapter is not None:
+            t = merge_adapter.merged(key, t, torch.float32)  # rounded once, to the dtype or grid it is loaded into
         try:
             module, param = _owner(model, key)
         except AttributeError:
@@ -114,37 +72,25 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             quantize_into(module, t.to(prec.dtype), device)
             continue
         # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed
-        dtype = prec.frozen_linear_dtype if isinstance(module, nn.Linear) or is_quantized(module) else prec.frozen_other_dtype
+        dtype = prec.frozen_linear_dtype if isinstance(module,
+                                                       nn.Linear) or is_quantized(module) else prec.frozen_other_dtype
         module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
         del t
 
-    _tie_and_check(model, config, prec, device, weights, merge_adapter if "lm_head" in merge_targets else None)
+    head_adapter = merge_adapter if merge_adapter is not None and "lm_head" in merge_adapter.targets() else None
+    _tie_and_check(model, config, prec, device, weights, head_adapter)
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed)
     return model
 
 
-def _merge_targets(config: Config, adapter: Optional[dict]) -> set[str]:
-    if adapter is None:
-        return set()
-    from lit_qlora.lora import lora_targets
-
-    return set(lora_targets(config, LoRAConfig.from_dict(adapter["lora_config"])))
-
-
-def _delta(adapter: dict, name: str, config: Config, shape: torch.Size) -> torch.Tensor:
-    from lit_qlora.merge import lora_delta
-
-    return lora_delta(adapter, name, config, shape[0], shape[1])
-
-
 def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weights: Path,
-                   head_adapter: Optional[dict] = None) -> None:
+                   head_adapter: Optional[Adapter] = None) -> None:
     if config.tie_embeddings:
         head, param = _owner(model, "lm_head.weight")
         wte = model.transformer.wte.weight
         if head_adapter is not None:  # a LoRA on a tied head: the merged head is its own tensor
-            w = (wte.detach().float().cpu() + _delta(head_adapter, "lm_head", config, wte.shape)).to(prec.dtype)
+            w = head_adapter.merged("lm_head.weight", wte.detach().cpu(), prec.dtype)
             if is_quantized(head):
                 quantize_into(head, w, device)
             else:
@@ -171,14 +117,9 @@ def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed:
         torch.random.set_rng_state(gen_state)
 
 
-def load_model_with_adapter(checkpoint_dir: Path, adapter: dict, precision: str = "bf16-true",
+def load_model_with_adapter(checkpoint_dir: Path, adapter: Adapter, precision: str = "bf16-true",
                             quantize: Optional[str] = None, device: torch.device | str = "cpu", **kw) -> GPT:
-    """Base model + an adapter dict from `lora.load_adapter`, whatever quantization/precision it was trained with."""
-    model = load_model(checkpoint_dir, precision=precision, quantize=quantize,
-                       lora=LoRAConfig.from_dict(adapter["lora_config"]), device=device, **kw)
-    load_lora_weights(model, adapter["lora"])
+    """Base model + separate LoRA layers filled from `adapter`, whatever quantization/precision it was trained with."""
+    model = load_model(checkpoint_dir, precision=precision, quantize=quantize, lora=adapter.config, device=device, **kw)
+    adapter.load_into(model)
     return model
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr)

@@ -2,24 +2,20 @@
 
 The base layer is kept untouched inside `LoRALinear.base`; only `lora_A` / `lora_B` train. For the fused qkv
 projection one `lora_A` stacks the A matrices of the enabled parts, so x·A is computed once for q, k and v.
-Adapter files hold only LoRA tensors plus everything needed to use them (hyperparameters, base model config,
-how they were trained), so loading never depends on the flags of the run that made them.
+The adapter file (LoRA tensors plus everything needed to use them) is `lit_qlora.adapter.Adapter`.
 """
 from __future__ import annotations
 
 import math
-import sys
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config
-from lit_qlora.utils import UserError, atomic_torch_save
-
-ADAPTER_FORMAT = "lit-qlora-adapter-v1"
+from lit_qlora.model import GPT
+from lit_qlora.utils import UserError
 
 
 @dataclass
@@ -87,13 +83,20 @@ class LoRALinear(nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """The dense update this adapter adds to the base weight: [out, in] in fp32."""
-        A, B = self.lora_A.float(), self.lora_B.float()
-        delta = torch.zeros(self.out_features, self.in_features, device=A.device)
-        b_row = 0
-        for i, (start, n) in enumerate(self.parts):
-            delta[start:start + n] = B[b_row:b_row + n] @ A[i * self.r:(i + 1) * self.r]
-            b_row += n
-        return delta * self.scaling
+        return lora_delta(self.lora_A, self.lora_B, self.parts, self.r, self.scaling, self.out_features)
+
+
+def lora_delta(A: torch.Tensor, B: torch.Tensor, parts: list[tuple[int, int]], r: int, scaling: float,
+               out_features: int) -> torch.Tensor:
+    """scaling * B @ A placed in the adapted row ranges `parts` of an [out_features, in] weight, in fp32: exactly the
+    update `LoRALinear.forward` adds (the one merge rule used by the loader, the on-disk merge and the exports)."""
+    A, B = A.float(), B.float()
+    delta = torch.zeros(out_features, A.shape[1], device=A.device)
+    b_row = 0
+    for i, (start, n) in enumerate(parts):
+        delta[start:start + n] = B[b_row:b_row + n] @ A[i * r:(i + 1) * r]
+        b_row += n
+    return delta * scaling
 
 
 def lora_targets(config: Config, lora: LoRAConfig) -> dict[str, list[tuple[int, int]] | None]:
@@ -142,94 +145,26 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if "lora_" in k}
 
 
-# ---- adapter files ----------------------------------------------------------------------------
-def save_adapter(path: Path, model: nn.Module, lora: LoRAConfig, train_info: Optional[dict] = None) -> None:
-    """LoRA tensors (fp32 on CPU) + hyperparameters + the base config, written atomically."""
-    payload = {
-        "format": ADAPTER_FORMAT,
-        "lora": {k: v.float().cpu().clone() for k, v in lora_state_dict(model).items()},
-        "lora_config": asdict(lora),
-        "model_config": model.config.to_dict(),
-        "train": train_info or {},
-    }
-    atomic_torch_save(payload, Path(path))
-
-
-def load_adapter(path: Path, base_config: Optional[Config] = None) -> dict:
-    """Read an adapter file (or a PEFT folder) and check it belongs to `base_config`."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"adapter {path} not found; pass --lora_path with a lit_model_lora_finetuned.pth file or a PEFT folder")
-    if path.is_dir():
-        from lit_qlora.peft_interop import import_peft
-
-        if base_config is None:
-            raise UserError(f"a PEFT folder ({path}) needs the base model; pass --checkpoint_dir")
-        adapter = import_peft(path, base_config)
-    else:
-        try:
-            adapter = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UserError(f"{path} is not a readable adapter file ({type(e).__name__}); it may be damaged: use an earlier checkpoint")
-        if not isinstance(adapter, dict) or adapter.get("format") != ADAPTER_FORMAT:
-            raise UserError(f"{path} is not a lit-qlora adapter file; pass an adapter written by finetune/lora.py or a PEFT folder")
-    if base_config is not None:
-        check_same_base(adapter["model_config"], base_config, path)
-    return adapter
-
-
-_ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "n_query_groups", "head_size", "intermediate_size",
-                "mlp_class", "tie_embeddings")
-
-
-def check_same_base(adapter_cfg: dict, base: Config, path: Path) -> None:
-    diff = [f for f in _ARCH_FIELDS if adapter_cfg.get(f) != getattr(base, f)]
-    if diff:
-        f = diff[0]
-        raise UserError(f"adapter {path} was trained on {adapter_cfg.get('name') or '?'} ({f}={adapter_cfg.get(f)}) but the base model "
-                        f"is {base.name or '?'} ({f}={getattr(base, f)}); use the --checkpoint_dir the adapter was trained on")
-
-
 def load_lora_weights(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> None:
     """Copy adapter tensors into the model's LoRA parameters, whatever their dtype or device."""
     params = dict(model.named_parameters())
     for k, v in lora_sd.items():
         if k not in params:
-            raise UserError(f"adapter tensor {k} has no place in this model; the adapter targets other layers than the model was built with")
+            raise UserError(f"adapter tensor {k} has no place in this model; the adapter targets other layers than the "
+                            "model was built with")
         if params[k].shape != v.shape:
-            raise UserError(f"adapter tensor {k} has shape {tuple(v.shape)}, the model expects {tuple(params[k].shape)}; "
+            raise UserError(f"adapter tensor {k} has shape {tuple(v.shape)}, the model expects "
+                            f"{tuple(params[k].shape)}; "
                             "use the base model the adapter was trained on")
         with torch.no_grad():
             params[k].copy_(v.to(params[k].dtype))
 
 
-# ---- merging ----------------------------------------------------------------------------------
-def merge_lora(model: nn.Module, verbose: bool = True) -> None:
-    """Fold every adapter into its base layer, in memory. A quantized base is dequantized, updated in fp32
-    and re-quantized (that rounds; `scripts/merge_lora.py` merges into the original weights instead)."""
-    from lit_qlora.quantize import dequantize_weight, is_quantized, quantize_into
-
-    told = False
-    for name, m in lora_modules(model).items():
-        if m.merged:
-            continue
-        delta = m.delta_weight()
-        wte = model.transformer["wte"] if hasattr(model, "transformer") and "wte" in model.transformer else None
-        if wte is not None and getattr(m.base, "weight", None) is wte.weight:
-            m.base.weight = nn.Parameter(wte.weight.detach().clone(), requires_grad=False)  # untie before changing the head
-            model.config = replace(model.config, tie_embeddings=False)
-        if is_quantized(m.base):
-            if verbose and not told:
-                print("Merging LoRA into a quantized base: dequantize, add, re-quantize (rounds to the quantization grid).",
-                      file=sys.stderr)
-                told = True
-            w = dequantize_weight(m.base).float()
-            quantize_into(m.base, (w + delta.to(w.device)).to(_dense_dtype(m.base)), w.device)
-        else:
-            with torch.no_grad():
-                m.base.weight.data = (m.base.weight.data.float() + delta.to(m.base.weight.device)).to(m.base.weight.dtype)
-        m.merged = True
-
-
-def _dense_dtype(q: nn.Module) -> torch.dtype:
-    return getattr(q, "compute_dtype", None) or torch.bfloat16
+def meta_model(config: Config, lora: Optional[LoRAConfig] = None) -> GPT:
+    """The model on the meta device (allocates nothing), with LoRA layers if `lora` is given: every shape and tie
+    without a byte of weights, for the loader, the checkpoint check, the memory planner and parameter counts."""
+    with torch.device("meta"):
+        model = GPT(config)
+    if lora is not None:
+        apply_lora(model, lora)
+    return model

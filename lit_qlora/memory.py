@@ -28,16 +28,21 @@ lengths (up to a few hundred MB), so variable-length data on CPU can peak above 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch
+import torch.nn as nn
 
+from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
-from lit_qlora.lora import LoRAConfig, lora_targets
-from lit_qlora.quantize import QUANTIZE_MODES, parse_precision
+from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
+from lit_qlora.precision import Precision, parse_precision
+from lit_qlora.quantize import QUANTIZE_MODES
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -73,34 +78,15 @@ def quantized_layer_bytes(out_features: int, in_features: int, mode: str) -> int
     return size + 4 * blocks
 
 
-def _meta_model(config: Config, lora: LoRAConfig):
-    """The model on the meta device (allocates nothing): its modules give every shape and tie."""
-    import torch
-
-    from lit_qlora.lora import apply_lora
-    from lit_qlora.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-        apply_lora(model, lora)
-    return model
-
-
 def _dtype_bytes(dtype) -> int:
-    import torch
-
     return torch.empty((), dtype=dtype).element_size()
 
 
 def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
                  quantize_lm_head: bool = True) -> dict:
     """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes."""
-    import torch.nn as nn
-
-    from lit_qlora.lora import LoRALinear
-
     prec = parse_precision(precision)
-    model = _meta_model(config, lora)
+    model = meta_model(config, lora)
     linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
     quant, quant_params, dense, lora_numels = 0, 0, 0, []
     quantized_shapes: list[tuple[str, int, int]] = []
@@ -209,7 +195,7 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
     """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
     targets = lora_targets(c, lora)
     p = f"transformer.h.{i}."
-    N, C, H, G, hs, I = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
+    N, C, H, G, hs, F = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
     seen: set = set()  # tensors saved already (several layers reading the same input)
     s = _norm_saved(c, d) if grad_in else []  # norm_1
     s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1", int8_inputs)
@@ -220,7 +206,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         s += [N * H * hs * d.a, N * H * hs * d.a, N * H * hs * d.a, d.B * H * d.T * 4]
         s.append(N * H * hs * d.a if G != H else N * sum(c.qkv_sizes) * d.a)
         seen.add("y")  # the projection's input is a view of the attention output saved here
-    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y", int8_inputs)
+    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
+                                   int8_inputs)
     s += s_proj
     if c.parallel_residual:
         g_mlp_in = grad_in
@@ -235,22 +222,23 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s += s1 + s2
         if g1:
-            s.append(N * I * d.a)  # the activation's input
-            s.append(N * I * d.a)  # fc_2's output, for the product's gradient wrt act(fc_1)
+            s.append(N * F * d.a)  # the activation's input
+            s.append(N * F * d.a)  # fc_2's output, for the product's gradient wrt act(fc_1)
         if g2:
-            s.append(N * I * d.a)  # act(fc_1), for the product's gradient wrt fc_2
+            s.append(N * F * d.a)  # act(fc_1), for the product's gradient wrt fc_2
         g_hidden = g1 or g2
     else:
-        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
-        s += s1 + ([N * I * d.a] if g_hidden else [])  # the activation's input
-    s_p, g_mlp = _linear_saved(p + "mlp.proj", I, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
+        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2",
+                                     int8_inputs)
+        s += s1 + ([N * F * d.a] if g_hidden else [])  # the activation's input
+    s_p, g_mlp = _linear_saved(p + "mlp.proj", F, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
     return s + s_p, grad_in or g_attn or g_mlp
 
 
 def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
     """Gradients alive inside one block's backward (the MLP's are the largest) plus one dequantized weight."""
-    N, C, I = d.N, c.n_embd, c.intermediate_size
-    return [N * I * d.a] * 3 + [N * C * 4] * 2 + ([dequant] if dequant else [])
+    N, C, F = d.N, c.n_embd, c.intermediate_size
+    return [N * F * d.a] * 3 + [N * C * 4] * 2 + ([dequant] if dequant else [])
 
 
 def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int) -> int:
@@ -285,7 +273,8 @@ class Estimate:
     def table(self) -> str:
         kind = "peak RSS" if self.device_type == "cpu" else "CUDA max allocated"
         s = self.settings
-        head = (f"Estimated peak training memory ({kind}) of {s['model']} | {s['precision']}, quantize {s['quantize'] or 'none'}, "
+        head = (f"Estimated peak training memory ({kind}) of {s['model']} | {s['precision']}, quantize "
+                f"{s['quantize'] or 'none'}, "
                 f"{s['optimizer']}, micro batch {s['micro_batch_size']} x {s['seq_length']} tokens"
                 f"{', activation checkpointing' if s['activation_checkpointing'] else ''}, LoRA r={s['lora_r']} on "
                 f"{','.join(s['lora_targets'])}")
@@ -297,8 +286,8 @@ class Estimate:
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return dict(total_gb=self.total_gb, parts_gb={k: v / GiB for k, v in self.parts.items()}, peak_phase=self.peak_phase,
-                    settings=self.settings, device_type=self.device_type)
+        return dict(total_gb=self.total_gb, parts_gb={k: v / GiB for k, v in self.parts.items()},
+                    peak_phase=self.peak_phase, settings=self.settings, device_type=self.device_type)
 
 
 def estimate_training_memory(
@@ -331,19 +320,64 @@ def estimate_training_memory(
     a = _dtype_bytes(prec.dtype)
     d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
               lora_dropout=lora.dropout > 0)
-    N, C, V = d.N, c.n_embd, c.vocab_size
 
-    # Frozen weights, LoRA weights + gradients, optimizer state
     w = weight_bytes(c, lora, precision, quantize, quantize_lm_head)
+    static = _static_terms(w, prec, quantize, optimizer, device_type)
+    act = _saved_activations(c, lora, quantize if quantize_lm_head else None, quantize, d, prec,
+                             sum(w["lora_numels"]), activation_checkpointing)
+    phases = _step_phases(c, d, prec, quantize, w, act, activation_checkpointing, validation, device_type)
+
+    # CPU: the heap grows to the most small-tensor bytes of any phase and stays resident through the others
+    small_max = max(_small(ph.saved + ph.held + ph.temps) for ph in phases)
+    churn = max((out_f * in_f * a for _, out_f, in_f in w["quantized_shapes"]
+                 if out_f * in_f * a < GLIBC_MMAP_THRESHOLD_MAX), default=0)
+    peak = max(phases, key=lambda ph: ph.total)
+    parts = {**static, "activations saved": sum(peak.saved), "logits (+ grads/log-probs)": sum(peak.held),
+             "temporaries": sum(peak.temps)}
+    if device_type == "cpu":
+        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
+    phase, temp_note = peak.name, peak.note
+    # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
+    load_peak = static["runtime"] + w["quantized"] + w["dense"] + _load_temp(c, quantize, prec, device_type)
+    if load_peak > sum(parts.values()):
+        parts["temporaries"] += load_peak - sum(parts.values())
+        phase, temp_note = "loading", "reading + converting the largest tensor"
+    notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
+                   device_type)
+    settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
+                    micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
+                    lora_targets=lora.targets())
+    extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.log_probs),
+                 live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max)
+    return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
+
+
+def _static_terms(w: dict, prec: Precision, quantize: Optional[str], optimizer: str, device_type: str) -> dict:
+    """What exists for the whole run: the runtime, frozen weights, LoRA weights with their gradients, optimizer
+    state."""
     t_bytes = _dtype_bytes(prec.trainable_dtype)
     n_lora = sum(w["lora_numels"])
-    opt = optimizer_state_bytes(optimizer, w["lora_numels"], t_bytes, device_type)
     runtime = CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES
     if device_type == "cpu" and (quantize or optimizer != "AdamW"):
         runtime += CPU_RUNTIME_BNB_BYTES
-    static = runtime + w["quantized"] + w["dense"] + 2 * n_lora * t_bytes + opt
+    return {"runtime": runtime, "quantized weights": w["quantized"], "dense weights": w["dense"],
+            "LoRA weights + grads": 2 * n_lora * t_bytes,
+            "optimizer state": optimizer_state_bytes(optimizer, w["lora_numels"], t_bytes, device_type)}
 
-    # Saved for backward, block by block (the first block's input never needs grad)
+
+@dataclass
+class _Activations:
+    saved_all: list[int]  # what autograd keeps through the step (with checkpointing: what it cannot drop)
+    block_max: list[int]  # the largest block's saved tensors (recomputed one at a time under checkpointing)
+    tail: list[int]  # ln_f, the head, rope tables, autocast's LoRA copies
+    logits: list[int]  # the logits chunks the training loop holds
+    log_probs: list[int]  # the fp32 log-probabilities the loss saves
+    chunk_tokens: int  # positions of one logits chunk, times the batch
+
+
+def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[str], quantize: Optional[str], d: _Dims,
+                       prec: Precision, n_lora: int, activation_checkpointing: bool) -> _Activations:
+    """Saved for backward, block by block (the first block's input never needs grad), then the tail and logits."""
     grad, blocks, block_max, int8_kept = False, [], [], []
     for i in range(c.n_layer):
         int8_inputs: dict = {}
@@ -353,101 +387,104 @@ def estimate_training_memory(
         int8_kept += int8_inputs.values()
     targets = lora_targets(c, lora)
     tail = _norm_saved(c, d) if grad else []  # ln_f
-    head_saved, _ = _linear_saved("lm_head", C, grad, d, targets, lora, quantize if quantize_lm_head else None, d.r,
-                                  set(), "hf")
-    tail += head_saved + [2 * T * c.rope_n_elem * d.r]  # + the rope cos/sin
+    head_saved, _ = _linear_saved("lm_head", c.n_embd, grad, d, targets, lora, head_quantize, d.r, set(), "hf")
+    tail += head_saved + [2 * d.T * c.rope_n_elem * d.r]  # + the rope cos/sin
     if prec.mixed:
-        tail.append(n_lora * a)  # autocast's low-precision copies of the LoRA weights
-    # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see finetune/lora.py
+        tail.append(n_lora * d.a)  # autocast's low-precision copies of the LoRA weights
+    # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see
     # training.head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
-    chunk_T = min(256 if V >= 32000 else T, T)
-    n_chunks = -(-T // chunk_T)
-    N_c = B * chunk_T
-    logits = [N_c * V * a] * n_chunks
-    log_probs = [N_c * V * 4] * n_chunks + [N * 8]
+    V = c.vocab_size
+    chunk_T = min(256 if V >= 32000 else d.T, d.T)
+    n_chunks = -(-d.T // chunk_T)
+    N_c = d.B * chunk_T
+    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
+    saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
+    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [N_c * V * 4] * n_chunks + [d.N * 8],
+                        N_c)
 
+
+@dataclass
+class _Phase:
+    name: str
+    saved: list[int]
+    held: list[int]
+    temps: list[int]
+    note: str
+
+    @property
+    def total(self) -> int:
+        return sum(self.saved) + sum(self.held) + sum(self.temps)
+
+
+def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], w: dict, act: _Activations,
+                 activation_checkpointing: bool, validation: bool, device_type: str) -> list[_Phase]:
+    """The candidate peaks of one step, in backward order. Backward first runs the loss of every chunk (the fp32
+    gradients of one chunk at a time, its log-probs still saved), then the head (the gradients of all logits), then
+    the blocks from the last one; validation runs the same micro batch without grad."""
+    N, C, V, a, N_c = d.N, c.n_embd, c.vocab_size, d.a, act.chunk_tokens
     # A quantized layer computes with a dequantized copy of its weight. int8: bitsandbytes scales the int8 copy in
     # place by fp32 row scales, which on CPU goes through two fp32 temporaries of the weight's size.
     per_value = a + (8 if a != 4 and device_type == "cpu" else 0) if quantize == "bnb.int8" else a
     dq = {name: out_f * in_f * per_value for name, out_f, in_f in w["quantized_shapes"]}
     layer_dq = max((v for k, v in dq.items() if k != "lm_head"), default=0)
     head_dq = [dq["lm_head"]] if "lm_head" in dq else []
-
-    # The candidate peaks of one step, in backward order (name, saved, logits etc., temporaries, note). Backward
-    # first runs the loss of every chunk (the fp32 gradients of one chunk at a time, its log-probs still saved),
-    # then the head (the bf16 gradients of all logits), then the blocks from the last one.
-    loss_grads = [N_c * V * 4] * 2
-    head_temps = [N_c * C * a] + head_dq
     block_temps = _layer_backward_temp(c, d, layer_dq)
-    if device_type == "cpu" and prec.dtype is torch.bfloat16 and T < RECOMPUTE_BELOW:
+    if device_type == "cpu" and prec.dtype is torch.bfloat16 and d.T < RECOMPUTE_BELOW:
         # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds
-        block_temps.append(B * c.n_head * T * T * (4 + 2 + 4 + 2))
+        block_temps.append(d.B * c.n_head * d.T * d.T * (4 + 2 + 4 + 2))
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
-    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
-    saved_all = ([N * C * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
+    saved = act.saved_all
     phases = [
-        ("loss backward", saved_all, logits + log_probs, loss_grads, "loss gradients of one logits chunk (fp32)"),
-        ("head backward", saved_all, logits + [N * V * a], head_temps, head_note + " + the logits' gradients"),
+        _Phase("loss backward", saved, act.logits + act.log_probs, [N_c * V * 4] * 2,
+               "loss gradients of one logits chunk (fp32)"),
+        _Phase("head backward", saved, act.logits + [N * V * a], [N_c * C * a] + head_dq,
+               head_note + " + the logits' gradients"),
     ]
     if activation_checkpointing:  # one block at a time is recomputed in backward: its saved tensors and gradients
-        phases.append(("block recomputation", saved_all[:-len(tail) or None] + block_max, logits, block_temps,
-                       "a recomputed block + " + block_note))
+        phases.append(_Phase("block recomputation", saved[:-len(act.tail) or None] + act.block_max, act.logits,
+                             block_temps, "a recomputed block + " + block_note))
     else:
-        phases.append(("block backward", saved_all, logits, block_temps, block_note))
-    if validation:  # the same micro batch without grad: nothing saved (int8 layers keep their training matmul, see
-        # quantize.validation_mode: LLM.int8 inference would hold an int32 and two fp32 copies of a logits chunk)
-        phases.append(("validation forward", [], logits[:-1], [N_c * V * a, N_c * C * a] + head_dq,
-                       "the head's output for one logits chunk (no grad)"))
+        phases.append(_Phase("block backward", saved, act.logits, block_temps, block_note))
+    if validation:  # nothing saved (int8 layers keep their training matmul, see quantize.validation_mode: LLM.int8
+        # inference would hold an int32 and two fp32 copies of a logits chunk)
+        phases.append(_Phase("validation forward", [], act.logits[:-1], [N_c * V * a, N_c * C * a] + head_dq,
+                             "the head's output for one logits chunk (no grad)"))
+    return phases
 
-    # CPU: the heap grows to the most small-tensor bytes of any phase and stays resident through the others
-    def small(sizes: list[int]) -> int:
-        return sum(t for t in sizes if t < GLIBC_MMAP_THRESHOLD_MAX)
 
-    small_max = max(small(ph[1] + ph[2] + ph[3]) for ph in phases)
-    churn = max((out_f * in_f * a for _, out_f, in_f in w["quantized_shapes"] if out_f * in_f * a < GLIBC_MMAP_THRESHOLD_MAX),
-                default=0)
-    slack = _allocator_slack(device_type, small_max, churn)
-    phase, saved, held, temp, temp_note = max(phases, key=lambda ph: sum(ph[1]) + sum(ph[2]) + sum(ph[3]))
-    parts = {
-        "runtime": runtime,
-        "quantized weights": w["quantized"],
-        "dense weights": w["dense"],
-        "LoRA weights + grads": 2 * n_lora * t_bytes,
-        "optimizer state": opt,
-        "activations saved": sum(saved),
-        "logits (+ grads/log-probs)": sum(held),
-        "temporaries": sum(temp),
-    }
-    if device_type == "cpu":
-        parts["allocator slack"] = slack
-    # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
-    load_peak = runtime + w["quantized"] + w["dense"] + _load_temp(c, quantize, prec, device_type)
-    if load_peak > sum(parts.values()):
-        parts["temporaries"] += load_peak - sum(parts.values())
-        phase, temp_note = "loading", "reading + converting the largest tensor"
+def _small(sizes: list[int]) -> int:
+    """Bytes of the tensors below glibc's mmap threshold: those leave heap slack behind on CPU."""
+    return sum(t for t in sizes if t < GLIBC_MMAP_THRESHOLD_MAX)
+
+
+def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str], optimizer: str, w: dict,
+           prec: Precision, d: _Dims, phase: str, temp_note: str, activation_checkpointing: bool,
+           device_type: str) -> dict[str, str]:
+    """The 'Detail' column of the estimate's table."""
+    n_lora, t_bytes = sum(w["lora_numels"]), _dtype_bytes(prec.trainable_dtype)
     bits = 8 * w["quantized"] / w["quantized_params"] if w["quantized_params"] else 0.0
-    notes = {
+    if phase == "validation forward":
+        saved_note = "none: no grad"
+    elif activation_checkpointing:
+        saved_note = "each block's input (checkpointing)" + (" + one recomputed block" if "recomputation" in phase
+                                                             else "")
+    else:
+        saved_note = f"{c.n_layer} blocks, for backward"
+    held_extra = {"loss backward": " + fp32 log-probs", "head backward": " + their gradients"}.get(phase, "")
+    return {
         "runtime": "Python, torch, Lightning, bitsandbytes: measured" if device_type == "cpu" else "CUDA workspaces",
-        "quantized weights": f"{w['quantized_params'] / 1e6:.1f}M params at {bits:.3f} bits" if w["quantized_params"] else "",
-        "dense weights": "embeddings, norms" + (", unquantized layers" if quantize else ", Linear layers") + f" ({precision})",
+        "quantized weights": (f"{w['quantized_params'] / 1e6:.1f}M params at {bits:.3f} bits"
+                              if w["quantized_params"] else ""),
+        "dense weights": ("embeddings, norms" + (", unquantized layers" if quantize else ", Linear layers")
+                          + f" ({precision})"),
         "LoRA weights + grads": f"{n_lora / 1e6:.2f}M params, {t_bytes} bytes each, twice",
         "optimizer state": optimizer,
-        "activations saved": ("none: no grad" if phase == "validation forward" else
-                              "each block's input (checkpointing)" + (" + one recomputed block" if "recomputation" in phase else "")
-                              if activation_checkpointing else f"{c.n_layer} blocks, for backward"),
-        "logits (+ grads/log-probs)": f"[{B}, {T}, {V}] held by the loop" + {"loss backward": " + fp32 log-probs",
-                                                                            "head backward": " + their gradients"}.get(phase, ""),
+        "activations saved": saved_note,
+        "logits (+ grads/log-probs)": f"[{d.B}, {d.T}, {c.vocab_size}] held by the loop" + held_extra,
         "temporaries": temp_note,
         "allocator slack": "glibc heap growth, ~ the small tensors of the peak",
     }
-    settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer, micro_batch_size=B,
-                    seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
-                    lora_targets=lora.targets())
-    extra = dict(saved_for_backward=sum(saved_all) + sum(log_probs),
-                 live_dynamic=sum(saved) + sum(held) + sum(temp),
-                 small_max=small_max)
-    return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
 
 
 def _load_temp(c: Config, quantize: Optional[str], prec, device_type: str) -> int:
@@ -491,26 +528,21 @@ def pick_micro_batch_size(budget_bytes: float, max_micro_batch_size: int = 1024,
 # ---- configs without loading --------------------------------------------------------------------
 def read_config(checkpoint_dir: Path) -> Config:
     """The model config of a checkpoint folder, without converting or loading weights."""
-    from lit_qlora.convert import LIT_CONFIG
-
     checkpoint_dir = Path(checkpoint_dir)
     if (checkpoint_dir / LIT_CONFIG).is_file():
         return Config.from_file(checkpoint_dir / LIT_CONFIG)
     if (checkpoint_dir / "config.json").is_file():
         return Config.from_hf_config(checkpoint_dir / "config.json")
     if not checkpoint_dir.is_dir():
-        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded model folder")
+        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded "
+                        "model folder")
     raise UserError(f"{checkpoint_dir} holds no model_config.json or config.json; pass a model folder")
 
 
 def available_memory_bytes(device_type: str) -> int:
     """Free memory of the device: CUDA free memory, or the system's available RAM."""
     if device_type == "cuda":
-        import torch
-
         return torch.cuda.mem_get_info()[0]
-    import psutil
-
     return psutil.virtual_memory().available
 
 
@@ -519,16 +551,13 @@ def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, mem
     """What finetune/lora.py calls before loading anything: resolves `--micro_batch_size auto` to the largest
     micro batch whose estimate fits `--memory_budget` (GB, default: the memory free now) and prints the estimate
     (to stdout with --estimate_only, else to stderr)."""
-    import sys
-
-    import torch
-
     out = sys.stdout if estimate_only else sys.stderr
     device_type = "cuda" if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
     kw = dict(config=read_config(checkpoint_dir), lora=lora, device_type=device_type, **settings)
     if micro_batch_size == "auto":
         if memory_budget is None and devices > 1:  # every DDP process would measure a different free memory
-            raise UserError("--micro_batch_size auto with --devices > 1 needs --memory_budget (GB per device); pass e.g. "
+            raise UserError("--micro_batch_size auto with --devices > 1 needs --memory_budget (GB per device); pass "
+                            "e.g. "
                             "--memory_budget 20")
         if memory_budget is not None and memory_budget <= 0:
             raise UserError(f"--memory_budget must be positive (GB), got {memory_budget}")
@@ -536,8 +565,10 @@ def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, mem
         where = f"--memory_budget {memory_budget} GB" if memory_budget else f"the free {device_type} memory"
         mbs, est = pick_micro_batch_size(budget, **kw)
         if mbs == 0:
-            raise UserError(f"even --micro_batch_size 1 needs about {est.total_gb:.2f} GB, more than {where} ({budget / GiB:.2f} "
-                            "GB); use --quantize bnb.nf4-dq, --activation_checkpointing true, a smaller --max_seq_length, or "
+            raise UserError(f"even --micro_batch_size 1 needs about {est.total_gb:.2f} GB, more than {where} "
+                            f"({budget / GiB:.2f} "
+                            "GB); use --quantize bnb.nf4-dq, --activation_checkpointing true, a smaller "
+                            "--max_seq_length, or "
                             "a larger --memory_budget")
         print(f"--micro_batch_size auto: {mbs}, the largest whose estimated peak fits {where} ({budget / GiB:.2f} GB)",
               file=out)

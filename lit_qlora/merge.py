@@ -15,19 +15,21 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-import torch.nn as nn
 
-from lit_qlora.config import Config
-from lit_qlora.convert import _ST_DTYPES, LIT_CONFIG, LIT_WEIGHTS, convert_lit_checkpoint, ensure_converted, write_safetensors_stream
-from lit_qlora.lora import LoRAConfig, LoRALinear, load_adapter, lora_targets
+from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, read_safetensors, safetensors_specs, write_safetensors_stream
+from lit_qlora.convert import convert_lit_checkpoint, ensure_converted
 from lit_qlora.utils import UserError
 
+# What a model folder needs besides its weights to tokenize, chat and stop like the original: transformers >= 4.43
+# writes the chat template to chat_template.jinja, and generation_config.json names every end-of-turn id.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt")
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+                   "vocab.json", "merges.txt")
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer (and generation) files that exist in `src` to `dst`. Returns their names."""
+    """Copy the tokenizer, chat-template and generation files that exist in `src` to `dst`. Returns their names."""
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in TOKENIZER_FILES:
@@ -37,43 +39,15 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def safetensors_specs(path: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
-    """(name, shape, dtype) of every tensor in a safetensors file, in file order (the order `read_safetensors` yields)."""
-    from lit_qlora.loader import safetensors_header
-
-    header, _ = safetensors_header(path)
-    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    return [(k, torch.Size(e["shape"]), _ST_DTYPES[e["dtype"]]) for k, e in items]
-
-
-def lora_delta(adapter: dict, module: str, config: Config, out_f: int, in_f: int) -> torch.Tensor:
-    """The fp32 [out, in] update the adapter adds to our module `module` (exactly what LoRALinear computes)."""
-    lora = LoRAConfig.from_dict(adapter["lora_config"])
-    parts = lora_targets(config, lora)[module]
-    with torch.device("meta"):
-        base = nn.Linear(in_f, out_f, bias=False)
-    m = LoRALinear(base, in_f, out_f, lora.r, lora.alpha, 0.0, parts)
-    try:
-        A, B = adapter["lora"][module + ".lora_A"], adapter["lora"][module + ".lora_B"]
-    except KeyError as e:
-        raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it")
-    if tuple(A.shape) != tuple(m.lora_A.shape) or tuple(B.shape) != tuple(m.lora_B.shape):
-        raise UserError(f"adapter tensors of {module} have shapes {tuple(A.shape)}/{tuple(B.shape)}, the base model expects "
-                        f"{tuple(m.lora_A.shape)}/{tuple(m.lora_B.shape)}; use the base model the adapter was trained on")
-    m.lora_A = nn.Parameter(A.detach().float().cpu(), requires_grad=False)
-    m.lora_B = nn.Parameter(B.detach().float().cpu(), requires_grad=False)
-    return m.delta_weight()
-
-
-def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) -> Path:
+def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Path) -> Path:
     """Base checkpoint + adapter -> a merged checkpoint folder `out_dir`. Returns `out_dir`."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = ensure_converted(checkpoint_dir)
     if out_dir.resolve() == checkpoint_dir.resolve():
         raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; write the merged model to a new folder")
-    if not isinstance(adapter, dict):
-        adapter = load_adapter(Path(adapter), config)
-    targets = lora_targets(config, LoRAConfig.from_dict(adapter["lora_config"]))
+    if not isinstance(adapter, Adapter):
+        adapter = Adapter.load(Path(adapter), config)
+    targets = adapter.targets()
     weights = checkpoint_dir / LIT_WEIGHTS
     specs = safetensors_specs(weights)
     untie = config.tie_embeddings and "lm_head" in targets
@@ -84,19 +58,12 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) 
     if missing:
         raise UserError(f"{weights} has no tensor {missing[0]}.weight; the checkpoint is incomplete: convert it again")
 
-    from lit_qlora.loader import read_safetensors
-
-    def merged(name: str, t: torch.Tensor, module: str) -> torch.Tensor:
-        out_f, in_f = t.shape
-        return (t.float() + lora_delta(adapter, module, config, out_f, in_f)).to(t.dtype)
-
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in read_safetensors(weights):
-            module = name.removesuffix(".weight")
-            yield name, (merged(name, t, module) if name.endswith(".weight") and module in targets else t)
+            yield name, adapter.merged(name, t)
         if untie:
             for _, t in read_safetensors(weights, keys={"transformer.wte.weight"}):
-                yield "lm_head.weight", merged("lm_head.weight", t, "lm_head")
+                yield "lm_head.weight", adapter.merged("lm_head.weight", t)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, stream(), metadata={"merged_from": str(checkpoint_dir)})
@@ -111,12 +78,13 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) 
     return out_dir
 
 
-def export_hf(checkpoint_dir: Path, out_dir: Path, adapter: Optional[dict | Path] = None) -> Path:
+def export_hf(checkpoint_dir: Path, out_dir: Path, adapter: Optional[Adapter | Path] = None) -> Path:
     """Our checkpoint (merged with `adapter` if given) -> a transformers folder with the tokenizer files."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     ensure_converted(checkpoint_dir)
     if out_dir.resolve() == checkpoint_dir.resolve():
-        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; export to a new folder so the original files stay intact")
+        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; export to a new folder so the original "
+                        "files stay intact")
     out_dir.mkdir(parents=True, exist_ok=True)
     if adapter is None:
         convert_lit_checkpoint(checkpoint_dir, out_dir)

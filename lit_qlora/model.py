@@ -69,7 +69,8 @@ class GPT(nn.Module):
             if training and self.compiled_blocks is not None:
                 block = self.compiled_blocks[i]
             if self.activation_checkpointing and training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len,
+                                                      use_reentrant=False)
             else:
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len)
         x = self.transformer.ln_f(x)

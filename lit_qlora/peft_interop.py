@@ -17,15 +17,18 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.config import Config
-from lit_qlora.convert import _qkv_from_hf, _qkv_to_hf, family, lit_param_shapes, qkv_layout
-from lit_qlora.lora import ADAPTER_FORMAT, LoRAConfig, check_same_base, lora_targets
+from lit_qlora.convert import family, qkv_from_hf, qkv_layout, qkv_to_hf
+from lit_qlora.lora import LoRAConfig, lora_targets
 from lit_qlora.utils import UserError, atomic_write
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -63,14 +66,12 @@ def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]
 
 
 # ---- export -----------------------------------------------------------------------------------
-def export_peft(adapter: dict, base_config: Config, out_dir: Path, base_model_name_or_path: str = "") -> Path:
-    """Write `adapter` (from `lora.load_adapter`) as a PEFT LoRA folder for the transformers model of `base_config`."""
-    from safetensors.torch import save_file
-
+def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Config, out_dir: Path,
+                base_model_name_or_path: str = "") -> Path:
+    """Write our LoRA tensors `sd` (settings `lora`) as a PEFT LoRA folder for the transformers model of
+    `base_config` (`lit_qlora.adapter.Adapter.export_peft` checks the base first)."""
     out_dir = Path(out_dir)
-    check_same_base(adapter["model_config"], base_config, "to export")  # type: ignore[arg-type]
-    lora = LoRAConfig.from_dict(adapter["lora_config"])
-    sd, r = adapter["lora"], lora.r
+    r = lora.r
     targets = lora_targets(base_config, lora)
     layout = qkv_layout(base_config)
     enabled = [c for c in _QKV if getattr(lora, c)]
@@ -94,7 +95,7 @@ def export_peft(adapter: dict, base_config: Config, out_dir: Path, base_model_na
             for j, (start, n) in enumerate(parts):
                 fused_b[start:start + n, j * r:(j + 1) * r] = B[row:row + n]
                 row += n
-            (B,) = _qkv_to_hf(base_config, layout, fused_b)
+            (B,) = qkv_to_hf(base_config, layout, fused_b)
             if len(parts) > 1:
                 short = hf_mod.rsplit(".", 1)[-1]
                 rank_pattern[short], alpha_pattern[short] = len(parts) * r, len(parts) * lora.alpha
@@ -125,39 +126,68 @@ def export_peft(adapter: dict, base_config: Config, out_dir: Path, base_model_na
 
 def _get(sd: dict, key: str) -> torch.Tensor:
     if key not in sd:
-        raise UserError(f"adapter tensor {key} is missing; the adapter file is incomplete: use another checkpoint of it")
+        raise UserError(f"adapter tensor {key} is missing; the adapter file is incomplete: use another checkpoint of "
+                        "it")
     return sd[key].detach().float().cpu()
 
 
-# ---- import -----------------------------------------------------------------------------------
+# ---- import: read, check, convert ---------------------------------------------------------------
 _KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 
 
-def import_peft(folder: Path, base_config: Config) -> dict:
-    """A PEFT LoRA folder for the transformers model of `base_config` -> our adapter dict (as `load_adapter` returns)."""
+@dataclass
+class PeftFolder:
+    """What a PEFT LoRA folder holds, as read from disk."""
+
+    config: dict  # adapter_config.json
+    tensors: dict[str, torch.Tensor]
+    metadata: dict  # safetensors metadata (our own exports record their LoRAConfig there)
+    where: str  # how error messages name it
+
+
+def import_peft(folder: Path, base_config: Config) -> tuple[dict[str, torch.Tensor], LoRAConfig, dict]:
+    """A PEFT LoRA folder for the transformers model of `base_config` -> (our LoRA tensors, LoRAConfig, train info),
+    the pieces of a `lit_qlora.adapter.Adapter`."""
+    peft = read_peft(folder)
+    mods = check_peft(peft, base_config)
+    tensors, lora = convert_peft(peft, mods, base_config)
+    train = {"source": "peft", "path": str(folder),
+             "base_model_name_or_path": peft.config.get("base_model_name_or_path")}
+    return tensors, lora, train
+
+
+def read_peft(folder: Path) -> PeftFolder:
+    """adapter_config.json (refusing what we cannot represent) and the adapter weights."""
     folder = Path(folder)
     pc = _read_peft_config(folder)
     tensors, meta = _read_peft_weights(folder)
-    where = f"PEFT adapter {folder}" + (f" (made for {pc['base_model_name_or_path']})" if pc.get("base_model_name_or_path") else "")
+    made_for = pc.get("base_model_name_or_path")
+    return PeftFolder(pc, tensors, meta, f"PEFT adapter {folder}" + (f" (made for {made_for})" if made_for else ""))
+
+
+def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Every LoRA of the folder checked against the base model: {HF module: (A [R, in], B [out, R], scaling)}.
+
+    Refused in one line: tensors that are not LoRA A/B weights, modules the base has no Linear for, missing halves,
+    shapes of another model, target_modules without weights, LoRAs on only some layers."""
+    where, pc = peft.where, peft.config
     base_name = base_config.name or base_config.hf_architecture
-
-    universe = {hf: (ours, cat, i) for hf, ours, cat, i in hf_lora_modules(base_config)}
-    universe.setdefault(_V5_HEAD, ("lm_head", "head", None))
+    universe = _universe(base_config)
     base_copies = _base_weight_names(base_config, universe)
-
-    # group the tensors by HF module
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    found: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> {"lora_A": ..., "lora_B": ...}
+    for key, t in peft.tensors.items():
         k = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
         m = _KEY_RE.match(k)
         if not m:
-            if k in base_copies:  # PEFT's copy of an untouched base weight (save_embedding_layers): not part of the LoRA
+            # PEFT's copy of an untouched base weight (save_embedding_layers): not part of the LoRA
+            if k in base_copies:
                 if tuple(t.shape) != tuple(base_copies[k]):
                     raise UserError(f"{where} holds {k} of shape {tuple(t.shape)} but the base model {base_name} has "
                                     f"{tuple(base_copies[k])}; use the base model the adapter was made for")
                 continue
             raise UserError(f"{where} holds {key!r}, which is not a LoRA A/B weight (bias, embedding LoRA, DoRA or "
-                            "modules_to_save are not supported); save the adapter with bias='none' and only Linear targets")
+                            "modules_to_save are not supported); save the adapter with bias='none' and only Linear "
+                            "targets")
         found.setdefault(m["mod"], {})[m["ab"]] = t.detach().float()
     for mod, ab in found.items():
         if mod not in universe:
@@ -173,11 +203,7 @@ def import_peft(folder: Path, base_config: Config) -> dict:
     if not found:
         raise UserError(f"{where} holds no LoRA weights; save the adapter again with save_pretrained")
 
-    shapes = lit_param_shapes(base_config)
-    shapes.setdefault("lm_head.weight", torch.Size((base_config.vocab_size, base_config.n_embd)))
-    layout = qkv_layout(base_config)
-
-    # per HF module: (A [R, in], B [out, R], scaling), with shapes checked against the base
+    shapes = _weight_shapes(base_config)
     mods: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for mod, ab in found.items():
         ours, cat, _ = universe[mod]
@@ -187,16 +213,12 @@ def import_peft(folder: Path, base_config: Config) -> dict:
             out_f = base_config.qkv_sizes[_QKV.index(cat)]
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1] or A.shape[1] != in_f or B.shape[0] != out_f:
             raise UserError(f"{where} has {mod} LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} but the base model "
-                            f"{base_name} has that layer as [{out_f}, {in_f}]; use the base model the adapter was made for")
+                            f"{base_name} has that layer as [{out_f}, {in_f}]; use the base model the adapter was made "
+                            "for")
         mods[mod] = (A, B, _scaling(pc, mod, A.shape[0], where))
 
     # which of our targets are on, per layer; every layer must agree
-    by_cat: dict[str, set] = {}
-    for mod in found:
-        _, cat, i = universe[mod]
-        key = cat if cat != "mlp" else f"mlp:{mod.rsplit('.', 1)[-1]}"
-        by_cat.setdefault(key, set()).add(i)
-    all_layers = set(range(base_config.n_layer))
+    by_cat = _layers_by_category(mods, universe)
     layer_sets = {frozenset(v) for k, v in by_cat.items() if k != "head"}
     only = set(next(iter(layer_sets))) if len(layer_sets) == 1 else set()
     if pc.get("layers_to_transform") is None and only == set(range(len(only))) and 0 < len(only) < base_config.n_layer:
@@ -208,28 +230,36 @@ def import_peft(folder: Path, base_config: Config) -> dict:
             raise UserError(f"{where} lists {mod} in target_modules but holds no LoRA weights for it; "
                             "the adapter is incomplete: save it again")
     for key, layers in by_cat.items():
-        if key != "head" and layers != all_layers:
+        if key != "head" and layers != set(range(base_config.n_layer)):
             raise UserError(f"{where} adapts {key.split(':')[-1]} in layers {sorted(layers)} only, of the "
                             f"{base_config.n_layer} layers of {base_name}; lit-qlora adapters cover every layer: "
-                            "make the PEFT adapter without layers_to_transform (the same target_modules in every layer)")
+                            "make the PEFT adapter without layers_to_transform (the same target_modules in every "
+                            "layer)")
+    return mods
 
+
+def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                 base_config: Config) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
+    """Checked PEFT LoRAs -> our tensors in our layout (fused qkv, one r and alpha) and the LoRAConfig."""
+    where, universe, layout = peft.where, _universe(base_config), qkv_layout(base_config)
+    by_cat = _layers_by_category(mods, universe)
     fused = "qkv" in by_cat
-    lit_meta = _lit_meta(meta)
+    lit_meta = _lit_meta(peft.metadata)
     flags = dict(query=fused or "query" in by_cat, key=fused or "key" in by_cat, value=fused or "value" in by_cat,
-                 projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat), head="head" in by_cat)
+                 projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat),
+                 head="head" in by_cat)
 
-    # build our tensors module by module, in our own layout
     lora_sd: dict[str, torch.Tensor] = {}
     ranks: dict[str, tuple[int, float]] = {}  # our module -> (r, scaling)
     by_ours: dict[str, dict[str, str]] = {}
-    for mod in found:
+    for mod in mods:
         ours, cat, _ = universe[mod]
         other = by_ours.setdefault(ours, {}).setdefault(cat, mod)
         if other != mod and not all(torch.equal(x, y) for x, y in zip(mods[mod][:2], mods[other][:2])):
             raise UserError(f"{where} holds two different LoRAs for the output head ({other} and {mod}); keep only one")
     # fused HF qkv: our own export comes back as it was, if every layer still has its block structure
     fused_qkv = {ours: mods[cats["qkv"]] for ours, cats in by_ours.items() if "qkv" in cats}
-    fused_qkv = {ours: (A, _qkv_from_hf(base_config, layout, [B_hf]), s) for ours, (A, B_hf, s) in fused_qkv.items()}
+    fused_qkv = {ours: (A, qkv_from_hf(base_config, layout, [B_hf]), s) for ours, (A, B_hf, s) in fused_qkv.items()}
     restored = {ours: _block_diagonal(base_config, lit_meta, A, B) for ours, (A, B, _) in fused_qkv.items()}
     if restored and all(v is not None for v in restored.values()):
         flags.update(next(iter(restored.values()))[3])
@@ -257,10 +287,11 @@ def import_peft(folder: Path, base_config: Config) -> dict:
             ranks[ours] = (A.shape[0], s)
     r, s = _check_uniform(list(ranks.values()), where, None)
 
-    lora = LoRAConfig(r=r, alpha=s * r, dropout=float(pc.get("lora_dropout") or 0.0), **flags)
+    lora = LoRAConfig(r=r, alpha=s * r, dropout=float(peft.config.get("lora_dropout") or 0.0), **flags)
     if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), s * r, rel_tol=1e-12):
         lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
     targets = lora_targets(base_config, lora)
+    shapes = _weight_shapes(base_config)
     # MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0
     for name, parts in targets.items():
         if name + ".lora_A" not in lora_sd:
@@ -269,13 +300,30 @@ def import_peft(folder: Path, base_config: Config) -> dict:
             lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
     extra = set(k.rsplit(".", 1)[0] for k in lora_sd) - set(targets)
     assert not extra, f"internal error: LoRA tensors for {sorted(extra)} outside the targets"
-    return {
-        "format": ADAPTER_FORMAT,
-        "lora": {k: v.contiguous() for k, v in lora_sd.items()},
-        "lora_config": asdict(lora),
-        "model_config": base_config.to_dict(),
-        "train": {"source": "peft", "path": str(folder), "base_model_name_or_path": pc.get("base_model_name_or_path")},
-    }
+    return {k: v.contiguous() for k, v in lora_sd.items()}, lora
+
+
+def _universe(config: Config) -> dict[str, tuple[str, str, Optional[int]]]:
+    """HF module -> (our module, category, layer) for every Linear a LoRA can target (both names of a NeoX head)."""
+    universe = {hf: (ours, cat, i) for hf, ours, cat, i in hf_lora_modules(config)}
+    universe.setdefault(_V5_HEAD, ("lm_head", "head", None))
+    return universe
+
+
+def _weight_shapes(config: Config) -> dict[str, torch.Size]:
+    shapes = lit_param_shapes(config)
+    shapes.setdefault("lm_head.weight", torch.Size((config.vocab_size, config.n_embd)))  # a tied head
+    return shapes
+
+
+def _layers_by_category(mods: dict, universe: dict) -> dict[str, set]:
+    """Category (query, key, value, qkv, projection, mlp:<name>, head) -> the layers adapted."""
+    by_cat: dict[str, set] = {}
+    for mod in mods:
+        _, cat, i = universe[mod]
+        key = cat if cat != "mlp" else f"mlp:{mod.rsplit('.', 1)[-1]}"
+        by_cat.setdefault(key, set()).add(i)
+    return by_cat
 
 
 def _base_weight_names(config: Config, universe: dict) -> dict[str, torch.Size]:
@@ -293,13 +341,15 @@ def _base_weight_names(config: Config, universe: dict) -> dict[str, torch.Size]:
 def _read_peft_config(folder: Path) -> dict:
     path = folder / PEFT_CONFIG
     if not path.is_file():
-        raise UserError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder (saved with save_pretrained) or a .pth adapter file")
+        raise UserError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder (saved with save_pretrained) or a "
+                        ".pth adapter file")
     try:
         pc = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); save the adapter again")
     if pc.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be loaded")
+        raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be "
+                        "loaded")
     if pc.get("use_dora"):
         raise UserError(f"{folder} is a DoRA adapter (use_dora=true); only plain LoRA adapters can be loaded")
     if pc.get("lora_bias") or pc.get("bias", "none") not in ("none", None):
@@ -309,15 +359,14 @@ def _read_peft_config(folder: Path) -> dict:
         raise UserError(f"{folder} also saves full modules ({pc['modules_to_save']}); only LoRA layers can be loaded: "
                         "make the adapter without modules_to_save")
     if pc.get("use_rslora") and (pc.get("rank_pattern") or pc.get("alpha_pattern")):
-        raise UserError(f"{folder} combines use_rslora with rank_pattern/alpha_pattern, which PEFT itself refuses; fix the adapter config")
+        raise UserError(f"{folder} combines use_rslora with rank_pattern/alpha_pattern, which PEFT itself refuses; fix "
+                        "the adapter config")
     return pc
 
 
 def _read_peft_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     st, binf = folder / PEFT_WEIGHTS, folder / PEFT_WEIGHTS_BIN
     if st.is_file():
-        from safetensors import safe_open
-
         try:
             with safe_open(str(st), framework="pt", device="cpu") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
@@ -329,7 +378,8 @@ def _read_peft_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
         except Exception as e:
             raise UserError(f"{binf} is not a readable adapter file ({type(e).__name__}); save the adapter again")
         return dict(sd), {}
-    raise UserError(f"{folder} has no {PEFT_WEIGHTS} or {PEFT_WEIGHTS_BIN}; copy the adapter weights next to {PEFT_CONFIG}")
+    raise UserError(f"{folder} has no {PEFT_WEIGHTS} or {PEFT_WEIGHTS_BIN}; copy the adapter weights next to "
+                    f"{PEFT_CONFIG}")
 
 
 def _pattern_get(pattern: dict, mod: str, default: Any) -> Any:
@@ -354,8 +404,10 @@ def _check_uniform(rs: list[tuple[int, float]], where: str, module: Optional[str
     for r, s in rs[1:]:
         if r != r0 or not math.isclose(s, s0, rel_tol=1e-9):
             at = f" in {module}" if module else ""
-            raise UserError(f"{where} uses different ranks or alpha/r scalings{at} (r={r0} and r={r}, scaling {s0:g} and {s:g}) "
-                            "after mapping to lit-qlora's layers, which use one r and one alpha; make the adapter with one r "
+            raise UserError(f"{where} uses different ranks or alpha/r scalings{at} (r={r0} and r={r}, scaling {s0:g} "
+                            f"and {s:g}) "
+                            "after mapping to lit-qlora's layers, which use one r and one alpha; make the adapter with "
+                            "one r "
                             "and lora_alpha (no rank_pattern/alpha_pattern)")
     return r0, s0
 
@@ -375,7 +427,8 @@ def _expected_modules(pc: dict, universe: dict) -> list[str]:
         else:
             hit = any(mod == t or mod.endswith("." + t) for t in tm)
         if cat == "head" and len([m for m, e in universe.items() if e[1] == "head"]) > 1:
-            continue  # GPT-NeoX's head is embed_out or lm_head depending on the transformers version: either may be unmatched
+            # GPT-NeoX's head is embed_out or lm_head depending on the transformers version: either may be unmatched
+            continue
         if hit and (layers is None or i is None or i in layers):
             out.append(mod)
     return out

@@ -7,52 +7,19 @@ weight when `quantize_into` hands them the real tensor, so no quantized weight i
 """
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from lit_qlora.lora import LoRALinear
+from lit_qlora.precision import parse_precision
 from lit_qlora.utils import UserError, release_freed_memory
 
 QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
-PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What a `--precision` value means for our tensors.
-
-    *-true: every floating weight and the compute in `dtype` (16-true keeps the LoRA weights in fp32, see below).
-    *-mixed: trainable (LoRA) weights in fp32, compute under autocast in `dtype`; frozen Linear weights are
-    stored in `dtype` (autocast would cast them to it for every matmul anyway), embeddings and norms in fp32.
-    """
-
-    name: str
-    dtype: torch.dtype  # compute dtype
-    mixed: bool
-
-    @property
-    def trainable_dtype(self) -> torch.dtype:
-        # fp16 LoRA weights cannot train with AdamW: its eps (1e-8) rounds to 0 in fp16, and lora_A's first gradient
-        # is exactly 0 (B starts at 0), so the first update is 0/0. The few LoRA weights stay fp32 under 16-true too.
-        return torch.float32 if self.mixed or self.dtype == torch.float16 else self.dtype
-
-    @property
-    def frozen_linear_dtype(self) -> torch.dtype:
-        return self.dtype
-
-    @property
-    def frozen_other_dtype(self) -> torch.dtype:
-        return torch.float32 if self.mixed else self.dtype
-
-
-def parse_precision(precision: str) -> Precision:
-    if precision not in PRECISIONS:
-        raise UserError(f"unknown --precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    dtype = {"32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}[precision.split("-")[0]]
-    return Precision(precision, dtype, precision.endswith("-mixed"))
 
 
 def check_quantize(quantize: Optional[str], precision: str, device: torch.device | str = "cpu") -> None:
@@ -64,13 +31,16 @@ def check_quantize(quantize: Optional[str], precision: str, device: torch.device
         raise UserError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZE_MODES)} or leave it out")
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"--quantize {quantize} runs on CPU and CUDA, not on {device.type}; use --accelerator cpu or cuda")
+        raise UserError(f"--quantize {quantize} runs on CPU and CUDA, not on {device.type}; use --accelerator cpu or "
+                        "cuda")
     try:
         import bitsandbytes  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the install
-        raise UserError(f"--quantize {quantize} needs bitsandbytes, which failed to import ({e}); pip install 'bitsandbytes>=0.50'")
+        raise UserError(f"--quantize {quantize} needs bitsandbytes, which failed to import ({e}); pip install "
+                        "'bitsandbytes>=0.50'")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--quantize {quantize} on CUDA but no GPU is visible; run on a GPU machine or use --accelerator cpu")
+        raise UserError(f"--quantize {quantize} on CUDA but no GPU is visible; run on a GPU machine or use "
+                        "--accelerator cpu")
 
 
 def _bnb():
@@ -103,8 +73,6 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def _bnb_loaded() -> bool:
-    import sys
-
     return "bitsandbytes" in sys.modules
 
 
@@ -138,7 +106,8 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
         cb = torch.empty(weight.shape, dtype=torch.int8)
         scb = torch.empty(weight.shape[0], dtype=torch.float32)
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
-            cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(weight[r:r + rows].contiguous().to(torch.float16))
+            rows_fp16 = weight[r:r + rows].contiguous().to(torch.float16)
+            cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(rows_fp16)
         module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
         release_freed_memory()  # quantizing leaves freed buffers in heap holes
         return
@@ -172,8 +141,6 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
 
 def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = True) -> list[str]:
     """Replace the frozen base Linear layers of `model` (on meta) by empty bitsandbytes layers. Returns their names."""
-    from lit_qlora.lora import LoRALinear
-
     swapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -289,8 +256,6 @@ def format_memory_report(r: dict) -> str:
 
 def quiet_bnb_import() -> None:
     """bitsandbytes prints an optional-kernel warning on CPU at import; it is noise for our users."""
-    import logging
-
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import warnings
@@ -18,7 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.lora import ADAPTER_FORMAT
+from lit_qlora.adapter import ADAPTER_FORMAT
+from lit_qlora.lora import lora_state_dict
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -55,59 +57,11 @@ def head_chunk(config) -> int:
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """targets[t] = labels[t + 1]; the last position predicts nothing. Keeps the [B, T] shape so logits need no slicing."""
+    """targets[t] = labels[t + 1]; the last position predicts nothing. Keeps the [B, T] shape, so logits need no
+    slicing."""
     out = torch.full_like(labels, ignore_index)
     out[:, :-1] = labels[:, 1:]
     return out
-
-
-# ---- up-front checks --------------------------------------------------------------------------
-def check_checkpoint_dir(checkpoint_dir: Path):
-    """The model's Config, after making sure the converted checkpoint is whole and agrees with its config.
-
-    Converts a Hugging Face folder on first use. Reads only the safetensors header (and the file size), so a
-    broken or partial checkpoint is refused in one line before anything heavy is loaded."""
-    from lit_qlora.config import Config
-    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, ensure_converted, lit_param_shapes
-    from lit_qlora.loader import safetensors_header
-
-    checkpoint_dir = Path(checkpoint_dir)
-    weights, cfg_file = checkpoint_dir / LIT_WEIGHTS, checkpoint_dir / LIT_CONFIG
-    hf = (checkpoint_dir / "config.json").is_file()
-    if checkpoint_dir.is_dir() and not hf and weights.is_file() != cfg_file.is_file():
-        have, lost = (weights, cfg_file) if weights.is_file() else (cfg_file, weights)
-        raise UserError(f"{checkpoint_dir} is partially converted: {have.name} is there but {lost.name} is missing "
-                        "(and there is no config.json to convert from); convert the Hugging Face checkpoint again")
-    if weights.is_file() and cfg_file.is_file():
-        try:
-            config = Config.from_file(cfg_file)
-        except (ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, unexpected values
-            raise UserError(f"{cfg_file} is damaged ({type(e).__name__}: {e}); convert the checkpoint again") from None
-    else:
-        config = ensure_converted(checkpoint_dir)  # converts a Hugging Face folder on first use
-    redo = ("delete it and run again to convert the Hugging Face files again" if hf
-            else "convert the checkpoint again")
-    size = weights.stat().st_size
-    try:
-        header, base = safetensors_header(weights)
-        end = base + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
-        shapes = {k: tuple(e["shape"]) for k, e in header.items()}
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        raise UserError(f"{weights} is damaged or truncated (unreadable header, {size} bytes); {redo}") from None
-    if size < end:
-        raise UserError(f"{weights} is truncated ({size} of {end} bytes); {redo}")
-    expected = lit_param_shapes(config)
-    for key, shape in expected.items():
-        if key not in shapes:
-            raise UserError(f"{weights} has no tensor {key}; the checkpoint is incomplete: {redo}")
-        if shapes[key] != tuple(shape):
-            raise UserError(f"{weights} holds {key} with shape {shapes[key]} but {cfg_file.name} implies "
-                            f"{tuple(shape)}; the config and the weights disagree: convert the checkpoint again")
-    extra = sorted(set(shapes) - set(expected))
-    if extra:
-        raise UserError(f"{weights} holds {extra[0]!r}, which the model in {cfg_file.name} has no place for; the config and "
-                        "the weights disagree: convert the checkpoint again")
-    return config
 
 
 # ---- learning rate ------------------------------------------------------------------------------
@@ -199,11 +153,10 @@ def checkpoint_bytes(n_lora_params: int) -> int:
 
 
 def check_disk_space(out_dir: Path, needed_bytes: int) -> None:
-    import shutil
-
     free = shutil.disk_usage(out_dir).free
     if free < needed_bytes * 2 + (64 << 20):  # the temp file and the previous checkpoint exist side by side
-        raise UserError(f"only {free / 2**20:.0f} MiB free in {out_dir}, a checkpoint needs about {needed_bytes / 2**20:.0f} MiB; "
+        raise UserError(f"only {free / 2**20:.0f} MiB free in {out_dir}, a checkpoint needs about "
+                        f"{needed_bytes / 2**20:.0f} MiB; "
                         "free disk space or choose another --out_dir")
 
 
@@ -261,10 +214,6 @@ class MetricsLog:
                 rows.append(r)
             return rows
 
-    def read_losses(self) -> list[float]:
-        with open(self.path) as f:
-            return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
-
 
 # ---- signals ------------------------------------------------------------------------------------
 class StopRequest:
@@ -279,7 +228,8 @@ class StopRequest:
         if self.signum is not None:  # a second Ctrl-C means: stop now
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this iteration ...", file=sys.stderr)
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint after this iteration ...",
+              file=sys.stderr)
 
     @property
     def requested(self) -> bool:
@@ -293,3 +243,93 @@ def fmt_eta(seconds: float) -> str:
 
 def is_tty() -> bool:
     return sys.stderr.isatty() and os.environ.get("TERM", "") != "dumb"
+
+
+# ---- what finetune/lora.py checks before it starts ----------------------------------------------------
+def check_out_dir(out_dir: Path, resume: Optional[str]) -> None:
+    """Refuse to start over a previous run (it would be overwritten) unless resuming it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write to --out_dir {out_dir} ({e.strerror}); choose a writable folder")
+    if resume in (None, "false", "no") and list_checkpoints(out_dir):
+        raise UserError(f"{out_dir} already holds checkpoints of a run; pass --resume to continue it or choose "
+                        "another --out_dir")
+
+
+def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], Optional[dict]]:
+    """The checkpoint `--resume` names (auto/true: the newest intact one in out_dir) and its content."""
+    if resume in (None, "false", "no"):
+        return None, None
+    if resume in ("auto", "true", "yes"):
+        path, state = load_latest_checkpoint(out_dir)
+        if state is None and resume != "auto":
+            raise UserError(f"--resume: no intact checkpoint in {out_dir / CKPT_DIR}; use --resume auto to start fresh")
+        return path, state
+    path = Path(resume)
+    if not path.is_file():
+        raise UserError(f"--resume {path}: no such checkpoint; pass --resume auto or an iter-*.pth file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UserError(f"--resume {path}: the checkpoint is damaged ({type(e).__name__}); pass an earlier one or "
+                        "--resume auto")
+    if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
+        raise UserError(f"--resume {path} is not a resumable checkpoint of finetune/lora.py; pass an iter-*.pth file")
+    return path, state
+
+
+def check_resume_compatible(state: dict, now: dict) -> None:
+    """A run resumes only with the settings its checkpoint was made with (`now`: the same keys as saved)."""
+    saved = state["resume"].get("settings", {})
+    for k, v in now.items():
+        if k in saved and saved[k] != v and k != "checkpoint_dir":
+            raise UserError(f"the checkpoint was made with {k}={saved[k]} but this run uses {k}={v}; resume with the "
+                            "same settings or start a new --out_dir")
+
+
+# ---- during the loop -------------------------------------------------------------------------------
+def shard_batch(batch: dict, rank: int, world: int) -> dict:
+    """This device's rows of a global micro-batch, trimmed to their own longest sample."""
+    if world == 1:
+        return batch
+    rows = slice(rank, None, world)
+    part = {k: v[rows] for k, v in batch.items()}
+    T = int(part["lengths"].max()) if len(part["lengths"]) else 1
+    return {"input_ids": part["input_ids"][:, :T], "labels": part["labels"][:, :T], "lengths": part["lengths"]}
+
+
+def all_finite(tensors) -> bool:
+    """True when no element of the tensors (None entries skipped) is NaN or inf; one device sync in all."""
+    peaks = [t.detach().abs().amax().float() for t in tensors if t is not None and t.numel()]
+    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
+
+
+def check_ranks_agree(fabric, model: torch.nn.Module) -> float:
+    """DDP keeps one model: compare every LoRA tensor with rank 0's and say how far apart the ranks are."""
+    diff = torch.zeros((), device=fabric.device)
+    for v in lora_state_dict(model).values():
+        ref = fabric.broadcast(v.detach().clone(), src=0)
+        diff = torch.maximum(diff, (v.float() - ref.to(v.device).float()).abs().max())
+    diff = float(fabric.all_reduce(diff, reduce_op="max"))
+    if diff <= 1e-6:
+        fabric.print(f"ranks agree: max diff {diff:.3g}", file=sys.stderr)
+    else:
+        fabric.print(f"warning: DDP ranks disagree: max diff {diff:.3g} between LoRA weights", file=sys.stderr)
+    return diff
+
+
+def show_progress(step: int, max_steps: int, loss: float, dt: float, tokens: int, elapsed: float) -> None:
+    """A progress bar on a terminal; otherwise one parsable line per iteration (the benchmark harness reads it)."""
+    eta = elapsed / step * (max_steps - step)
+    if is_tty():
+        bar = "#" * int(30 * step / max_steps)
+        print(f"\r[{bar:<30}] iter {step}/{max_steps} | loss {loss:.4f} | {tokens / dt:.0f} tok/s | ETA {fmt_eta(eta)} "
+              " ",
+              end="" if step < max_steps else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"iter {step} | loss {loss:.4f} | iter time: {dt * 1000:.1f} ms | tokens {tokens} | ETA {fmt_eta(eta)}",
+              flush=True)

@@ -23,24 +23,30 @@ def debug_enabled() -> bool:
     return os.environ.get("LIT_QLORA_DEBUG", "") not in ("", "0") or "--debug" in sys.argv
 
 
-def run_cli(fn: Callable, **kwargs: Any) -> Any:
-    """Run `fn` as a jsonargparse CLI. User errors become `error: ...` + exit code 2.
+def run_main(main: Callable[[], Any]) -> Any:
+    """Run a script's `main()`: user errors become one line `error: ...` and exit code 2.
 
-    `--debug` (or LIT_QLORA_DEBUG=1) shows the traceback of user errors too. Unexpected errors
-    always keep their traceback: they are our bugs, not the user's.
+    `--debug` (or LIT_QLORA_DEBUG=1) shows the traceback of user errors too. Unexpected errors always keep their
+    traceback: they are our bugs, not the user's.
     """
-    from jsonargparse import CLI
-
     if "--debug" in sys.argv:
         sys.argv.remove("--debug")
         os.environ["LIT_QLORA_DEBUG"] = "1"
     try:
-        return CLI(fn, as_positional=False, **kwargs)
+        return main()
     except UserError as e:
         if debug_enabled():
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def run_cli(fn: Callable, **kwargs: Any) -> Any:
+    """Run `fn` as a jsonargparse CLI built from its typed signature (`--help`, `--config`, `--print_config`), with
+    `run_main`'s handling of user errors."""
+    from jsonargparse import CLI  # here, not at the top: the package's library users never need it
+
+    return run_main(lambda: CLI(fn, as_positional=False, **kwargs))
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -85,16 +91,6 @@ def memory_used_gb(device: torch.device | str = "cpu") -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return peak_rss_gb()
-
-
-def num_parameters(module: torch.nn.Module, requires_grad: bool | None = None) -> int:
-    total = 0
-    for p in module.parameters():
-        if requires_grad is None or p.requires_grad == requires_grad:
-            # bitsandbytes 4-bit params pack two values per byte; count the logical elements
-            qs = getattr(p, "quant_state", None)
-            total += int(torch.Size(qs.shape).numel()) if qs is not None else p.numel()
-    return total
 
 
 @functools.lru_cache(maxsize=None)

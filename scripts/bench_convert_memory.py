@@ -1,10 +1,11 @@
-"""Benchmark: peak memory of checkpoint conversion against the checkpoint's size (goal: peak RSS < 1.5x the size on disk).
+"""Benchmark: peak memory of checkpoint conversion against the checkpoint's size (goal: peak RSS < 1.5x its size).
 
     python scripts/bench_convert_memory.py [--size 1.0] [--out_dir /tmp/bench] [--keep true] [--export false]
 
-Writes a random Llama-shaped bf16 Hugging Face checkpoint of `--size` billion parameters, one tensor at a time (it is
-never whole in memory), then runs scripts/convert_hf_checkpoint.py on it in a child process (then, unless --export false,
-scripts/convert_lit_checkpoint.py back to an HF folder), sampling the child's resident memory. Prints figures only.
+Writes a random Llama-shaped bf16 Hugging Face checkpoint of `--size` billion parameters, one tensor at a time (it
+is never whole in memory), then runs scripts/convert_hf_checkpoint.py on it in a child process (then, unless --export
+false, scripts/convert_lit_checkpoint.py back to an HF folder), sampling the child's resident memory. Prints figures
+only.
 """
 import json
 import os
@@ -16,11 +17,9 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 import torch
 
-from lit_qlora.convert import write_safetensors_stream
+from lit_qlora.checkpoint import write_safetensors_stream
 from lit_qlora.utils import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +46,8 @@ def hf_specs(cfg: dict) -> list[tuple[str, torch.Size, torch.dtype]]:
         specs += [(p + "input_layernorm.weight", (e,)), (p + "self_attn.q_proj.weight", (e, e)),
                   (p + "self_attn.k_proj.weight", (kv, e)), (p + "self_attn.v_proj.weight", (kv, e)),
                   (p + "self_attn.o_proj.weight", (e, e)), (p + "post_attention_layernorm.weight", (e,)),
-                  (p + "mlp.gate_proj.weight", (i, e)), (p + "mlp.up_proj.weight", (i, e)), (p + "mlp.down_proj.weight", (e, i))]
+                  (p + "mlp.gate_proj.weight", (i, e)), (p + "mlp.up_proj.weight", (i, e)),
+                  (p + "mlp.down_proj.weight", (e, i))]
     specs += [("model.norm.weight", (e,)), ("lm_head.weight", (v, e))]
     return [(k, torch.Size(s), torch.bfloat16) for k, s in specs]
 
@@ -87,7 +87,8 @@ def measure(cmd: list[str]) -> dict:
 
 
 def report(label: str, size: int, m: dict) -> None:
-    print(f"{label}: {m['seconds']:.1f} s, peak RSS {m['maxrss'] / GiB:.2f} GiB (ru_maxrss) = {m['maxrss'] / size:.2f}x the "
+    print(f"{label}: {m['seconds']:.1f} s, peak RSS {m['maxrss'] / GiB:.2f} GiB (ru_maxrss) = "
+          f"{m['maxrss'] / size:.2f}x the "
           f"checkpoint; sampled peaks: RSS {m['VmRSS'] / GiB:.2f}, anonymous {m['RssAnon'] / GiB:.2f}, "
           f"file-backed {m['RssFile'] / GiB:.2f} GiB", flush=True)
 
@@ -97,7 +98,8 @@ def bench(size: float = 1.0, out_dir: Optional[Path] = None, keep: bool = False,
 
     Args:
         size: Parameters of the generated Llama-shaped checkpoint, in billions.
-        out_dir: Where to write the checkpoint (needs 3x the checkpoint size free, 2x with --export false). Default: a temp folder.
+        out_dir: Where to write the checkpoint (needs 3x the checkpoint size free, 2x with --export false). Default: a
+            temp folder.
         keep: Keep the generated files.
         export: Also measure the way back (scripts/convert_lit_checkpoint.py).
     """

@@ -19,15 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from lit_qlora.checkpoint import lit_param_shapes
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig
+from lit_qlora.memory import GiB, estimate_training_memory
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-import torch  # noqa: E402
-
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.convert import lit_param_shapes  # noqa: E402
-from lit_qlora.lora import LoRAConfig  # noqa: E402
-from lit_qlora.memory import GiB, estimate_training_memory  # noqa: E402
 
 MODEL = dict(name="bench-llama-56m", hf_architecture="LlamaForCausalLM", block_size=1024, vocab_size=32000, n_layer=8,
              n_head=8, n_query_groups=4, n_embd=512, intermediate_size=1408)
@@ -38,9 +37,11 @@ CELLS = [(q, mbs, ac) for q in ("none", "bnb.nf4-dq", "bnb.int8") for mbs in (1,
 
 def write_checkpoint(folder: Path, config: Config) -> None:
     from lit_qlora import demo
-    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, write_random_checkpoint
+    from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
+    from lit_qlora.convert import write_random_checkpoint
 
-    if (folder / LIT_WEIGHTS).is_file() and (folder / LIT_CONFIG).is_file() and Config.from_file(folder / LIT_CONFIG) == config:
+    done = (folder / LIT_WEIGHTS).is_file() and (folder / LIT_CONFIG).is_file()
+    if done and Config.from_file(folder / LIT_CONFIG) == config:
         return
     folder.mkdir(parents=True, exist_ok=True)
     demo._write_tokenizer(folder)  # the demo's byte-level BPE (384 ids); the model's larger vocab is just unused rows
@@ -49,7 +50,7 @@ def write_checkpoint(folder: Path, config: Config) -> None:
 
 def write_data(folder: Path, checkpoint: Path, seq_length: int, n_train: int = 64, n_val: int = 4) -> None:
     """A prepared dataset (train.pt, val.pt, prepare_config.json) of random samples of exactly seq_length tokens."""
-    from lit_qlora.data import CONFIG_NAME
+    from lit_qlora.prepare import CONFIG_NAME
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(checkpoint)
@@ -67,7 +68,8 @@ def write_data(folder: Path, checkpoint: Path, seq_length: int, n_train: int = 6
 
     torch.save(samples(n_train), folder / "train.pt")
     torch.save(samples(n_val), folder / "val.pt")
-    (folder / CONFIG_NAME).write_text(json.dumps({"tokenizer_fingerprint": tok.fingerprint, "max_seq_length": seq_length,
+    (folder / CONFIG_NAME).write_text(json.dumps({"tokenizer_fingerprint": tok.fingerprint,
+                                                  "max_seq_length": seq_length,
                                                   "template": "plain", "mask_inputs": True, "n_train": n_train,
                                                   "n_val": n_val}))
 
@@ -91,7 +93,8 @@ def run_cell(ckpt: Path, data: Path, out: Path, precision: str, quantize: str, o
 
 
 def predict(config: Config, precision: str, quantize: str, optimizer: str, mbs: int, ac: bool, seq_length: int):
-    return estimate_training_memory(config, lora=LoRAConfig(), precision=precision, quantize=quantize, optimizer=optimizer,
+    return estimate_training_memory(config, lora=LoRAConfig(), precision=precision, quantize=quantize,
+                                    optimizer=optimizer,
                                     micro_batch_size=mbs, seq_length=seq_length, activation_checkpointing=ac,
                                     device_type="cpu")
 
@@ -99,7 +102,8 @@ def predict(config: Config, precision: str, quantize: str, optimizer: str, mbs: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out_dir", type=Path, default=Path("/tmp/bench_estimator"))
-    p.add_argument("--iters", type=int, default=10, help="training iterations per cell (the peak is reached from the 2nd)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="training iterations per cell (the peak is reached from the 2nd)")
     p.add_argument("--seq_length", type=int, default=256)
     p.add_argument("--precision", default="bf16-true")
     p.add_argument("--optimizer", default="AdamW")
@@ -114,7 +118,8 @@ def main() -> None:
     write_checkpoint(ckpt, config)
     write_data(data, ckpt, args.seq_length)
     n_params = sum(s.numel() for s in lit_param_shapes(config).values())
-    print(f"Model: {config.name}, {n_params / 1e6:.1f}M parameters, seq {args.seq_length}, {args.iters} iterations per cell, "
+    print(f"Model: {config.name}, {n_params / 1e6:.1f}M parameters, seq {args.seq_length}, {args.iters} iterations per "
+          "cell, "
           f"{args.precision}, {args.optimizer}, LoRA r=8 on q,v", flush=True)
 
     if args.calibrate_runtime:
@@ -123,38 +128,44 @@ def main() -> None:
         write_checkpoint(tckpt, tiny)
         write_data(tdata, tckpt, 16)
         for q in ("none", "bnb.nf4"):
-            measured, err = run_cell(tckpt, tdata, out_root / f"tiny-{q}", args.precision, q, args.optimizer, 1, False, 3, 16)
+            measured, err = run_cell(tckpt, tdata, out_root / f"tiny-{q}", args.precision, q, args.optimizer, 1, False,
+                                     3, 16)
             e = predict(tiny, args.precision, q, args.optimizer, 1, False, 16)
             model_part = e.total - e.parts["runtime"]
             if measured is None:
                 print(f"runtime calibration ({q}) failed: {err}")
             else:
-                print(f"runtime calibration ({q}): peak {measured:.3f} GiB - predicted tensors {model_part / GiB:.3f} GiB = "
-                      f"runtime {measured - model_part / GiB:.3f} GiB (lit_qlora.memory assumes {e.parts['runtime'] / GiB:.3f})",
+                print(f"runtime calibration ({q}): peak {measured:.3f} GiB - predicted tensors {model_part / GiB:.3f} "
+                      "GiB = "
+                      f"runtime {measured - model_part / GiB:.3f} GiB (lit_qlora.memory assumes "
+                      f"{e.parts['runtime'] / GiB:.3f})",
                       flush=True)
 
     cells = list(enumerate(CELLS))
     if args.cells != "all":
         keep = {int(i) for i in args.cells.split(",")}
         cells = [c for c in cells if c[0] in keep]
-    print(f"\n| # | quantize | micro batch | checkpointing | predicted GiB | measured GiB | error | time s |", flush=True)
+    print("\n| # | quantize | micro batch | checkpointing | predicted GiB | measured GiB | error | time s |",
+          flush=True)
     print("|---|---|---|---|---|---|---|---|", flush=True)
     worst = 0.0
     for i, (q, mbs, ac) in cells:
         e = predict(config, args.precision, q, args.optimizer, mbs, ac, args.seq_length)
         t0 = time.perf_counter()
-        measured, err = run_cell(ckpt, data, out_root / f"cell-{i}", args.precision, q, args.optimizer, mbs, ac, args.iters,
-                                 args.seq_length)
+        measured, err = run_cell(ckpt, data, out_root / f"cell-{i}", args.precision, q, args.optimizer, mbs, ac,
+                                 args.iters, args.seq_length)
         dt = time.perf_counter() - t0
         if measured is None:
             print(f"| {i} | {q} | {mbs} | {ac} | {e.total_gb:.3f} | FAILED | {err} | {dt:.0f} |", flush=True)
             continue
         error = (e.total_gb - measured) / measured
         worst = max(worst, abs(error))
-        print(f"| {i} | {q} | {mbs} | {ac} | {e.total_gb:.3f} | {measured:.3f} | {100 * error:+.1f}% | {dt:.0f} |", flush=True)
+        print(f"| {i} | {q} | {mbs} | {ac} | {e.total_gb:.3f} | {measured:.3f} | {100 * error:+.1f}% | {dt:.0f} |",
+              flush=True)
         if len(cells) == 1:
             print("\n" + e.table())
-    print(f"\nWorst error: {100 * worst:.1f}% (goal: within 15% for every cell) -> {'OK' if worst <= 0.15 else 'MISSED'}")
+    print(f"\nWorst error: {100 * worst:.1f}% (goal: within 15% for every cell) -> "
+          f"{'OK' if worst <= 0.15 else 'MISSED'}")
 
 
 if __name__ == "__main__":

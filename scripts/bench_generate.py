@@ -17,13 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.convert import LIT_WEIGHTS, lit_param_shapes, write_random_checkpoint  # noqa: E402
-from lit_qlora.utils import run_cli  # noqa: E402
+from lit_qlora.checkpoint import LIT_WEIGHTS, lit_param_shapes
+from lit_qlora.config import Config
+from lit_qlora.convert import write_random_checkpoint
+from lit_qlora.utils import run_cli
 
 SETTINGS = ["none", "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8", "bnb.nf4:nopack"]
 
@@ -61,11 +60,13 @@ def main(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, n_query_groups:
     if not (folder / LIT_WEIGHTS).is_file():
         write_random_checkpoint(folder, config)
     params = sum(s.numel() for s in lit_param_shapes(config).values())
-    print(f"model: {params / 1e6:.0f}M parameters ({n_layer} layers, n_embd {n_embd}), bf16 on disk; {precision}, batch 1, "
+    print(f"model: {params / 1e6:.0f}M parameters ({n_layer} layers, n_embd {n_embd}), bf16 on disk; {precision}, "
+          "batch 1, "
           f"prompt {prompt_len} tokens, {new_tokens} new tokens, torch threads {torch.get_num_threads()}")
     rows = []
     for setting in settings.split(","):
-        r = subprocess.run([sys.executable, __file__, "child", str(folder), setting, precision, str(new_tokens), str(prompt_len)],
+        r = subprocess.run([sys.executable, __file__, "child", str(folder), setting, precision, str(new_tokens),
+                            str(prompt_len)],
                            capture_output=True, text=True)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         if r.returncode or not lines:

@@ -1,8 +1,8 @@
-"""Benchmark: QLoRA training step time and peak GPU memory, ours vs Hugging Face transformers + PEFT (figures, not a test).
+"""Benchmark: QLoRA training step time and peak GPU memory, ours vs transformers + PEFT (figures, not a test).
 
-    python scripts/bench_gpu.py                                   # Llama-2-7B shape, micro batch 1, seq 512, 20 iterations
+    python scripts/bench_gpu.py                        # Llama-2-7B shape, micro batch 1, seq 512, 20 iterations
     python scripts/bench_gpu.py --cells ours:bnb.nf4-dq,hf:bnb.nf4-dq --out /tmp/bench_gpu.jsonl
-    python scripts/bench_gpu.py --tiny --device cpu               # a 2-layer model, to check the script on a CPU
+    python scripts/bench_gpu.py --tiny --device cpu    # a 2-layer model, to check the script on a CPU
 
 Six cells, {ours, hf} x {none, bnb.nf4, bnb.nf4-dq}, all bf16-true, each in a fresh process so that its peak
 memory is its own. Nothing is downloaded: each cell builds the model's skeleton on the meta device and then makes
@@ -45,14 +45,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+import torch.nn as nn
+
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.lora import LoRAConfig  # noqa: E402
 
 GB = 1e9
 PRECISION = "bf16-true"
@@ -76,7 +75,8 @@ def model_config(name: str, tiny: bool, seq_length: int) -> Config:
     if tiny:
         config = replace(config, name=f"{name} (tiny)", block_size=max(seq_length, 64), **TINY)
     if seq_length > config.block_size:
-        raise SystemExit(f"error: --seq_length {seq_length} is longer than {name}'s context ({config.block_size}); pass a shorter one")
+        raise SystemExit(f"error: --seq_length {seq_length} is longer than {name}'s context ({config.block_size}); "
+                         "pass a shorter one")
     return config
 
 
@@ -111,7 +111,8 @@ def weights_gb(model: nn.Module) -> float:
 def build_ours(config: Config, quantize: Optional[str], device: torch.device, quantize_lm_head: bool) -> nn.Module:
     """Our model with LoRA on `device`, filled by the loader from random weights made there one tensor at a time
     (each 4-bit weight is quantized as soon as it exists, so the bf16 copies never coexist)."""
-    from lit_qlora.convert import lit_param_shapes, random_weight
+    from lit_qlora.checkpoint import lit_param_shapes
+    from lit_qlora.convert import random_weight
     from lit_qlora.loader import load_model
 
     gen = torch.Generator(device=device).manual_seed(SEED)
@@ -141,7 +142,8 @@ def ours_cell(config: Config, quantize: Optional[str], device: torch.device, bat
 
 # ---- Hugging Face ---------------------------------------------------------------------------------
 def build_hf(config: Config, quantize: Optional[str], device: torch.device) -> nn.Module:
-    """transformers' model on `device` from random weights made there tensor by tensor; 4-bit as from_pretrained does it."""
+    """transformers' model on `device` from random weights made there tensor by tensor; 4-bit as from_pretrained does
+    it."""
     import transformers
     from accelerate import init_empty_weights
 
@@ -305,7 +307,8 @@ def launch(cell: str, argv: list[str], timeout: float) -> dict:
     lines = [ln[len(CELL_MARK):] for ln in r.stdout.splitlines() if ln.startswith(CELL_MARK)]
     if not lines:
         tail = (r.stderr or r.stdout).strip().splitlines()
-        return dict(failed, error=f"exit code {r.returncode}: {tail[-1] if tail else 'no output'}", stderr=r.stderr[-3000:])
+        return dict(failed, error=f"exit code {r.returncode}: {tail[-1] if tail else 'no output'}",
+                    stderr=r.stderr[-3000:])
     result = json.loads(lines[-1])
     if not result["ok"] and r.stderr:
         result["stderr"] = r.stderr[-3000:]
@@ -339,7 +342,8 @@ def print_goals(rows: list[dict], on_cuda: bool, tiny: bool) -> None:
     def verdict(ok: bool) -> str:
         return "OK" if ok else "MISSED"
 
-    print("\nGoals" + ("" if on_cuda and not tiny else " (defined for the full-size model on CUDA; shown for form only)") + ":")
+    print("\nGoals" + ("" if on_cuda and not tiny else " (defined for the full-size model on CUDA; shown for form "
+                                                       "only)") + ":")
     if dq is None:
         print("- ours nf4-dq did not run: no goal can be checked")
         return
@@ -373,15 +377,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 epilog="Cells: " + ", ".join(CELLS))
     p.add_argument("--model_name", default="Llama-2-7b-hf", help="a named config of lit_qlora.config (its shape only)")
-    p.add_argument("--seq_length", type=int, default=None, help=f"tokens per sample (default 512; {TINY_SEQ} with --tiny)")
+    p.add_argument("--seq_length", type=int, default=None,
+                   help=f"tokens per sample (default 512; {TINY_SEQ} with --tiny)")
     p.add_argument("--micro_batch_size", type=int, default=1)
     p.add_argument("--iters", type=int, default=None,
                    help=f"iterations per cell, the first {WARMUP_ITERS} untimed (default 20; {TINY_ITERS} with --tiny)")
-    p.add_argument("--cells", default="all", help="'all' or a comma-separated subset, e.g. ours:bnb.nf4-dq,hf:bnb.nf4-dq")
+    p.add_argument("--cells", default="all",
+                   help="'all' or a comma-separated subset, e.g. ours:bnb.nf4-dq,hf:bnb.nf4-dq")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (with --tiny, to check the script)")
     p.add_argument("--out", type=Path, default=None, help="also append each cell's JSON line to this file")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, 256-wide model, seq 64, 4 iterations: checks the script")
-    p.add_argument("--quantize_lm_head", type=flag, default=True, help="ours: quantize the output layer too (finetune's default)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer, 256-wide model, seq 64, 4 iterations: checks the script")
+    p.add_argument("--quantize_lm_head", type=flag, default=True,
+                   help="ours: quantize the output layer too (finetune's default)")
     p.add_argument("--activation_checkpointing", type=flag, default=False, help="ours: recompute blocks in backward")
     p.add_argument("--hf_gradient_checkpointing", type=flag, default=True,
                    help="hf quantized cells: what prepare_model_for_kbit_training turns on (true by default there)")
@@ -405,11 +413,13 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"error: unknown cell {unknown[0]!r}; choose from {', '.join(CELLS)} or 'all'")
     config = model_config(args.model_name, args.tiny, args.seq_length)
-    from lit_qlora.convert import lit_param_shapes
+    from lit_qlora.checkpoint import lit_param_shapes
 
     n_params = sum(s.numel() for s in lit_param_shapes(config).values())
-    print(f"model: {config.name}, {n_params / 1e9:.3f}B parameters, random bf16 weights built on {args.device}; {PRECISION}, "
-          f"micro batch {args.micro_batch_size}, seq {args.seq_length}, {args.iters} iterations ({WARMUP_ITERS} warm-up); "
+    print(f"model: {config.name}, {n_params / 1e9:.3f}B parameters, random bf16 weights built on {args.device}; "
+          f"{PRECISION}, "
+          f"micro batch {args.micro_batch_size}, seq {args.seq_length}, {args.iters} iterations ({WARMUP_ITERS} "
+          "warm-up); "
           f"LoRA r={LORA.r} alpha={LORA.alpha} dropout={LORA.dropout} on q,k,v,o; AdamW lr {LEARNING_RATE}", flush=True)
     child_argv = sys.argv[1:]  # a child parses the same options (and ignores --cells and --out)
     rows = []

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 GB = 1e9
 SETTINGS = [None, "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 
@@ -60,8 +58,8 @@ def child(ckpt: str, quantize: str) -> None:
 def write_checkpoint(folder: Path, n_layer: int) -> tuple[int, int]:
     import torch
 
+    from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
     from lit_qlora.config import Config
-    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
 
     config = Config(name="bench-llama-1.1b", block_size=2048, vocab_size=32000, n_layer=n_layer, n_head=32, n_embd=2048,
                     n_query_groups=4, intermediate_size=5632)
@@ -93,8 +91,8 @@ def bench(out_dir: Optional[Path] = None, keep: bool = False, n_layer: int = 22)
     ckpt = work / "ckpt"
     try:
         t0 = time.perf_counter()
+        from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
         from lit_qlora.config import Config
-        from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS
 
         if (ckpt / LIT_WEIGHTS).is_file() and Config.from_file(ckpt / LIT_CONFIG).n_layer == n_layer:
             how = "reused"
@@ -120,8 +118,8 @@ def bench(out_dir: Optional[Path] = None, keep: bool = False, n_layer: int = 22)
                   f"(VmHWM {m['vm_hwm'] / GB:.2f} GB)", flush=True)
 
         goal = 0.35 * disk + 0.7 * GB
-        print(f"\n| --quantize | load s | peak RSS GB (ru_maxrss) | VmHWM GB | RSS before load GB | RSS after load GB "
-              f"| model tensors GB | bits/param | peak / disk |")
+        print("\n| --quantize | load s | peak RSS GB (ru_maxrss) | VmHWM GB | RSS before load GB | RSS after load GB "
+              "| model tensors GB | bits/param | peak / disk |")
         print("|---|---|---|---|---|---|---|---|---|")
         for q, m in rows:
             bits = f"{m['bits']:.3f}" if q else "-"
@@ -130,7 +128,8 @@ def bench(out_dir: Optional[Path] = None, keep: bool = False, n_layer: int = 22)
                   f"{m['peak'] / disk:.2f} |")
         peak = dict(rows)["bnb.nf4-dq"]["peak"]
         ok = peak <= goal
-        print(f"\ngoal (bnb.nf4-dq): peak RSS {peak / GB:.2f} GB <= 0.35 x {disk / GB:.2f} GB + 0.7 GB = {goal / GB:.2f} GB: "
+        print(f"\ngoal (bnb.nf4-dq): peak RSS {peak / GB:.2f} GB <= 0.35 x {disk / GB:.2f} GB + 0.7 GB = "
+              f"{goal / GB:.2f} GB: "
               f"{'MET' if ok else 'MISSED'}")
     finally:
         if not keep:

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 import torch
 
-from lit_qlora.convert import LIT_CONFIG, convert_hf_checkpoint
+from lit_qlora.checkpoint import LIT_CONFIG
+from lit_qlora.convert import convert_hf_checkpoint
 from lit_qlora.utils import UserError, run_cli
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -27,7 +26,8 @@ def convert(checkpoint_dir: Path, dtype: Optional[Literal["bf16", "fp16", "fp32"
         dtype: Store the weights in this dtype. Default: keep the dtype of the original weights.
     """
     if not checkpoint_dir.is_dir():
-        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded model folder")
+        raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded "
+                        "model folder")
     out = convert_hf_checkpoint(checkpoint_dir, dtype=DTYPES[dtype] if dtype else None)
     size_gb = out.stat().st_size / 2**30
     print(f"Wrote {out} ({size_gb:.2f} GiB) and {checkpoint_dir / LIT_CONFIG}", file=sys.stderr)

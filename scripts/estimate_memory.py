@@ -10,16 +10,13 @@ table comes from `python finetune/lora.py ... --estimate_only true`. CPU: peak R
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from lit_qlora.config import Config  # noqa: E402
-from lit_qlora.lora import LoRAConfig  # noqa: E402
-from lit_qlora.memory import GiB, estimate_to_json, estimate_training_memory, pick_micro_batch_size, read_config  # noqa: E402
-from lit_qlora.utils import UserError, run_cli  # noqa: E402
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig
+from lit_qlora.memory import GiB, estimate_to_json, estimate_training_memory, pick_micro_batch_size, read_config
+from lit_qlora.utils import UserError, run_cli
 
 
 def main(
@@ -64,9 +61,10 @@ def main(
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
     config = read_config(checkpoint_dir) if checkpoint_dir is not None else Config.from_name(model_name)
-    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key, value=lora_value,
-                      projection=lora_projection, mlp=lora_mlp, head=lora_head)
-    kw = dict(config=config, lora=lora, precision=precision, quantize=quantize, optimizer=optimizer, seq_length=seq_length,
+    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key,
+                      value=lora_value, projection=lora_projection, mlp=lora_mlp, head=lora_head)
+    kw = dict(config=config, lora=lora, precision=precision, quantize=quantize, optimizer=optimizer,
+              seq_length=seq_length,
               activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head, device_type=device)
     est = estimate_training_memory(micro_batch_size=micro_batch_size, **kw)
     print(estimate_to_json(est) if json else est.table())

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 from lit_qlora.merge import export_hf
 from lit_qlora.utils import run_cli
 
@@ -22,7 +20,8 @@ def export(checkpoint_dir: Path, out_dir: Path, lora_path: Optional[Path] = None
     Args:
         checkpoint_dir: The (base) model folder.
         out_dir: Folder for config.json, model.safetensors and the tokenizer files (must differ from checkpoint_dir).
-        lora_path: An adapter to merge first (a .pth adapter file or a PEFT folder); without it the base model is exported.
+        lora_path: An adapter to merge first (a .pth adapter file or a PEFT folder); without it the base model is
+            exported.
     """
     export_hf(checkpoint_dir, out_dir, adapter=lora_path)
     print(f"Wrote {out_dir / 'config.json'} and {out_dir / 'model.safetensors'}", file=sys.stderr)

@@ -9,11 +9,8 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
+from lit_qlora.adapter import Adapter
 from lit_qlora.convert import ensure_converted
-from lit_qlora.lora import load_adapter
-from lit_qlora.peft_interop import export_peft
 from lit_qlora.utils import run_cli
 
 
@@ -26,8 +23,8 @@ def export(lora_path: Path, checkpoint_dir: Path, out_dir: Path) -> None:
         out_dir: Folder for adapter_model.safetensors and adapter_config.json.
     """
     config = ensure_converted(checkpoint_dir)
-    adapter = load_adapter(lora_path, config)
-    export_peft(adapter, config, out_dir, base_model_name_or_path=str(checkpoint_dir))
+    adapter = Adapter.load(lora_path, config)
+    adapter.export_peft(config, out_dir, base_model_name_or_path=str(checkpoint_dir))
     print(f"Wrote {out_dir / 'adapter_model.safetensors'} and {out_dir / 'adapter_config.json'}", file=sys.stderr)
 
 

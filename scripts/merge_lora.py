@@ -11,8 +11,6 @@ model_config.json and the tokenizer files: use it as --checkpoint_dir of generat
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 from lit_qlora.merge import merge_checkpoint
 from lit_qlora.utils import run_cli
 

@@ -2,12 +2,9 @@
 
     python scripts/prepare_alpaca.py --data_file alpaca_data.json --checkpoint_dir checkpoints/X
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from lit_qlora.data import prepare_dataset
+from lit_qlora.prepare import DataSettings, prepare_dataset
 from lit_qlora.utils import run_cli
 
 
@@ -33,8 +30,9 @@ def prepare(
         seed: Seed of the train/validation split.
         template: Prompt template ("alpaca" or "plain").
     """
-    prepare_dataset(data_file, checkpoint_dir, destination_path, max_seq_length, mask_inputs,
-                    test_split_fraction, seed, template)
+    settings = DataSettings(max_seq_length or 0, template=template, mask_inputs=mask_inputs,
+                            test_split_fraction=test_split_fraction, seed=seed)
+    prepare_dataset(data_file, checkpoint_dir, destination_path, settings)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,9 @@
     python scripts/prepare_json.py --data_file my.csv --checkpoint_dir checkpoints/X \
         --instruction_key question --output_key answer --destination_path data/my
 """
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from lit_qlora.data import prepare_dataset
+from lit_qlora.prepare import DataSettings, prepare_dataset
 from lit_qlora.utils import run_cli
 
 
@@ -40,8 +37,10 @@ def prepare(
         input_key: Field holding the optional input (missing or empty is fine).
         output_key: Field holding the expected response.
     """
-    prepare_dataset(data_file, checkpoint_dir, destination_path, max_seq_length, mask_inputs,
-                    test_split_fraction, seed, template, instruction_key, input_key, output_key)
+    settings = DataSettings(max_seq_length or 0, template=template, mask_inputs=mask_inputs,
+                            test_split_fraction=test_split_fraction, seed=seed, instruction_key=instruction_key,
+                            input_key=input_key, output_key=output_key)
+    prepare_dataset(data_file, checkpoint_dir, destination_path, settings)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (category, substrings of operator names), first match wins; self time is counted, so nothing is counted twice
 CATEGORIES = [
@@ -57,7 +55,8 @@ def main() -> None:
         tune_cpu_allocator()  # as finetune/lora.py does on CPU
     quantize = None if args.quantize == "none" else args.quantize
     lora = LoRAConfig(**{t: True for t in args.lora.split(",")})
-    model = load_model(args.checkpoint_dir, precision=args.precision, quantize=quantize, lora=lora, device=device, seed=0)
+    model = load_model(args.checkpoint_dir, precision=args.precision, quantize=quantize, lora=lora, device=device,
+                       seed=0)
     model.train()
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=3e-4)
     gen = torch.Generator().manual_seed(0)
@@ -100,7 +99,8 @@ def main() -> None:
                    "everything else (norms, RoPE, activations, copies, ...)")
         per_cat[cat] += us
 
-    print(f"{args.checkpoint_dir.name} | {args.precision} | quantize {args.quantize} | micro batch {args.micro_batch_size} x "
+    print(f"{args.checkpoint_dir.name} | {args.precision} | quantize {args.quantize} | micro batch "
+          f"{args.micro_batch_size} x "
           f"{args.seq_length} tokens | LoRA on {args.lora} | {device.type}, {torch.get_num_threads()} threads")
     print(f"step time (median of {args.steps}, no profiler): {step_s * 1e3:.1f} ms\n")
     print("| kind of work | ms per step | share |")

@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-COLUMNS = ["Model", "Settings", "Iterations", "Micro batch size", "Optimizer", "Training Memory", "Training Time", "Loss",
-           "Inference tokens/s", "Inference memory", "Status"]
+COLUMNS = ["Model", "Settings", "Iterations", "Micro batch size", "Optimizer", "Training Memory", "Training Time",
+           "Loss", "Inference tokens/s", "Inference memory", "Status"]
 CSV_FIELDS = ["model", "setting", "precision", "quantize", "optimizer", "micro_batch_size", "activation_checkpointing",
-              "iterations", "peak_memory_gb", "memory_kind", "training_time_s", "train_tokens_per_sec", "first_train_loss",
-              "final_train_loss", "final_val_loss", "inference_tokens_per_sec", "inference_memory_gb", "status", "exit_code",
-              "error", "stage", "cell_dir"]
+              "iterations", "peak_memory_gb", "memory_kind", "training_time_s", "train_tokens_per_sec",
+              "first_train_loss",
+              "final_train_loss", "final_val_loss", "inference_tokens_per_sec", "inference_memory_gb", "status",
+              "exit_code", "error", "stage", "cell_dir"]
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -36,7 +37,8 @@ def collect(out_root: Path) -> list[dict]:
     """One flat record per cell folder (a folder two levels down holding any of the cell files)."""
     cells = []
     for d in sorted(p for p in out_root.glob("*/*") if p.is_dir()):
-        cell, status, m, g = (_read_json(d / n) for n in ("cell.json", "status.json", "metrics.json", "generate_metrics.json"))
+        cell, status, m, g = (_read_json(d / n) for n in ("cell.json", "status.json", "metrics.json",
+                                                          "generate_metrics.json"))
         if cell is None and status is None and m is None:
             continue
         cell, status, m, g = cell or {}, status or {}, m or {}, g or {}
@@ -55,7 +57,8 @@ def collect(out_root: Path) -> list[dict]:
             final_val_loss=m.get("final_val_loss"), inference_tokens_per_sec=g.get("tokens_per_sec"),
             inference_memory_gb=g.get("memory_gb"),
             status=status.get("status") or ("ok" if m and g else "incomplete"), exit_code=status.get("exit_code"),
-            error=status.get("error", ""), stage=status.get("stage", ""), cell_dir=str(d), order=cell.get("order", 1 << 30))
+            error=status.get("error", ""), stage=status.get("stage", ""), cell_dir=str(d),
+            order=cell.get("order", 1 << 30))
         cells.append(rec)
     cells.sort(key=lambda r: (r["order"], r["model"], r["setting"]))
     return cells
@@ -163,10 +166,12 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(7, 2.0 * len(cells)), 5))
         labels = [_label(r, many) for r in cells]
         values = [r[key] if isinstance(r[key], (int, float)) else 0.0 for r in cells]
-        bars = ax.bar(range(len(cells)), values, color=["tab:blue" if r["status"] == "ok" else "tab:red" for r in cells])
+        bars = ax.bar(range(len(cells)), values,
+                      color=["tab:blue" if r["status"] == "ok" else "tab:red" for r in cells])
         for bar, r in zip(bars, cells):
             text = f"{r[key]:.2f}" if isinstance(r[key], (int, float)) else _status(r).split(":")[0]
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=7)
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(ylabel)
@@ -179,7 +184,8 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Collect scripts/run_matrix.sh results into report.md, report.csv and plots.")
+    p = argparse.ArgumentParser(description="Collect scripts/run_matrix.sh results into report.md, report.csv and "
+                                            "plots.")
     p.add_argument("out_root", type=Path, help="the OUT_ROOT of scripts/run_matrix.sh")
     p.add_argument("--no_plots", action="store_true", help="skip the PNG plots")
     args = p.parse_args()

@@ -1,16 +1,37 @@
-"""Tiny Hugging Face models of every supported family, built locally with random weights (no downloads)."""
+"""Tiny Hugging Face models of every supported family, built locally with random weights (no downloads), and the
+small helpers the model, LoRA, PEFT and merge tests share."""
 from __future__ import annotations
 
+import runpy
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from safetensors.torch import load_file
+
+from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
+from lit_qlora.config import Config
+from lit_qlora.convert import convert_hf_checkpoint
+from lit_qlora.loader import load_model
+from lit_qlora.lora import LoRAConfig, lora_modules
+from lit_qlora.model import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 320  # every tiny config
+ALL = dict(query=True, key=True, value=True, projection=True, mlp=True, head=True)
+
 
 # Small but not degenerate: GQA where the family has it, partial rotary, biases, an intermediate size % 64 == 0
 TINY_HF_CONFIGS: dict[str, dict] = {
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+                  intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
+    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+                   intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -18,11 +39,14 @@ TINY_HF_CONFIGS: dict[str, dict] = {
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=320, hidden_size=64,
                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=128, sliding_window=8, tie_word_embeddings=False),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128,
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=320, hidden_size=64,
+                  intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
-    "gemma": dict(architectures=["GemmaForCausalLM"], model_type="gemma", vocab_size=320, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+    "gemma": dict(architectures=["GemmaForCausalLM"], model_type="gemma", vocab_size=320, hidden_size=64,
+                  intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                  max_position_embeddings=128,
                   rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh"),
     "gpt_neox": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", vocab_size=320, hidden_size=64,
                      intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
@@ -34,12 +58,14 @@ TINY_HF_CONFIGS: dict[str, dict] = {
     "falcon40b": dict(architectures=["FalconForCausalLM"], model_type="falcon", vocab_size=320, hidden_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                       parallel_attn=True, bias=False, alibi=False, max_position_embeddings=128),
-    "phi": dict(architectures=["PhiForCausalLM"], model_type="phi", vocab_size=320, hidden_size=64, intermediate_size=256,
+    "phi": dict(architectures=["PhiForCausalLM"], model_type="phi", vocab_size=320, hidden_size=64,
+                intermediate_size=256,
                 num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=128,
                 hidden_act="gelu_new", tie_word_embeddings=False),
     "stablelm": dict(architectures=["StableLmForCausalLM"], model_type="stablelm", vocab_size=320, hidden_size=64,
                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                     partial_rotary_factor=0.25, use_qkv_bias=True, max_position_embeddings=128, tie_word_embeddings=False),
+                     partial_rotary_factor=0.25, use_qkv_bias=True, max_position_embeddings=128,
+                     tie_word_embeddings=False),
 }
 
 
@@ -61,3 +87,70 @@ def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, dtype: torch.dtyp
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return model
+
+
+def lora_cfg(**targets) -> LoRAConfig:
+    flags = {k: False for k in ALL}
+    flags.update(targets or ALL)
+    return LoRAConfig(r=4, alpha=8, dropout=0.0, **flags)
+
+
+def random_tokens(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def randomize_lora(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=g) * 0.1)
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+
+
+def adapter_of(model, lora: LoRAConfig) -> Adapter:
+    return Adapter.of_model(model, lora)
+
+
+def hf_model(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def run_script(name: str, *args) -> subprocess.CompletedProcess:
+    """A script in a fresh interpreter, as a user runs it (slow: only where the exit path itself is tested)."""
+    from helpers_train import env
+
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env())
+
+
+def run_script_here(name: str, *args) -> int:
+    """A script's CLI (argument parsing included) in this process; returns its exit code."""
+    argv = sys.argv
+    sys.argv = [str(ROOT / "scripts" / name), *map(str, args)]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def converted_tiny(tmp_path_factory, kind: str, name: str, **overrides) -> SimpleNamespace:
+    """A tiny HF model of `kind`, saved under `name` and converted: (kind, folder, config)."""
+    folder = tmp_path_factory.mktemp("ckpt") / name
+    make_tiny_hf_model(kind, folder, **overrides)
+    convert_hf_checkpoint(folder)
+    return SimpleNamespace(kind=kind, folder=folder, config=load_model(folder, precision="32-true").config)
+
+
+def load_ours(folder: Path) -> GPT:
+    """Our GPT with the converted weights of `folder`, in fp32, loaded without the loader (plain load_state_dict)."""
+    config = Config.from_file(folder / LIT_CONFIG)
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(load_file(folder / LIT_WEIGHTS), strict=False)
+    assert not unexpected
+    assert set(missing) == ({"lm_head.weight"} if config.tie_embeddings else set())  # tied: stored once, as wte
+    return model.eval()

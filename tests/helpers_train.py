@@ -66,8 +66,10 @@ def tiny_setup(tmp_path_factory) -> dict[str, Path]:
     return _CACHE["setup"]
 
 
-LEARN_ARGS = dict(max_iters=40, learning_rate=1e-2, micro_batch_size=4, eval_interval=4, lora_r=8, lora_alpha=16, lora_query=True,
-                  lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True, lora_head=True, eval_max_new_tokens=6)
+LEARN_ARGS = dict(max_iters=40, learning_rate=1e-2, micro_batch_size=4, eval_interval=4, lora_r=8, lora_alpha=16,
+                  lora_query=True,
+                  lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True, lora_head=True,
+                  eval_max_new_tokens=6)
 
 
 def trained_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
@@ -97,7 +99,8 @@ def losses_by_iter(out: Path) -> dict[int, float]:
 
 
 def assert_same_run(a: Path, b: Path, first_iter: int = 1) -> None:
-    """b retraced a (RESUME_ARGS runs): same per-iteration losses from `first_iter` on, same final adapter and checkpoint."""
+    """b retraced a (RESUME_ARGS runs): same per-iteration losses from `first_iter` on, same final adapter and
+    checkpoint."""
     la, lb = losses_by_iter(a), losses_by_iter(b)
     n = RESUME_ARGS["max_iters"]
     assert sorted(lb) == sorted(la) == list(range(1, n + 1)), (sorted(la), sorted(lb))
@@ -129,7 +132,8 @@ def env() -> dict:
 def train_args(setup: dict, out_dir: Path, max_iters: int = 3, **kw) -> list[str]:
     """The finetune/lora.py command line: fast defaults (tiny evals, no warm-up), overridable by keyword."""
     opts = dict(checkpoint_dir=setup["ckpt"], data_dir=setup["data"], out_dir=out_dir, max_iters=max_iters,
-                micro_batch_size=2, eval_interval=max_iters, eval_iters=2, eval_max_new_tokens=4, save_interval=max_iters,
+                micro_batch_size=2, eval_interval=max_iters, eval_iters=2, eval_max_new_tokens=4,
+                save_interval=max_iters,
                 template="plain", precision="32-true", warmup_steps=0, learning_rate=1e-3, lora_dropout=0.0)
     opts.update(kw)
     args = []
@@ -145,8 +149,8 @@ def run_script(script: Path, args: list, timeout: float = 180, **kw) -> subproce
 
 
 def spawn_script(script: Path, args: list) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env(), cwd=ROOT)
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
 
 
 def train(setup: dict, out_dir: Path, max_iters: int = 3, check: bool = True, **kw) -> subprocess.CompletedProcess:

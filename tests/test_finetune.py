@@ -1,4 +1,4 @@
-"""finetune/lora.py end to end, as a real subprocess on a tiny Llama (no mocks).
+"""finetune/lora.py end to end, as a real subprocess on a train_setup Llama (no mocks).
 
 What is shown here:
 1. every --quantize value and every --optimizer trains and writes the expected files and figures;
@@ -15,18 +15,12 @@ import math
 import re
 import shutil
 
+import helpers_train as h
 import pytest
 import torch
 
-import helpers_train as h
-from lit_qlora.lora import load_adapter
+from lit_qlora.adapter import Adapter
 from lit_qlora.training import list_checkpoints
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return h.tiny_setup(tmp_path_factory)
-
 
 # ---- 1. every --quantize value, every --optimizer ----------------------------------------------
 # Each quantize value once, the five optimizers spread over them (AdamW also trains in every other test here).
@@ -37,10 +31,10 @@ SUMMARY_KEYS = ("peak_memory_gb", "training_time_s", "tokens_per_sec", "final_tr
 
 
 @pytest.mark.parametrize("quantize,optimizer,precision", QUANT_OPT)
-def test_quantize_and_optimizer_runs_write_everything(tiny, tmp_path, quantize, optimizer, precision):
+def test_quantize_and_optimizer_runs_write_everything(train_setup, tmp_path, quantize, optimizer, precision):
     out = tmp_path / "out"
-    r = h.train(tiny, out, max_iters=3, save_interval=2, quantize=quantize, optimizer=optimizer, precision=precision,
-                learning_rate=1e-2)
+    r = h.train(train_setup, out, max_iters=3, save_interval=2, quantize=quantize, optimizer=optimizer,
+                precision=precision, learning_rate=1e-2)
     assert [p.name for p in list_checkpoints(out)] == ["iter-000002.pth", "iter-000003.pth"]
     for name in ("lit_model_lora_finetuned.pth", "hyperparameters.json", "metrics.csv", "metrics.json"):
         assert (out / name).is_file(), name
@@ -59,10 +53,11 @@ def test_quantize_and_optimizer_runs_write_everything(tiny, tmp_path, quantize, 
     # the adapter is a real one: it loads for this base and training moved lora_B away from zero
     from lit_qlora.config import Config
 
-    adapter = load_adapter(out / "lit_model_lora_finetuned.pth", Config.from_file(tiny["ckpt"] / "model_config.json"))
-    assert adapter["train"]["quantize"] == (None if quantize == "none" else quantize)
-    assert all(torch.isfinite(v).all() for v in adapter["lora"].values())
-    assert any(v.abs().max() > 0 for k, v in adapter["lora"].items() if k.endswith("lora_B"))
+    adapter = Adapter.load(out / "lit_model_lora_finetuned.pth",
+                           Config.from_file(train_setup["ckpt"] / "model_config.json"))
+    assert adapter.train["quantize"] == (None if quantize == "none" else quantize)
+    assert all(torch.isfinite(v).all() for v in adapter.lora.values())
+    assert any(v.abs().max() > 0 for k, v in adapter.lora.items() if k.endswith("lora_B"))
 
 
 # ---- 2. the loss goes down -------------------------------------------------------------------------
@@ -90,7 +85,7 @@ def uninterrupted(tmp_path_factory):
     return h.resume_reference(tmp_path_factory)
 
 
-def test_resume_from_torn_checkpoint_equals_uninterrupted(tiny, uninterrupted, tmp_path):
+def test_resume_from_torn_checkpoint_equals_uninterrupted(train_setup, uninterrupted, tmp_path):
     """B starts from A's iter-4 checkpoint; the newest file, iter-8, is torn (a truncated copy of A's), and a temp file
     of a killed write lies next to them: B must fall back to iter-4, say so, and then retrace A exactly."""
     a, b = uninterrupted, tmp_path / "B"
@@ -100,7 +95,7 @@ def test_resume_from_torn_checkpoint_equals_uninterrupted(tiny, uninterrupted, t
     (b / "checkpoints/iter-000008.pth").write_bytes(whole[: len(whole) // 2])
     (b / "checkpoints/.iter-000012.pth.abc123.tmp").write_bytes(whole[:100])
     shutil.copy(a / "metrics.csv", b / "metrics.csv")  # rows up to iteration 4 are kept, the rest is redone
-    r = h.train(tiny, b, resume="true", **RESUME_ARGS)
+    r = h.train(train_setup, b, resume="true", **RESUME_ARGS)
     assert f"warning: {b / 'checkpoints/iter-000008.pth'} is damaged" in r.stderr
     assert f"Resuming from {b / 'checkpoints/iter-000004.pth'} at iteration 4" in r.stderr
     h.assert_same_run(a, b, first_iter=5)
@@ -110,15 +105,17 @@ def test_resume_from_torn_checkpoint_equals_uninterrupted(tiny, uninterrupted, t
 
 
 # ---- 4. DDP on CPU -------------------------------------------------------------------------------------
-def test_ddp_two_processes_equal_one_process(tiny, tmp_path):
-    common = dict(max_iters=4, eval_interval=4, learning_rate=1e-2, precision="32-true", accelerator="cpu", lora_dropout=0.0)
+def test_ddp_two_processes_equal_one_process(train_setup, tmp_path):
+    common = dict(max_iters=4, eval_interval=4, learning_rate=1e-2, precision="32-true", accelerator="cpu",
+                  lora_dropout=0.0)
     one = tmp_path / "one"
-    h.train(tiny, one, devices=1, micro_batch_size=4, **common)
+    h.train(train_setup, one, devices=1, micro_batch_size=4, **common)
     two = tmp_path / "two"
-    r = h.train(tiny, two, devices=2, micro_batch_size=2, **common)
+    r = h.train(train_setup, two, devices=2, micro_batch_size=2, **common)
     m = re.search(r"ranks agree: max diff (\S+)", r.stderr)
     assert m and float(m.group(1)) <= 1e-6, r.stderr
-    assert h.max_abs_diff(h.load_lora(one / "lit_model_lora_finetuned.pth"), h.load_lora(two / "lit_model_lora_finetuned.pth")) < 1e-5
+    assert h.max_abs_diff(h.load_lora(one / "lit_model_lora_finetuned.pth"),
+                          h.load_lora(two / "lit_model_lora_finetuned.pth")) < 1e-5
     l1, l2 = h.losses_by_iter(one), h.losses_by_iter(two)
     assert l1.keys() == l2.keys() and all(abs(l1[i] - l2[i]) < 1e-5 for i in l1), (l1, l2)
     assert json.loads((two / "metrics.json").read_text())["devices"] == 2

@@ -1,4 +1,4 @@
-"""generate/lora.py and generate/base.py as real subprocesses, with an adapter trained by finetune/lora.py.
+"""generate/lora.py and generate/base.py as real subprocesses, with an adapter trained_adapter by finetune/lora.py.
 
 What is shown here:
 1. greedy output with the adapter (merged on load, the default) equals the greedy output of the checkpoint written by
@@ -13,20 +13,19 @@ import json
 import math
 import re
 
+import helpers_train as h
 import pytest
 import torch
 
-import helpers_train as h
-
 PROMPT, INPUT = "kind", "owl"
-FORMATTED = "kind\nowl\n"  # the "plain" template the adapter was trained with
+FORMATTED = "kind\nowl\n"  # the "plain" template the adapter was trained_adapter with
 NEW = 8
 TIME_RE = r"Time for inference: \d+\.\d+ sec total, \d+\.\d+ tokens/sec"
 MEM_RE = r"Memory used: \d+\.\d+ GB"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained_adapter(tmp_path_factory):
     setup = h.tiny_setup(tmp_path_factory)
     out, _ = h.trained_run(tmp_path_factory)
     return setup, out / "lit_model_lora_finetuned.pth"
@@ -48,14 +47,14 @@ def assert_figures_at_end(stderr: str) -> None:
 
 def expected_text(setup, adapter_path) -> str:
     """The greedy continuation computed in-process by the library: the adapter merged into fp32 weights."""
+    from lit_qlora.adapter import Adapter
     from lit_qlora.config import Config
     from lit_qlora.generation import generate
     from lit_qlora.loader import load_model
-    from lit_qlora.lora import load_adapter
     from lit_qlora.tokenizer import Tokenizer
 
     config = Config.from_file(setup["ckpt"] / "model_config.json")
-    adapter = load_adapter(adapter_path, config)
+    adapter = Adapter.load(adapter_path, config)
     model = load_model(setup["ckpt"], precision="32-true", merge_adapter=adapter, config=config).eval()
     tok = Tokenizer(setup["ckpt"])
     ids = tok.encode(FORMATTED)
@@ -64,10 +63,10 @@ def expected_text(setup, adapter_path) -> str:
     return tok.decode([t for t in out[len(ids):].tolist() if t not in stops])
 
 
-def test_adapter_output_equals_merged_checkpoint_and_streaming(trained, tmp_path):
-    setup, adapter = trained
+def test_adapter_output_equals_merged_checkpoint_and_streaming(trained_adapter, tmp_path):
+    setup, adapter = trained_adapter
     want = expected_text(setup, adapter)
-    assert want.strip(), "the trained adapter should answer with some text"
+    assert want.strip(), "the trained_adapter adapter should answer with some text"
 
     merged = gen_lora(setup, adapter, "--precision", "32-true")
     assert merged.stdout == want + "\n"  # the generated text alone
@@ -88,8 +87,8 @@ def test_adapter_output_equals_merged_checkpoint_and_streaming(trained, tmp_path
 
 
 @pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"])
-def test_every_quantization_generates(trained, tmp_path, quantize):
-    setup, adapter = trained
+def test_every_quantization_generates(trained_adapter, tmp_path, quantize):
+    setup, adapter = trained_adapter
     metrics = tmp_path / "gen.json"
     r = gen_lora(setup, adapter, "--quantize", quantize, "--metrics_file", metrics)
     assert "Traceback" not in r.stderr and "nan" not in r.stdout.lower()
@@ -100,10 +99,9 @@ def test_every_quantization_generates(trained, tmp_path, quantize):
     assert m["outputs"] == [r.stdout[:-1]]
 
 
-def test_logits_under_quantization_are_finite(trained):
+def test_logits_under_quantization_are_finite(trained_adapter):
     """No NaN hides behind a plausible-looking text: the quantized models' logits for the prompt are finite."""
-    setup, adapter = trained
-    from lit_qlora.config import Config
+    setup, adapter = trained_adapter
     from lit_qlora.inference import load_for_inference
     from lit_qlora.tokenizer import Tokenizer
 

@@ -8,20 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import make_tiny_hf_model
 from helpers_tokenizer import make_hf_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = ["32-true:none:AdamW:2", "bf16-true:bnb.nf4-dq:AdamW:2", "32-true:none:AdamW:2:ckpt", "bf16-true:none:NoSuchOpt:2"]
-SLUGS = ["32-true_none_AdamW_mb2", "bf16-true_bnb.nf4-dq_AdamW_mb2", "32-true_none_AdamW_mb2_ckpt", "bf16-true_none_NoSuchOpt_mb2"]
+SETTINGS = ["32-true:none:AdamW:2", "bf16-true:bnb.nf4-dq:AdamW:2", "32-true:none:AdamW:2:ckpt",
+            "bf16-true:none:NoSuchOpt:2"]
+SLUGS = ["32-true_none_AdamW_mb2", "bf16-true_bnb.nf4-dq_AdamW_mb2", "32-true_none_AdamW_mb2_ckpt",
+         "bf16-true_none_NoSuchOpt_mb2"]
 FAILED = SLUGS[3]
 
 
 def run_matrix(tmp: Path, ckpt: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MODELS=str(ckpt), DATA_DIR=str(data), OUT_ROOT=str(out), MAX_ITERS="2", SETTINGS=" ".join(SETTINGS),
-               EXTRA_TRAIN_ARGS="--eval_iters 1 --eval_max_new_tokens 2 --template plain", EXTRA_GEN_ARGS="--max_new_tokens 3",
-               PYTHON=sys.executable, PROMPT="Say the word: cat")
+    env = dict(os.environ, MODELS=str(ckpt), DATA_DIR=str(data), OUT_ROOT=str(out), MAX_ITERS="2",
+               SETTINGS=" ".join(SETTINGS),
+               EXTRA_TRAIN_ARGS="--eval_iters 1 --eval_max_new_tokens 2 --template plain",
+               EXTRA_GEN_ARGS="--max_new_tokens 3", PYTHON=sys.executable, PROMPT="Say the word: cat")
     return subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env,
                           cwd=tmp, timeout=300)
 
@@ -30,12 +32,13 @@ def run_matrix(tmp: Path, ckpt: Path, data: Path, out: Path) -> subprocess.Compl
 def matrix(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("matrix")
     ckpt = tmp / "tiny-llama"
-    make_tiny_hf_model("llama", ckpt, seed=0, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       max_position_embeddings=128)
+    make_tiny_hf_model("llama", ckpt, seed=0, vocab_size=320, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, max_position_embeddings=128)
     make_hf_bpe_tokenizer(ckpt, vocab_size=320)
     data = tmp / "data"
     data.mkdir()
-    records = [{"instruction": "Say the word", "input": w, "output": w} for w in ["cat", "dog", "red", "map", "pen", "owl"] * 6]
+    records = [{"instruction": "Say the word", "input": w, "output": w} for w in ["cat", "dog", "red", "map", "pen",
+                                                                                  "owl"] * 6]
     (data / "train.json").write_text(json.dumps(records))
     out = tmp / "out"
     first = run_matrix(tmp, ckpt, data, out)
@@ -84,7 +87,8 @@ def test_rerun_skips_done_cells_and_finishes_interrupted_ones(matrix):
     stamps = {slug: (cells / slug / "train_stdout.log").stat().st_mtime_ns for slug in SLUGS}
     gen_stamp = (cells / SLUGS[2] / "generate_stdout.log").stat().st_mtime_ns
     # An interrupted cell: training finished, generation never ran, status still "running"
-    (cells / SLUGS[2] / "status.json").write_text(json.dumps({"status": "running", "exit_code": 0, "error": "", "stage": "generate"}))
+    (cells / SLUGS[2] / "status.json").write_text(json.dumps({"status": "running", "exit_code": 0, "error": "",
+                                                              "stage": "generate"}))
     (cells / SLUGS[2] / "generate_metrics.json").unlink()
 
     again = run_matrix(tmp, ckpt, data, out)
@@ -107,7 +111,8 @@ def test_report_marks_oom_and_incomplete_cells(tmp_path):
         cell = tmp_path / "model" / slug
         cell.mkdir(parents=True)
         (cell / "status.json").write_text(json.dumps(status))
-        (cell / "cell.json").write_text(json.dumps({"model": "model", "setting": "bf16-true:bnb.nf4:AdamW:8", "order": ord(slug)}))
+        (cell / "cell.json").write_text(json.dumps({"model": "model", "setting": "bf16-true:bnb.nf4:AdamW:8",
+                                                    "order": ord(slug)}))
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--no_plots"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -128,7 +133,8 @@ def test_out_of_memory_cells_are_recorded_as_oom(tmp_path):
 if [ "$1" = finetune/lora.py ]; then
     case "$*" in
         *"--micro_batch_size 3 "*) kill -KILL $$ ;;
-        *"--micro_batch_size 5 "*) echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1 ;;
+        *"--micro_batch_size 5 "*)
+            echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" >&2; exit 1 ;;
     esac
 fi
 exec {sys.executable} "$@"
@@ -136,10 +142,12 @@ exec {sys.executable} "$@"
     fake.chmod(0o755)
     env = dict(os.environ, MODELS=str(tmp_path / "some-model"), DATA_DIR=str(tmp_path), OUT_ROOT=str(tmp_path / "out"),
                SETTINGS="bf16-true:none:AdamW:3 bf16-true:none:AdamW:5", PYTHON=str(fake))
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     killed = json.loads((tmp_path / "out" / "some-model" / "bf16-true_none_AdamW_mb3" / "status.json").read_text())
     raised = json.loads((tmp_path / "out" / "some-model" / "bf16-true_none_AdamW_mb5" / "status.json").read_text())
     assert (killed["status"], killed["exit_code"]) == ("oom", 137)
     assert (raised["status"], raised["exit_code"]) == ("oom", 1) and "CUDA out of memory" in raised["error"]
-    assert [line.rsplit("|", 2)[1].strip() for line in (tmp_path / "out" / "report.md").read_text().splitlines()[2:4]] == ["OOM", "OOM"]
+    report = (tmp_path / "out" / "report.md").read_text().splitlines()
+    assert [line.rsplit("|", 2)[1].strip() for line in report[2:4]] == ["OOM", "OOM"]

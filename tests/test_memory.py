@@ -1,5 +1,6 @@
 """The memory estimator (lit_qlora/memory.py): exact weight and saved-activation bytes, monotonicity, checkpointing,
---micro_batch_size auto and --estimate_only. (Predicted vs measured peak RSS is a benchmark: scripts/bench_estimator.py.)"""
+--micro_batch_size auto and --estimate_only. (Predicted vs measured peak RSS is a benchmark:
+scripts/bench_estimator.py.)"""
 import json
 import subprocess
 import sys
@@ -14,18 +15,19 @@ from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_siz
 from lit_qlora.quantize import QUANTIZE_MODES, memory_report
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704, vocab_size=1000,
-             block_size=512)
-NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_head=4, n_embd=128, intermediate_size=512,
-            vocab_size=500, block_size=512, norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP", activation="gelu",
-            parallel_residual=True, rotary_percentage=0.25)
+LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
+             vocab_size=1000, block_size=512)
+NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_head=4, n_embd=128,
+            intermediate_size=512,
+            vocab_size=500, block_size=512, norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP",
+            activation="gelu", parallel_residual=True, rotary_percentage=0.25)
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
 BIG = Config.from_name("Llama-2-7b-hf")
 
 
 def _checkpoint(folder: Path, config: Config) -> Path:
-    from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
+    from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
 
     g = torch.Generator().manual_seed(0)
     shapes = lit_param_shapes(config)
@@ -36,7 +38,7 @@ def _checkpoint(folder: Path, config: Config) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def memory_ckpts(tmp_path_factory):
     out = {}
     for name, cfg in (("llama", LLAMA), ("neox", NEOX)):
         folder = tmp_path_factory.mktemp(name)
@@ -45,19 +47,21 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("quantize", QUANTIZE_MODES)
-def test_quantized_bytes_match_bitsandbytes(ckpts, quantize):
+def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
     from lit_qlora.loader import load_model
 
-    folder, config = ckpts["llama"]
+    folder, config = memory_ckpts["llama"]
     model = load_model(folder, precision="bf16-true", quantize=quantize, lora=QV, config=config, seed=0)
     real = memory_report(model)
     predicted = weight_bytes(config, QV, "bf16-true", quantize)
     assert predicted["quantized"] == real["quantized_bytes"]
-    assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]  # the report counts LoRA as dense
+    # the report counts LoRA as dense
+    assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]
     assert sum(predicted["lora_numels"]) == real["trainable_params"]
     # the figures the estimator is built on, for a large layer
     bits = 8 * quantized_layer_bytes(4096, 4096, quantize) / 4096**2
-    assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5), abs=2e-3)
+    assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
+                                 abs=2e-3)
 
 
 def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
@@ -91,17 +95,18 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("neox", ALL, "bf16-true", None, False),
     ("neox", QV, "32-true", None, True),
 ])
-def test_saved_activations_match_autograd(ckpts, arch, lora, precision, quantize, ac):
+def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""
     from lit_qlora.loader import load_model
 
-    folder, config = ckpts[arch]
+    folder, config = memory_ckpts[arch]
     model = load_model(folder, precision=precision, quantize=quantize, lora=lora, config=config, seed=0)
     model.activation_checkpointing = ac
     model.train()
     B, T = 2, 64
     measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
-    est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T, activation_checkpointing=ac)
+    est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T,
+                                   activation_checkpointing=ac)
     tolerance = 0.01 if precision.endswith("mixed") else 1e-4  # autocast's weight-copy cache is approximated
     assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=tolerance)
 
@@ -152,27 +157,29 @@ def test_estimate_only_exits_before_loading(tmp_path):
     folder.mkdir()
     BIG.save(folder / "model_config.json")
     res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out",
-                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--max_seq_length", "512", "--estimate_only", "true")
+                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--max_seq_length", "512", "--estimate_only",
+                    "true")
     assert res.returncode == 0, res.stderr
     assert "Estimated peak training memory" in res.stdout and "quantized weights" in res.stdout
     assert not (tmp_path / "out").exists()
 
     res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out",
-                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "auto", "--memory_budget", "12", "--max_seq_length", "512",
-                    "--accelerator", "cpu", "--estimate_only", "true")
+                    "--quantize", "bnb.nf4-dq", "--micro_batch_size", "auto", "--memory_budget", "12",
+                    "--max_seq_length", "512", "--accelerator", "cpu", "--estimate_only", "true")
     assert res.returncode == 0, res.stderr
     mbs, _ = pick_micro_batch_size(12 * GiB, config=BIG, lora=LoRAConfig(), quantize="bnb.nf4-dq", seq_length=512)
     assert f"--micro_batch_size auto: {mbs}," in res.stdout and f"micro batch {mbs} x 512 tokens" in res.stdout
 
     res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--quantize", "bnb.nf4-dq",
-                    "--micro_batch_size", "auto", "--memory_budget", "1", "--max_seq_length", "512", "--accelerator", "cpu")
+                    "--micro_batch_size", "auto", "--memory_budget", "1", "--max_seq_length", "512", "--accelerator",
+                    "cpu")
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: even --micro_batch_size 1")
 
 
 def test_estimate_memory_script(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "estimate_memory.py"), "--model_name", "Llama-2-7b-hf",
-                          "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--seq_length", "256", "--device", "cuda",
-                          "--json", "true"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--seq_length", "256", "--device",
+                          "cuda", "--json", "true"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr
     est = json.loads(res.stdout)
     assert est["settings"]["micro_batch_size"] == 2 and est["device_type"] == "cuda"

@@ -22,28 +22,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, read_safetensors, write_safetensors_stream
 from lit_qlora.config import Config
-from lit_qlora.convert import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, write_safetensors_stream
-from lit_qlora.loader import load_model, read_safetensors
+from lit_qlora.generation import generate
+from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, LoRALinear
-from lit_qlora.quantize import (PRECISIONS, QUANTIZE_MODES, assert_trainable_4bit, check_quantize, dequantize_weight,
-                                enable_cpu_inference_packing, make_quantized_linear, memory_report, parse_precision,
-                                quantize_into, quiet_bnb_import, validation_mode)
+from lit_qlora.precision import PRECISIONS, parse_precision
+from lit_qlora.quantize import (
+    QUANTIZE_MODES,
+    assert_trainable_4bit,
+    check_quantize,
+    dequantize_weight,
+    enable_cpu_inference_packing,
+    make_quantized_linear,
+    memory_report,
+    quantize_into,
+    quiet_bnb_import,
+    validation_mode,
+)
 from lit_qlora.utils import UserError
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
 from bitsandbytes.functional import has_avx512bf16  # noqa: E402
-
-try:
-    from lit_qlora.generation import generate
-except ImportError:  # pragma: no cover - fallback: greedy decoding with full forwards
-    @torch.no_grad()
-    def generate(model, prompt: torch.Tensor, max_new_tokens: int, **_) -> torch.Tensor:
-        seq = prompt
-        for _ in range(max_new_tokens):
-            seq = torch.cat([seq, model(seq[None])[0, -1].argmax(-1, keepdim=True)])
-        return seq
 
 CPU = torch.device("cpu")
 ALL_LORA = dict(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True, head=True)
@@ -301,7 +302,8 @@ def test_quantized_logits_error(tmp_path):
 # ---- 4. no random initializer on quantized weights -----------------------------------------------
 _NN_INIT_RANDOM = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
                    "xavier_normal_", "orthogonal_", "sparse_")
-_TENSOR_RANDOM = ("uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_")
+_TENSOR_RANDOM = ("uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
+                  "cauchy_")
 
 
 @contextmanager
@@ -337,7 +339,8 @@ def test_loading_never_randomly_initializes_quantized_weights(small_ckpt, monkey
     with record_random_inits(monkeypatch) as calls:
         model = load_model(small_ckpt, precision="bf16-true", quantize=mode, lora=LoRAConfig(**ALL_LORA), seed=0)
     lora_storage = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in lora_params(model).values()}
-    lora_a = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in lora_params(model, "lora_A").values()}
+    lora_a = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in lora_params(model,
+                                                                                                  "lora_A").values()}
     real = {(ptr, n) for _, meta, ptr, n in calls if not meta}
     # Only LoRA A is randomly initialized (every one of them); modules built on the meta device run their
     # default init on meta tensors, which allocates and computes nothing.

@@ -11,7 +11,7 @@ What is shown here:
 6. SIGTERM saves a checkpoint and exits with 143; resuming retraces an uninterrupted run exactly;
 7. an exploding learning rate in 16-true stops with the NaN message, and the last good checkpoint loads.
 
-The error cases call finetune/lora.py's CLI entry point (`run_cli(setup)`) in-process, which is what `python
+The error cases call finetune/lora.py's CLI entry point (`cli()`) in-process, which is what `python
 finetune/lora.py` runs, to spare a Python + torch start per case; a sample of them also runs as a real subprocess.
 """
 from __future__ import annotations
@@ -29,17 +29,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import helpers_train as h
 import pytest
 import torch
 
-import helpers_train as h
+from lit_qlora.adapter import Adapter
+from lit_qlora.prepare import DataSettings, prepare_files
+from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.training import list_checkpoints, load_latest_checkpoint
-from lit_qlora.utils import UserError, run_cli
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return h.tiny_setup(tmp_path_factory)
+from lit_qlora.utils import UserError
 
 
 @pytest.fixture
@@ -65,12 +63,12 @@ def finetune_module():
 
 
 def run_inprocess(args: list, capfd) -> SimpleNamespace:
-    """`python finetune/lora.py ARGS` without a new interpreter: the same `run_cli(setup)` with the same argv."""
+    """`python finetune/lora.py ARGS` without a new interpreter: the same `cli()` with the same argv."""
     mod = finetune_module()
     capfd.readouterr()
     argv, sys.argv = sys.argv, [str(h.FINETUNE), *map(str, args)]
     try:
-        run_cli(mod.setup)
+        mod.cli()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -80,8 +78,8 @@ def run_inprocess(args: list, capfd) -> SimpleNamespace:
     return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def copy_ckpt(tiny, dest: Path, drop: tuple = ()) -> Path:
-    shutil.copytree(tiny["ckpt"], dest, ignore=shutil.ignore_patterns(*drop) if drop else None)
+def copy_ckpt(train_setup, dest: Path, drop: tuple = ()) -> Path:
+    shutil.copytree(train_setup["ckpt"], dest, ignore=shutil.ignore_patterns(*drop) if drop else None)
     return dest
 
 
@@ -91,11 +89,9 @@ def write_data(folder: Path, name: str, text: str) -> Path:
     return folder
 
 
-def prepared_folder(tiny, dest: Path, tokenizer_dir: Path, max_seq_length: int) -> Path:
-    from lit_qlora.data import prepare_files
-    from lit_qlora.tokenizer import Tokenizer
-
-    prepare_files(tiny["data_file"], None, Tokenizer(tokenizer_dir), dest, max_seq_length, template="plain")
+def prepared_folder(train_setup, dest: Path, tokenizer_dir: Path, max_seq_length: int) -> Path:
+    prepare_files(train_setup["data_file"], None, Tokenizer(tokenizer_dir), dest,
+                  DataSettings(max_seq_length, template="plain"))
     return dest
 
 
@@ -110,7 +106,7 @@ def _edit_config(path: Path, **changes) -> None:
     path.write_text(json.dumps(cfg))
 
 
-# case -> function(tiny, tmp_path) returning ({flag: value} overrides, [substrings the error line must hold])
+# case -> function(train_setup, tmp_path) returning ({flag: value} overrides, [substrings the error line must hold])
 def _ckpt_missing(t, p):
     return dict(checkpoint_dir=p / "nope"), ["checkpoint folder", str(p / "nope"), "does not exist"]
 
@@ -146,7 +142,7 @@ def _ckpt_disagrees(t, p):
 
 def _ckpt_config_corrupt(t, p):
     d = copy_ckpt(t, p / "ckpt")
-    (d / "model_config.json").write_text('{"name": "tiny-llama", "n_embd": ')
+    (d / "model_config.json").write_text('{"name": "train_setup-llama", "n_embd": ')
     return dict(checkpoint_dir=d), [str(d / "model_config.json"), "is damaged"]
 
 
@@ -171,7 +167,8 @@ def _data_other_tokenizer(t, p):
     from helpers_tokenizer import make_hf_bpe_tokenizer
 
     other = make_hf_bpe_tokenizer(p / "other_tok", vocab_size=300)
-    return dict(data_dir=prepared_folder(t, p / "prep", other, 128)), ["was prepared for tokenizer", "this run uses tokenizer"]
+    return dict(data_dir=prepared_folder(t, p / "prep", other, 128)), ["was prepared for tokenizer",
+                                                                       "this run uses tokenizer"]
 
 
 def _data_other_max_len(t, p):
@@ -185,7 +182,8 @@ def _data_not_json(t, p):
 
 
 def _data_bad_jsonl(t, p):
-    d = write_data(p / "data", "tasks.jsonl", '{"instruction": "kind", "input": "owl", "output": "animal"}\n{"instruction": \n')
+    d = write_data(p / "data", "tasks.jsonl",
+                   '{"instruction": "kind", "input": "owl", "output": "animal"}\n{"instruction": \n')
     return dict(data_dir=d), ["line 2 of", "is not valid JSON"]
 
 
@@ -210,15 +208,18 @@ def _batch_size_devices(t, p):
 
 
 def _quantize(t, p):
-    return dict(quantize="bnb.nf5"), ["unknown --quantize 'bnb.nf5'", "bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8"]
+    return dict(quantize="bnb.nf5"), ["unknown --quantize 'bnb.nf5'",
+                                      "bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8"]
 
 
 def _precision(t, p):
-    return dict(precision="fp8-true"), ["unknown --precision 'fp8-true'", "32-true, 16-true, bf16-true, 16-mixed, bf16-mixed"]
+    return dict(precision="fp8-true"), ["unknown --precision 'fp8-true'",
+                                        "32-true, 16-true, bf16-true, 16-mixed, bf16-mixed"]
 
 
 def _optimizer(t, p):
-    return dict(optimizer="SGD"), ["unknown --optimizer 'SGD'", "AdamW, AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit"]
+    return dict(optimizer="SGD"), ["unknown --optimizer 'SGD'",
+                                   "AdamW, AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit"]
 
 
 def _interval_zero(t, p):
@@ -234,7 +235,8 @@ def _resume_no_such_file(t, p):
 
 
 CASES = {f.__name__[1:]: f for f in (
-    _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_garbage_header, _ckpt_partial, _ckpt_disagrees, _ckpt_config_corrupt,
+    _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_garbage_header, _ckpt_partial, _ckpt_disagrees,
+    _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file)}
@@ -242,10 +244,10 @@ SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "optimizer"}  #
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_refused_up_front(case, tiny, prev_run, tmp_path, capfd, monkeypatch):
+def test_bad_input_is_refused_up_front(case, train_setup, prev_run, tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("LIT_QLORA_DEBUG", raising=False)
-    overrides, expect = CASES[case](tiny, tmp_path)
-    args = h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "auto", **overrides})
+    overrides, expect = CASES[case](train_setup, tmp_path)
+    args = h.train_args(train_setup, prev_run, **{**h.LEARN_ARGS, "resume": "auto", **overrides})
     before = h.snapshot(prev_run)
     r = run_inprocess(args, capfd)
     line = h.assert_one_line_error(r, *expect)  # one line: nothing was loaded or printed before the check
@@ -257,84 +259,84 @@ def test_bad_input_is_refused_up_front(case, tiny, prev_run, tmp_path, capfd, mo
         assert h.snapshot(prev_run) == before
 
 
-def test_out_dir_under_a_regular_file(tiny, tmp_path, capfd):
+def test_out_dir_under_a_regular_file(train_setup, tmp_path, capfd):
     (tmp_path / "afile").write_text("x")
-    r = run_inprocess(h.train_args(tiny, tmp_path / "afile" / "out"), capfd)
+    r = run_inprocess(h.train_args(train_setup, tmp_path / "afile" / "out"), capfd)
     h.assert_one_line_error(r, "cannot write to --out_dir", str(tmp_path / "afile" / "out"))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 555 folder anyway")
-def test_out_dir_not_writable(tiny, tmp_path, capfd):
+def test_out_dir_not_writable(train_setup, tmp_path, capfd):
     out = tmp_path / "ro"
     out.mkdir()
     out.chmod(0o555)
     try:
-        r = run_inprocess(h.train_args(tiny, out), capfd)
+        r = run_inprocess(h.train_args(train_setup, out), capfd)
     finally:
         out.chmod(0o755)
     h.assert_one_line_error(r, "cannot write to --out_dir", str(out))
 
 
-def test_resume_true_without_checkpoint(tiny, prev_run, capfd):
+def test_resume_true_without_checkpoint(train_setup, prev_run, capfd):
     shutil.rmtree(prev_run / "checkpoints")
     before = h.snapshot(prev_run)
-    r = run_inprocess(h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "true"}), capfd)
+    r = run_inprocess(h.train_args(train_setup, prev_run, **{**h.LEARN_ARGS, "resume": "true"}), capfd)
     h.assert_one_line_error(r, "--resume: no intact checkpoint in", "--resume auto")
     assert h.snapshot(prev_run) == before
 
 
-def test_new_run_over_a_previous_one_is_refused(tiny, prev_run, capfd):
+def test_new_run_over_a_previous_one_is_refused(train_setup, prev_run, capfd):
     before = h.snapshot(prev_run)
-    r = run_inprocess(h.train_args(tiny, prev_run, **h.LEARN_ARGS), capfd)
+    r = run_inprocess(h.train_args(train_setup, prev_run, **h.LEARN_ARGS), capfd)
     h.assert_one_line_error(r, "already holds checkpoints", "--resume")
     assert h.snapshot(prev_run) == before
 
 
 # ---- 2. long samples ---------------------------------------------------------------------------------------
-def test_long_sample_is_truncated_with_a_warning(tiny, tmp_path):
+def test_long_sample_is_truncated_with_a_warning(train_setup, tmp_path):
     recs = h.make_records()
     recs[5]["output"] = "a very long answer that goes on and on " * 3
     data = write_data(tmp_path / "data", "tasks.json", json.dumps(recs))
-    r = h.train(dict(tiny, data=data), tmp_path / "out", max_iters=2, max_seq_length=24)
+    r = h.train(dict(train_setup, data=data), tmp_path / "out", max_iters=2, max_seq_length=24)
     assert "warning: 1 of 64 samples were longer than max_seq_length=24 and were truncated" in r.stderr
     assert (tmp_path / "out" / "lit_model_lora_finetuned.pth").is_file()
 
 
 # ---- 3. adapter of another base model ------------------------------------------------------------------------
-def test_adapter_for_another_base_model_is_refused(tiny, tmp_path):
+def test_adapter_for_another_base_model_is_refused(train_setup, tmp_path):
     from lit_qlora.config import Config
-    from lit_qlora.lora import LoRAConfig, apply_lora, save_adapter
+    from lit_qlora.lora import LoRAConfig, apply_lora
     from lit_qlora.model import GPT
 
-    other = Config.from_file(tiny["ckpt"] / "model_config.json")
-    other.name, other.n_embd, other.intermediate_size = "other-tiny", 32, 64
+    other = Config.from_file(train_setup["ckpt"] / "model_config.json")
+    other.name, other.n_embd, other.intermediate_size = "other-train_setup", 32, 64
     model = GPT(other)
     lora = LoRAConfig(r=4, alpha=8)
     apply_lora(model, lora)
-    save_adapter(tmp_path / "other.pth", model, lora, train_info={"template": "plain"})
-    r = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", tiny["ckpt"], "--lora_path", tmp_path / "other.pth",
+    Adapter.of_model(model, lora, train={"template": "plain"}).save(tmp_path / "other.pth")
+    r = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", train_setup["ckpt"], "--lora_path", tmp_path / "other.pth",
                                        "--prompt", "kind", "--precision", "32-true"])
-    h.assert_one_line_error(r, str(tmp_path / "other.pth"), "other-tiny (n_embd=32)", "(n_embd=64)")
+    h.assert_one_line_error(r, str(tmp_path / "other.pth"), "other-train_setup (n_embd=32)", "(n_embd=64)")
     assert r.stdout == ""
 
 
 # ---- 4. disk space -----------------------------------------------------------------------------------------------
-def test_not_enough_disk_space_is_found_before_training(tiny, prev_run, capfd, monkeypatch):
+def test_not_enough_disk_space_is_found_before_training(train_setup, prev_run, capfd, monkeypatch):
     import shutil as shutil_mod
 
     real = shutil_mod.disk_usage
     monkeypatch.setattr(shutil_mod, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     before = h.snapshot(prev_run)
-    r = run_inprocess(h.train_args(tiny, prev_run, **{**h.LEARN_ARGS, "resume": "auto"}), capfd)
+    r = run_inprocess(h.train_args(train_setup, prev_run, **{**h.LEARN_ARGS, "resume": "auto"}), capfd)
     h.assert_one_line_error(r, "only 1 MiB free in", str(prev_run), "free disk space or choose another --out_dir")
     assert h.snapshot(prev_run) == before
 
 
-def test_compile_without_a_cpp_compiler_is_refused_up_front(tiny, tmp_path, capfd, monkeypatch):
+def test_compile_without_a_cpp_compiler_is_refused_up_front(train_setup, tmp_path, capfd, monkeypatch):
     import shutil as shutil_mod
 
     monkeypatch.setattr(shutil_mod, "which", lambda name, *a, **k: None)  # no g++ / clang++ on PATH
-    r = run_inprocess(h.train_args(tiny, tmp_path / "out", compile="true"), capfd)
+    r = run_inprocess(h.train_args(train_setup, tmp_path / "out", compile="true"), capfd)
     h.assert_one_line_error(r, "--compile on CPU needs a C++ compiler", "leave --compile off")
     assert not (tmp_path / "out").exists()
 
@@ -379,7 +381,7 @@ def _wait_for_temp_file(folder: Path, timeout: float = 3.0) -> bool:
     return False
 
 
-def test_sigkill_at_random_moments_always_resumes(tiny, tmp_path):
+def test_sigkill_at_random_moments_always_resumes(train_setup, tmp_path):
     """Ten kills in a row, each at a random moment (seeded): while loading, a random time into the training loop
     (where much of the time goes to writing a checkpoint, one per iteration), or right when a checkpoint's temp file
     appears. After each kill every checkpoint on disk must load, and the next run must resume from the newest one."""
@@ -388,7 +390,8 @@ def test_sigkill_at_random_moments_always_resumes(tiny, tmp_path):
     expect_resume, mid_write, trials = None, 0, 10
     for trial in range(trials + 1):
         last = trial == trials
-        args = h.train_args(tiny, out, **{**KILL_ARGS, **({"max_iters": expect_resume[1] + 3, "resume": "true"} if last else {})})
+        args = h.train_args(train_setup, out,
+                            **{**KILL_ARGS, **({"max_iters": expect_resume[1] + 3, "resume": "true"} if last else {})})
         if last:
             r = h.run_script(h.FINETUNE, args)
             assert r.returncode == 0, r.stderr
@@ -434,9 +437,9 @@ def test_sigkill_at_random_moments_always_resumes(tiny, tmp_path):
 
 
 # ---- 6. SIGTERM ------------------------------------------------------------------------------------------------------
-def test_sigterm_saves_a_checkpoint_and_resume_continues(tiny, tmp_path_factory, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_resume_continues(train_setup, tmp_path_factory, tmp_path):
     a, c = h.resume_reference(tmp_path_factory), tmp_path / "C"
-    proc = h.spawn_script(h.FINETUNE, h.train_args(tiny, c, **h.RESUME_ARGS))
+    proc = h.spawn_script(h.FINETUNE, h.train_args(train_setup, c, **h.RESUME_ARGS))
     err = []
     for line in proc.stderr:  # the signal handler is in place once "Training ..." is printed
         err.append(line)
@@ -451,18 +454,17 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tiny, tmp_path_factory,
     step, path = int(m.group(1)), Path(m.group(2))
     assert 1 <= step < h.RESUME_ARGS["max_iters"] and path == c / f"checkpoints/iter-{step:06d}.pth" and path.is_file()
     assert not (c / "lit_model_lora_finetuned.pth").exists()
-    r = h.train(tiny, c, resume="true", **h.RESUME_ARGS)
+    r = h.train(train_setup, c, resume="true", **h.RESUME_ARGS)
     assert f"Resuming from {path} at iteration {step}" in r.stderr
     h.assert_same_run(a, c)
 
 
 # ---- 7. NaN ---------------------------------------------------------------------------------------------------------
-def test_exploding_learning_rate_stops_with_nan_message(tiny, tmp_path):
+def test_exploding_learning_rate_stops_with_nan_message(train_setup, tmp_path):
     from lit_qlora.config import Config
-    from lit_qlora.lora import load_adapter
 
     out = tmp_path / "out"
-    r = h.train(tiny, out, check=False, max_iters=20, precision="16-true", learning_rate=1e4, save_interval=1,
+    r = h.train(train_setup, out, check=False, max_iters=20, precision="16-true", learning_rate=1e4, save_interval=1,
                 eval_interval=100)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     line = h.last_line(r.stderr)
@@ -471,6 +473,6 @@ def test_exploding_learning_rate_stops_with_nan_message(tiny, tmp_path):
     n, ckpts = int(m.group(3)), list_checkpoints(out)
     assert n >= 2 and ckpts[-1].name == f"iter-{n - 1:06d}.pth", (n, ckpts)
     assert m.group(4) == f"the last good checkpoint is {ckpts[-1]}"
-    adapter = load_adapter(ckpts[-1], Config.from_file(tiny["ckpt"] / "model_config.json"))
-    assert all(torch.isfinite(v).all() for v in adapter["lora"].values())
+    adapter = Adapter.load(ckpts[-1], Config.from_file(train_setup["ckpt"] / "model_config.json"))
+    assert all(torch.isfinite(v).all() for v in adapter.lora.values())
     assert not (out / "lit_model_lora_finetuned.pth").exists()

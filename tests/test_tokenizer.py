@@ -42,7 +42,8 @@ def test_corpus_covers_the_hard_cases():
 
 def test_no_tokenizer_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(UserError, match=r"no tokenizer found in .* \(expected tokenizer.json or tokenizer.model\); copy"):
+    with pytest.raises(UserError,
+                       match=r"no tokenizer found in .* \(expected tokenizer.json or tokenizer.model\); copy"):
         Tokenizer(tmp_path)
 
 

@@ -13,14 +13,23 @@ import shutil
 import sys
 from pathlib import Path
 
+import tokenizers
 import torch
 
+from lit_qlora.batching import collate
+from lit_qlora.checkpoint import LIT_WEIGHTS, write_safetensors_stream
 from lit_qlora.config import Config
-from lit_qlora.convert import LIT_WEIGHTS, write_random_checkpoint, write_safetensors_stream
+from lit_qlora.convert import write_random_checkpoint
+from lit_qlora.loader import load_model
+from lit_qlora.records import split
+from lit_qlora.templates import get_template
+from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.training import shift_labels
 
 DEMO_CHECKPOINT = Path("checkpoints/lit-qlora/demo")
 DEMO_DATA_DIR = Path("data/demo")
 DEMO_DATA_FILE = Path(__file__).parent / "demo_data.json"
+PRESET = Path(__file__).parent / "finetune.yaml"  # what `python finetune/lora.py` with no --checkpoint_dir runs
 DEMO_PROMPT = ("Add the numbers.", "7 + 5")
 
 DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", block_size=256, vocab_size=384, n_layer=4,
@@ -53,11 +62,6 @@ def ensure_demo_data(folder: Path = DEMO_DATA_DIR) -> Path:
 
 def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 16, seed: int = 1234) -> None:
     """Full-parameter language-model training of the demo base on the demo tasks' training split (fp32, ~20 s)."""
-    from lit_qlora.data import collate, split
-    from lit_qlora.loader import load_model
-    from lit_qlora.tokenizer import Tokenizer
-    from lit_qlora.training import shift_labels
-
     tok = Tokenizer(folder)
     records, _ = split(json.loads(DEMO_DATA_FILE.read_text()), 0.05, 42)  # the split finetune/lora.py validates on
     texts = [" ".join(x for x in (r["instruction"], r.get("input", "")) if x) + " => " + r["output"] for r in records]
@@ -87,19 +91,16 @@ def _pretrain(folder: Path, config: Config, steps: int = 300, batch_size: int = 
 
 def _write_tokenizer(folder: Path) -> None:
     """A byte-level BPE trained on the demo data: small pieces, so letters stay visible to the model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from lit_qlora.data import get_template
-
     records = json.loads(DEMO_DATA_FILE.read_text())
     template = get_template("alpaca")
     texts = [template.format(r["instruction"], r.get("input", "")) + r["output"] for r in records]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=DEMO_CONFIG["vocab_size"], special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=DEMO_CONFIG["vocab_size"], special_tokens=specials,
+                                             show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(

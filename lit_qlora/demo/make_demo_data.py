@@ -34,7 +34,8 @@ def build(rng: random.Random) -> list[dict]:
     # Sample without replacement inside each task so records are distinct where the pool allows.
     words = rng.sample(WORDS, 75)
     recs = [record("Reverse the word.", w, w[::-1]) for w in words]
-    texts = rng.sample(WORDS, 30) + [f"{w} {v}" for w, v in rng.sample([(w, v) for w in WORDS for v in WORDS if w != v], 35)]
+    texts = rng.sample(WORDS, 30) + [f"{w} {v}" for w,
+                                     v in rng.sample([(w, v) for w in WORDS for v in WORDS if w != v], 35)]
     recs += [record("Uppercase the text.", t, t.upper()) for t in texts]
     sums = rng.sample([(a, b) for a in range(1, 21) for b in range(1, 10)], 80)
     recs += [record("Add the numbers.", f"{a} + {b}", str(a + b)) for a, b in sums]

@@ -1,0 +1,153 @@
+"""The adapter: LoRA tensors plus everything needed to use them, one type for finetune, the loader, merge and PEFT.
+
+An adapter file never depends on the flags of the run that made it: it names its LoRA settings, the base model's
+config and how it was trained, so it loads under any `--quantize` / `--precision`.
+
+File format `lit-qlora-adapter-v1` (a torch pickle of plain dicts and tensors, readable with weights_only=True):
+
+    {"format": "lit-qlora-adapter-v1",
+     "lora": {our LoRA parameter name: fp32 tensor},        # e.g. transformer.h.0.attn.qkv.lora_A
+     "lora_config": asdict(LoRAConfig),
+     "model_config": Config.to_dict() of the base model,
+     "train": {precision, quantize, quantize_lm_head, template, max_seq_length, mask_inputs, iter, ...}}
+
+A resumable checkpoint (`checkpoints/iter-*.pth`) is the same dict plus "resume" (optimizer, data position, RNG, ...),
+so every checkpoint is also an adapter.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from lit_qlora.config import Config
+from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_delta, lora_state_dict, lora_targets
+from lit_qlora.peft_interop import export_peft, import_peft
+from lit_qlora.utils import UserError, atomic_torch_save
+
+ADAPTER_FORMAT = "lit-qlora-adapter-v1"
+
+# what must agree between the model an adapter was trained on and the one it is applied to
+_ARCH_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "n_query_groups", "head_size", "intermediate_size",
+                "mlp_class", "tie_embeddings")
+
+
+@dataclass
+class Adapter:
+    lora: dict[str, torch.Tensor]  # our LoRA parameter names -> tensors (fp32, CPU)
+    config: LoRAConfig
+    model_config: dict  # Config.to_dict() of the base model
+    train: dict = field(default_factory=dict)  # how it was trained (precision, quantize, template, ...)
+
+    # ---- making, saving, loading ---------------------------------------------------------------------
+    @classmethod
+    def of_model(cls, model: nn.Module, lora: LoRAConfig, train: Optional[dict] = None) -> "Adapter":
+        """The LoRA weights of `model` (copied to fp32 on CPU) with their settings."""
+        tensors = {k: v.float().cpu().clone() for k, v in lora_state_dict(model).items()}
+        return cls(tensors, lora, model.config.to_dict(), dict(train or {}))
+
+    def payload(self) -> dict:
+        """The dict written to disk (see the module docstring)."""
+        return {"format": ADAPTER_FORMAT, "lora": self.lora, "lora_config": asdict(self.config),
+                "model_config": self.model_config, "train": self.train}
+
+    def save(self, path: Path, resume: Optional[dict] = None) -> None:
+        """Write atomically; `resume` (finetune's state) makes it a resumable checkpoint."""
+        payload = self.payload()
+        if resume is not None:
+            payload["resume"] = resume
+        atomic_torch_save(payload, Path(path))
+
+    @classmethod
+    def from_payload(cls, payload: dict, where: object = "the adapter") -> "Adapter":
+        if not isinstance(payload, dict) or payload.get("format") != ADAPTER_FORMAT:
+            raise UserError(f"{where} is not a lit-qlora adapter file; pass an adapter written by finetune/lora.py "
+                            "or a PEFT folder")
+        return cls(dict(payload["lora"]), LoRAConfig.from_dict(payload["lora_config"]), dict(payload["model_config"]),
+                   dict(payload.get("train") or {}))
+
+    @classmethod
+    def load(cls, path: Path, base_config: Optional[Config] = None) -> "Adapter":
+        """Read our adapter file (or any checkpoint of a run) or a PEFT LoRA folder, and check it belongs to
+        `base_config` when given (a PEFT folder needs it: its tensors are mapped onto that model)."""
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"adapter {path} not found; pass --lora_path with a lit_model_lora_finetuned.pth file "
+                            "or a PEFT folder")
+        if path.is_dir():
+            if base_config is None:
+                raise UserError(f"a PEFT folder ({path}) needs the base model; pass --checkpoint_dir")
+            tensors, lora, train = import_peft(path, base_config)
+            adapter = cls(tensors, lora, base_config.to_dict(), train)
+        else:
+            try:
+                payload = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise UserError(f"{path} is not a readable adapter file ({type(e).__name__}); it may be damaged: use "
+                                "an earlier checkpoint") from None
+            adapter = cls.from_payload(payload, path)
+        if base_config is not None:
+            adapter.check_base(base_config, path)
+        return adapter
+
+    def export_peft(self, base_config: Config, out_dir: Path, base_model_name_or_path: str = "") -> Path:
+        """Write a PEFT LoRA folder (adapter_model.safetensors + adapter_config.json) for the transformers model of
+        `base_config`, after checking the adapter belongs to it."""
+        self.check_base(base_config, "to export")
+        return export_peft(self.lora, self.config, base_config, out_dir, base_model_name_or_path)
+
+    # ---- using -------------------------------------------------------------------------------------
+    @cached_property
+    def base_config(self) -> Config:
+        return Config.from_dict(self.model_config)
+
+    def check_base(self, base: Config, where: object) -> None:
+        """Refuse, in one line, a base model of another shape than the one the adapter was trained on."""
+        diff = [f for f in _ARCH_FIELDS if self.model_config.get(f) != getattr(base, f)]
+        if diff:
+            f = diff[0]
+            raise UserError(f"adapter {where} was trained on {self.model_config.get('name') or '?'} "
+                            f"({f}={self.model_config.get(f)}) but the base model is {base.name or '?'} "
+                            f"({f}={getattr(base, f)}); use the --checkpoint_dir the adapter was trained on")
+
+    @cached_property
+    def _targets(self) -> dict[str, Optional[list[tuple[int, int]]]]:
+        return lora_targets(self.base_config, self.config)
+
+    def targets(self) -> dict[str, Optional[list[tuple[int, int]]]]:
+        """Our module name -> adapted row ranges (None: all rows)."""
+        return self._targets
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the LoRA tensors into a model built with the same LoRA settings (any dtype or device)."""
+        load_lora_weights(model, self.lora)
+
+    def delta(self, module: str, weight_shape: tuple[int, int]) -> torch.Tensor:
+        """The fp32 update this adapter adds to the [out, in] weight of our module `module`."""
+        parts = self.targets()[module]
+        out_f, in_f = weight_shape
+        parts = parts or [(0, out_f)]
+        r = self.config.r
+        try:
+            A, B = self.lora[module + ".lora_A"], self.lora[module + ".lora_B"]
+        except KeyError as e:
+            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it")
+        want_a, want_b = (len(parts) * r, in_f), (sum(n for _, n in parts), r)
+        if tuple(A.shape) != want_a or tuple(B.shape) != want_b:
+            raise UserError(f"adapter tensors of {module} have shapes {tuple(A.shape)}/{tuple(B.shape)}, the base "
+                            "model "
+                            f"expects {want_a}/{want_b}; use the base model the adapter was trained on")
+        return lora_delta(A.detach().cpu(), B.detach().cpu(), parts, r, self.config.scaling, out_f)
+
+    def merged(self, key: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """`tensor` (the base checkpoint's tensor `key`) with the update added in fp32, cast to `dtype` (default: the
+        tensor's own), if the adapter targets it; otherwise `tensor` itself. The one merge rule of the loader (which
+        keeps fp32 until it quantizes or casts) and of scripts/merge_lora.py (which writes the stored dtype)."""
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or module not in self.targets():
+            return tensor
+        return (tensor.float() + self.delta(module, tuple(tensor.shape))).to(dtype or tensor.dtype)

@@ -1,0 +1,188 @@
+"""The arguments of finetune/lora.py, in groups, one docstring per field (shown by `--help`).
+
+The flags stay flat (`--learning_rate`, not `--train.learning_rate`): the groups organize the code and the help, and
+a `--config` YAML is one flat mapping, as `--print_config` writes it. `python finetune/lora.py` with no
+`--checkpoint_dir` runs the demo: the preset `lit_qlora/demo/finetune.yaml` is applied under the flags given.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from jsonargparse import ArgumentParser, set_parsing_settings
+
+from lit_qlora import demo
+from lit_qlora.lora import LoRAConfig
+
+
+@dataclass
+class RunArgs:
+    """Model, output and devices"""
+
+    checkpoint_dir: Optional[Path] = None
+    """Model folder (a Hugging Face folder is converted on first use). Left out: the demo model, bundled data and the
+    demo preset (lit_qlora/demo/finetune.yaml)."""
+    out_dir: Path = Path("out/lora/demo")
+    """Where checkpoints, metrics.csv, metrics.json, hyperparameters.json and the final adapter go."""
+    precision: str = "bf16-true"
+    """32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table)."""
+    quantize: Optional[str] = None
+    """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
+    quantize_lm_head: bool = True
+    """With --quantize, quantize the output layer too."""
+    devices: int = 1
+    """Processes (DDP; gloo on CPU)."""
+    accelerator: str = "auto"
+    """auto, cpu or cuda."""
+    strategy: str = "auto"
+    """auto, ddp or fsdp (GPUs)."""
+    seed: int = 1337
+    """Seed of the LoRA initialization, dropout and the data order."""
+    compile: bool = False
+    """torch.compile each transformer block for the training steps (validation and generation stay eager): a
+    one-time compilation, then faster steps (tutorials/performance.md)."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward (less memory, more time)."""
+    resume: Optional[str] = None
+    """auto: continue from the newest checkpoint in out_dir if any; true: require one; or a checkpoint path."""
+    estimate_only: bool = False
+    """Print the estimated peak memory (per component) and exit before loading anything."""
+    memory_budget: Optional[float] = None
+    """GB per device for --micro_batch_size auto (default: the memory free now)."""
+    bench_json: bool = False
+    """Print a machine-readable `BENCH_JSON {...}` line with per-iteration figures at the end."""
+
+
+@dataclass
+class DataArgs:
+    """Data"""
+
+    data_dir: Optional[Path] = None
+    """Prepared data (scripts/prepare_alpaca.py) or a folder with train.json + val.json or one .json/.jsonl/.csv."""
+    max_seq_length: Optional[int] = None
+    """Longest sample in tokens (longer ones are truncated); default: the model's context."""
+    template: str = "alpaca"
+    """Prompt template used when raw data is prepared on the fly (stored with the adapter)."""
+    mask_inputs: bool = True
+    """Train on the responses only (prompt tokens get no loss)."""
+
+
+@dataclass
+class LoRAArgs:
+    """LoRA"""
+
+    lora_r: int = 8
+    """Rank of the LoRA matrices."""
+    lora_alpha: float = 16
+    """Scale: the update is alpha / r * B @ A."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    lora_query: bool = True
+    """Adapt the query projection."""
+    lora_key: bool = False
+    """Adapt the key projection."""
+    lora_value: bool = True
+    """Adapt the value projection."""
+    lora_projection: bool = False
+    """Adapt the attention output projection."""
+    lora_mlp: bool = False
+    """Adapt the MLP layers."""
+    lora_head: bool = False
+    """Adapt the output layer."""
+
+    def config(self) -> LoRAConfig:
+        return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
+                          key=self.lora_key, value=self.lora_value, projection=self.lora_projection, mlp=self.lora_mlp,
+                          head=self.lora_head)
+
+
+@dataclass
+class TrainArgs:
+    """Training"""
+
+    micro_batch_size: Union[int, Literal["auto"]] = 4
+    """Samples per forward/backward per device, or auto: the largest whose estimated peak memory
+    (lit_qlora/memory.py) fits --memory_budget."""
+    batch_size: Optional[int] = None
+    """Samples per optimizer step over all devices (default micro_batch_size x devices: no accumulation)."""
+    max_iters: Optional[int] = None
+    """Optimizer steps; default: --epochs passes over the training set."""
+    epochs: int = 1
+    """Passes over the training set when --max_iters is not given."""
+    learning_rate: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps before the cosine decay."""
+    grad_clip: Optional[float] = 1.0
+    """Max gradient norm (null to disable)."""
+    optimizer: str = "AdamW"
+    """AdamW, AdamW8bit, PagedAdamW, PagedAdamW8bit or PagedAdamW32bit (bitsandbytes)."""
+    save_interval: int = 100
+    """Steps between resumable checkpoints."""
+    log_interval: int = 1
+    """Steps between progress lines."""
+    keep_checkpoints: int = 3
+    """How many resumable checkpoints to keep (0: all)."""
+    nan_policy: str = "stop"
+    """stop: end the run at a NaN/inf loss, keeping the last good checkpoint; skip: skip the step."""
+
+
+@dataclass
+class EvalArgs:
+    """Validation"""
+
+    eval_interval: int = 100
+    """Steps between validations (loss, perplexity, one sample)."""
+    eval_iters: int = 100
+    """Validation batches (0: no validation)."""
+    eval_max_new_tokens: int = 32
+    """Tokens of the validation sample."""
+
+
+GROUPS = (RunArgs, DataArgs, LoRAArgs, TrainArgs, EvalArgs)
+
+
+@dataclass
+class FinetuneArgs:
+    """All the arguments of finetune/lora.py, by group."""
+
+    run: RunArgs
+    data: DataArgs
+    lora: LoRAArgs
+    train: TrainArgs
+    eval: EvalArgs
+
+    def as_flat_dict(self) -> dict:
+        """The flags and their values, as a `--config` file holds them (what hyperparameters.json records)."""
+        out = {}
+        for group in (self.run, self.data, self.lora, self.train, self.eval):
+            out.update({k: str(v) if isinstance(v, Path) else v for k, v in asdict(group).items()})
+        return out
+
+
+def finetune_parser() -> ArgumentParser:
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(prog="finetune/lora.py", description="Fine-tune a model with LoRA on a dense or quantized "
+                                                                  "(QLoRA) base.")
+    parser.add_argument("--config", action="config", help="A YAML file of flags (as --print_config writes it).")
+    for group in GROUPS:
+        parser.add_class_arguments(group, None)
+    return parser
+
+
+def parse_finetune_args(argv: Optional[list[str]] = None) -> FinetuneArgs:
+    """Parse the command line; without --checkpoint_dir, the demo preset lies under the flags given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[-1] == "--resume" or any(a == "--resume" and b.startswith("--") for a, b in zip(argv, argv[1:])):
+        argv.insert(argv.index("--resume") + 1, "true")  # a bare `--resume` means `--resume true`
+    parser = finetune_parser()
+    ns = parser.parse_args(argv)
+    if ns.checkpoint_dir is None:
+        ns = parser.parse_args(["--config", str(demo.PRESET), *argv])
+    return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in GROUPS))

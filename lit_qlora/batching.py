@@ -1,0 +1,98 @@
+"""Batches for training: right-padded collation and a reproducible, resumable stream of batches, epoch after epoch."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from lit_qlora.utils import UserError
+
+
+def collate(
+    samples: list[dict[str, Tensor]], pad_id: int = 0, ignore_index: int = -100, pad_multiple_of: int | None = None
+) -> dict[str, Tensor]:
+    """Right-pad to the longest sample (rounded up to pad_multiple_of). Padded labels get
+    ignore_index, so padding never counts in the loss whatever pad_id is."""
+    T = max(len(s["input_ids"]) for s in samples)
+    if pad_multiple_of:
+        T = -(-T // pad_multiple_of) * pad_multiple_of
+    input_ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), T), ignore_index, dtype=torch.long)
+    lengths = torch.zeros(len(samples), dtype=torch.long)  # real (non-pad) tokens per row
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        input_ids[i, :n] = s["input_ids"]
+        labels[i, :n] = s["labels"]
+        lengths[i] = n
+    return {"input_ids": input_ids, "labels": labels, "lengths": lengths}
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """Sample order of one epoch, rebuilt from (seed, epoch) alone so a resumed run needs no saved generator state.
+    The first epoch's order is the one `DataLoader(shuffle=True, generator=Generator().manual_seed(seed))` gives,
+    so a run sees its samples in the same order as tools built on that (e.g. LitGPT, the HF recipe)."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed)
+    for e in range(epoch + 1):
+        # Each epoch the DataLoader's iterator draws its base seed from the generator, then the sampler permutes
+        torch.empty((), dtype=torch.int64).random_(generator=g)
+        order = torch.randperm(n, generator=g)
+    return order.tolist()
+
+
+class BatchStream:
+    """Endless stream of collated batches, epoch after epoch, reproducible from `seed` and resumable
+    from `state_dict()` (epoch, position, seed). The last batch of an epoch may be smaller.
+
+    length_grouped: within chunks of 64 batches of the shuffled order, sort samples by length so a
+    batch holds similar lengths (less padding); batches stay in an order fixed by the seed.
+    """
+
+    def __init__(
+        self,
+        samples: list[dict[str, Tensor]],
+        batch_size: int,
+        seed: int = 42,
+        shuffle: bool = True,
+        length_grouped: bool = False,
+        pad_id: int = 0,
+        ignore_index: int = -100,
+        pad_multiple_of: int | None = None,
+    ) -> None:
+        if not samples:
+            raise UserError("no samples to train on; check the data folder")
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.shuffle, self.length_grouped = shuffle, length_grouped
+        self.collate_kw = dict(pad_id=pad_id, ignore_index=ignore_index, pad_multiple_of=pad_multiple_of)
+        self.epoch, self.position = 0, 0
+        self._order: list[int] | None = None
+
+    def _epoch_order(self) -> list[int]:
+        order = epoch_order(len(self.samples), self.seed, self.epoch, self.shuffle)
+        if self.length_grouped:
+            chunk = self.batch_size * 64
+            order = [i for c in range(0, len(order), chunk)
+                     for i in sorted(order[c:c + chunk], key=lambda j: -len(self.samples[j]["input_ids"]))]
+        return order
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, Tensor]:
+        if self._order is None:
+            self._order = self._epoch_order()
+        idx = self._order[self.position:self.position + self.batch_size]
+        self.position += len(idx)
+        if self.position >= len(self._order):
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return collate([self.samples[i] for i in idx], **self.collate_kw)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # The saved seed wins over the current one: resuming must replay the same order.
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None

@@ -1,0 +1,139 @@
+"""Our checkpoint folder on disk: safetensors reading and writing, tensor by tensor, and the up-front folder check.
+
+A converted folder holds `lit_model.safetensors` (our tensor names) and `model_config.json` (our `Config`). Every
+tensor is read with a plain file read rather than a memory map: pages of a mapped file stay in the process's
+resident set once touched, which would make the whole checkpoint count against peak memory. Files are written
+sequentially after a header computed from shapes alone, so no two full copies of a model ever exist in memory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from lit_qlora.config import Config
+from lit_qlora.lora import meta_model
+from lit_qlora.utils import UserError, atomic_write
+
+LIT_WEIGHTS = "lit_model.safetensors"
+LIT_CONFIG = "model_config.json"
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+TensorSpec = tuple[str, torch.Size, torch.dtype]
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file's JSON header (without `__metadata__`) and the byte offset where the
+    tensor data starts. ValueError when the file is too short for its header or the header is not readable JSON."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise ValueError(f"a header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def safetensors_specs(path: Path) -> list[TensorSpec]:
+    """(name, shape, dtype) of every tensor in a safetensors file, in file order (the order `read_safetensors`
+    yields)."""
+    header, _ = safetensors_header(path)
+    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    return [(k, torch.Size(e["shape"]), DTYPES[e["dtype"]]) for k, e in items]
+
+
+def read_safetensors(path: Path, keys: Optional[set[str]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a safetensors file, one freshly read tensor at a time, in file order."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        header, base = safetensors_header(path)
+    except ValueError:
+        raise UserError(f"{path} is truncated or has a damaged header; convert the checkpoint again (delete it and "
+                        "rerun)") from None
+    with open(path, "rb") as f:
+        for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if keys is not None and name not in keys:
+                continue
+            start, end = e["data_offsets"]
+            if base + end > size:
+                raise UserError(f"{path} is truncated at tensor {name}; convert the checkpoint again (delete it and "
+                                "rerun)")
+            t = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(base + start)
+            f.readinto(memoryview(t.numpy()))
+            yield name, t.view(DTYPES[e["dtype"]]).reshape(e["shape"])
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def write_safetensors_stream(path: Path, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
+                             metadata: Optional[dict] = None) -> None:
+    """Write a safetensors file whose header is known up front; tensors arrive one at a time (atomic)."""
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, shape, dtype in specs:
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns tensor data to 8 bytes
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for (name, shape, dtype), (got_name, t) in zip(specs, tensors):
+                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise RuntimeError(f"stream mismatch at {name}: got {got_name} {tuple(t.shape)} {t.dtype}")
+                f.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    atomic_write(path, write)
+
+
+# ---- our tensors and the folder check ---------------------------------------------------------------
+def lit_param_shapes(config: Config) -> dict[str, torch.Size]:
+    """Our state-dict keys and shapes as stored in a checkpoint (a tied head is stored once, as the embedding)."""
+    sd = {k: v.shape for k, v in meta_model(config).state_dict().items()}
+    if config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def check_checkpoint(checkpoint_dir: Path, config: Config) -> None:
+    """Make sure the converted checkpoint is whole and agrees with its config, reading only the safetensors header
+    (and the file size), so a broken or partial checkpoint is refused in one line before anything heavy loads."""
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = checkpoint_dir / LIT_WEIGHTS
+    redo = ("delete it and run again to convert the Hugging Face files again"
+            if (checkpoint_dir / "config.json").is_file() else "convert the checkpoint again")
+    size = weights.stat().st_size
+    try:
+        header, base = safetensors_header(weights)
+        end = base + max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+        shapes = {k: tuple(e["shape"]) for k, e in header.items()}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise UserError(f"{weights} is damaged or truncated (unreadable header, {size} bytes); {redo}") from None
+    if size < end:
+        raise UserError(f"{weights} is truncated ({size} of {end} bytes); {redo}")
+    expected = lit_param_shapes(config)
+    for key, shape in expected.items():
+        if key not in shapes:
+            raise UserError(f"{weights} has no tensor {key}; the checkpoint is incomplete: {redo}")
+        if shapes[key] != tuple(shape):
+            raise UserError(f"{weights} holds {key} with shape {shapes[key]} but {LIT_CONFIG} implies "
+                            f"{tuple(shape)}; the config and the weights disagree: convert the checkpoint again")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise UserError(f"{weights} holds {extra[0]!r}, which the model in {LIT_CONFIG} has no place for; the config "
+                        "and the weights disagree: convert the checkpoint again")

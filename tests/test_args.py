@@ -1,0 +1,88 @@
+"""finetune/lora.py's arguments: grouped dataclasses with flat flags, --config / --print_config round trips, the demo
+preset under the flags given, --help from the field docstrings, and the `lit-qlora` console command."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+import helpers_train as h
+import pytest
+import yaml
+
+from lit_qlora import demo
+from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
+
+FLAG_COUNT = 45  # the flags finetune/lora.py has had since before the groups: none renamed, none lost
+
+
+def test_flags_are_flat_and_unchanged():
+    names = [f.name for g in GROUPS for f in fields(g)]
+    assert len(names) == len(set(names)) == FLAG_COUNT
+    args = parse_finetune_args(["--checkpoint_dir", "ckpt", "--learning_rate", "0.01", "--lora_r", "4",
+                                "--eval_iters", "3", "--micro_batch_size", "auto", "--quantize", "bnb.nf4"])
+    assert (args.train.learning_rate, args.lora.lora_r, args.eval.eval_iters) == (0.01, 4, 3)
+    assert args.train.micro_batch_size == "auto" and args.run.quantize == "bnb.nf4"
+    assert args.lora.config().r == 4 and args.lora.config().alpha == 16
+
+
+def test_print_config_round_trips_through_config(tmp_path, capsys):
+    argv = ["--checkpoint_dir", "ckpt", "--data_dir", "data", "--learning_rate", "0.02", "--lora_mlp", "true",
+            "--grad_clip", "null", "--precision", "32-true"]
+    with pytest.raises(SystemExit):
+        parse_finetune_args([*argv, "--print_config"])
+    printed = capsys.readouterr().out
+    mapping = yaml.safe_load(printed)
+    assert isinstance(mapping, dict) and len(mapping) == FLAG_COUNT and mapping["learning_rate"] == 0.02
+    (tmp_path / "run.yaml").write_text(printed)
+    assert parse_finetune_args(["--config", str(tmp_path / "run.yaml")]) == parse_finetune_args(argv)
+    # flags after --config override it
+    later = parse_finetune_args(["--config", str(tmp_path / "run.yaml"), "--learning_rate", "0.5"])
+    assert later.train.learning_rate == 0.5
+
+
+def test_demo_preset_lies_under_the_flags_given():
+    preset = yaml.safe_load(demo.PRESET.read_text())
+    args = parse_finetune_args([])
+    assert args.run.checkpoint_dir == demo.DEMO_CHECKPOINT and args.data.data_dir == demo.DEMO_DATA_DIR
+    flat = args.as_flat_dict()
+    assert all(flat[k] == (str(v) if k.endswith("_dir") else v) for k, v in preset.items()), (preset, flat)
+    mine = parse_finetune_args(["--learning_rate", "0.01", "--lora_r", "4"])
+    assert (mine.train.learning_rate, mine.lora.lora_r, mine.lora.lora_alpha) == (0.01, 4, preset["lora_alpha"])
+    # with a model of one's own, nothing of the demo applies
+    own = parse_finetune_args(["--checkpoint_dir", "ckpt", "--data_dir", "data"])
+    assert own.lora.lora_r == 8 and own.train.learning_rate == 3e-4 and own.run.quantize is None
+
+
+def test_help_shows_every_field_docstring():
+    text = finetune_parser().format_help()
+    for group in GROUPS:
+        assert group.__doc__.splitlines()[0] in text
+    assert "Peak learning rate." in text and "Rank of the LoRA matrices." in text
+    documented = sum(1 for g in GROUPS for f in fields(g) if f"--{f.name} " in text)
+    assert documented == FLAG_COUNT
+
+
+def test_a_run_from_a_config_file_records_the_arguments_as_given(train_setup, tmp_path):
+    out = tmp_path / "out"
+    args = h.train_args(train_setup, out, max_iters=2, lora_r=4, learning_rate=0.004)
+    config = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2])}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({k: yaml.safe_load(str(v)) for k, v in config.items()}))
+    h.run_script(h.FINETUNE, ["--config", tmp_path / "run.yaml"]).check_returncode()
+    hp = json.loads((out / "hyperparameters.json").read_text())
+    assert hp["lora_r"] == 4 and hp["learning_rate"] == 0.004 and hp["max_iters"] == 2 and hp["micro_batch_size"] == 2
+    assert hp["checkpoint_dir"] == str(train_setup["ckpt"]) and hp["quantize"] is None
+    assert {f.name for g in GROUPS for f in fields(g)} <= set(hp)
+
+
+def test_console_command_runs_the_same_script():
+    via_script = h.run_script(h.FINETUNE, ["--checkpoint_dir", "x", "--print_config"])
+    via_command = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "finetune", "--checkpoint_dir", "x",
+                                  "--print_config"], capture_output=True, text=True, env=h.env(), cwd=h.ROOT)
+    assert via_script.returncode == via_command.returncode == 0, via_command.stderr
+    assert via_command.stdout == via_script.stdout and "learning_rate: 0.0003" in via_command.stdout
+    bad = subprocess.run([sys.executable, "-m", "lit_qlora.cli", "finetnue"], capture_output=True, text=True,
+                         env=h.env(), cwd=h.ROOT)
+    h.assert_one_line_error(bad, "unknown command 'finetnue'")
+

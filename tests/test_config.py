@@ -1,0 +1,48 @@
+"""Named configs: every one constructs and round-trips through transformers' config classes."""
+from dataclasses import replace
+
+import pytest
+
+from lit_qlora.config import NAMES, Config
+from lit_qlora.convert import to_hf_config
+
+
+def test_every_named_config_constructs():
+    assert len(NAMES) > 50
+    for name in NAMES:
+        c = Config.from_name(name)
+        assert c.name == name and c.hf_architecture in {
+            "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "GPTNeoXForCausalLM",
+            "FalconForCausalLM", "PhiForCausalLM", "StableLmForCausalLM"}
+        assert c.n_head % c.n_query_groups == 0 and c.rope_n_elem % 2 == 0 and c.rope_n_elem > 0
+    with pytest.raises(Exception, match="did you mean"):
+        Config.from_name("Llama-2-7b")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_named_config_round_trips_through_transformers(name):
+    import transformers
+
+    ours = Config.from_name(name)
+    d = to_hf_config(ours)
+    hf = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    back = Config.from_hf_config(hf.to_dict() | {"architectures": d["architectures"]})
+    # hf_extra may gain defaults (e.g. GPT-NeoX attention_bias=True): equal when the exports are equal
+    assert replace(back, name=name, hf_extra={}) == replace(ours, hf_extra={})
+    assert to_hf_config(back) == to_hf_config(ours)
+    # the transformers side sees the same model
+    assert hf.vocab_size == ours.vocab_size and hf.hidden_size == ours.n_embd and hf.num_hidden_layers == ours.n_layer
+    assert hf.num_attention_heads == ours.n_head
+    kv = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_kv_heads", None)
+    if ours.hf_architecture == "GPTNeoXForCausalLM":
+        kv = hf.num_attention_heads
+    elif ours.hf_architecture == "FalconForCausalLM" and not hf.new_decoder_architecture:
+        kv = 1 if hf.multi_query else hf.num_attention_heads
+    assert kv == ours.n_query_groups
+    assert (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads) == ours.head_size
+    rope = hf.rope_parameters if hasattr(hf, "rope_parameters") else {"rope_theta": hf.rope_theta}
+    assert rope["rope_theta"] == ours.rope_base
+    assert rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) == ours.rotary_percentage
+    if ours.rope_scaling:
+        assert rope["rope_type"] == "llama3" and rope["factor"] == ours.rope_scaling["factor"]
+    assert hf.tie_word_embeddings == ours.tie_embeddings

@@ -1,0 +1,188 @@
+"""Checkpoint conversion both ways (bit-identical round trips, shards, .bin files, dtypes) and the convert scripts."""
+import contextlib
+import io
+import json
+import runpy
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import ROOT, random_tokens
+from helpers_train import env
+from safetensors.torch import load_file, save_file
+
+from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
+from lit_qlora.config import Config
+from lit_qlora.convert import convert_hf_checkpoint, convert_lit_checkpoint
+from tests.helpers import make_tiny_hf_model
+
+HF_SCRIPT, LIT_SCRIPT = ROOT / "scripts/convert_hf_checkpoint.py", ROOT / "scripts/convert_lit_checkpoint.py"
+
+
+def test_round_trip_is_bit_identical_and_loads_in_transformers(family_ckpt, tmp_path):
+    import transformers
+
+    out = convert_lit_checkpoint(family_ckpt.folder, tmp_path / "export")
+    original, exported = load_file(family_ckpt.folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(exported) == set(original)  # tied models: no lm_head in either
+    for key, t in original.items():
+        assert torch.equal(exported[key], t), key
+    ours_cfg = Config.from_file(family_ckpt.folder / LIT_CONFIG)
+    assert replace(Config.from_hf_config(out / "config.json"), name="") == replace(ours_cfg, name="")
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.dtype == torch.float32  # the export declares the dtype of its weights
+    idx = random_tokens(2, 16, seed=4)
+    with torch.no_grad():
+        # not bit-equal for Phi: the export names gelu_new (same tanh GELU, other kernel) gelu_pytorch_tanh
+        torch.testing.assert_close(reloaded(idx).logits, family_ckpt.hf(idx).logits, atol=1e-5, rtol=0)
+
+
+def write_bin_shards(state_dict: dict, folder: Path, max_bytes: int) -> None:
+    """The pre-safetensors layout: pytorch_model-0000i-of-0000n.bin + pytorch_model.bin.index.json."""
+    shards, size = [{}], 0
+    for k, t in state_dict.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t.contiguous().clone()
+        size += n
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin"
+        torch.save(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["safetensors_shards", "bin_shards", "bin_single"])
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox"])
+def test_sharded_and_bin_checkpoints_convert_the_same(kind, layout, tmp_path):
+    reference = tmp_path / "single"
+    hf = make_tiny_hf_model(kind, reference)
+    convert_hf_checkpoint(reference)
+    folder = tmp_path / layout
+    folder.mkdir()
+    hf.config.save_pretrained(folder)
+    on_disk = load_file(reference / "model.safetensors")  # HF key names as saved (gpt_neox: embed_out, not lm_head)
+    if layout == "safetensors_shards":
+        hf.save_pretrained(folder, max_shard_size="20KB")
+        assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").is_file()
+    elif layout == "bin_shards":
+        write_bin_shards(on_disk, folder, max_bytes=20_000)
+        assert len(list(folder.glob("pytorch_model-*.bin"))) > 3
+    else:
+        torch.save(on_disk, folder / "pytorch_model.bin")
+    convert_hf_checkpoint(folder)
+    expected, got = load_file(reference / LIT_WEIGHTS), load_file(folder / LIT_WEIGHTS)
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_convert_dtype(tmp_path):
+    make_tiny_hf_model("qwen2", tmp_path)
+    convert_hf_checkpoint(tmp_path, dtype=torch.bfloat16)
+    weights = load_file(tmp_path / LIT_WEIGHTS)
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    out = convert_lit_checkpoint(tmp_path, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def run_script(script: Path, *args: str) -> SimpleNamespace:
+    """Run a script as `python script args` would, but in this process (a fresh interpreter costs seconds)."""
+    argv, err = sys.argv, io.StringIO()
+    sys.argv = [str(script), *map(str, args)]
+    code = 0
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+    return SimpleNamespace(returncode=code, stderr=err.getvalue())
+
+
+def spawn(script: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT.parent, env=env())
+
+
+def assert_one_line_error(returncode, stderr: str, expect: str) -> None:
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    assert expect in lines[0], stderr
+
+
+@pytest.fixture(scope="module")
+def broken_folders(tmp_path_factory) -> Path:
+    """Folders with one thing wrong each."""
+    base = tmp_path_factory.mktemp("broken_folders")
+    (base / "empty").mkdir()
+    (base / "bert").mkdir()
+    (base / "bert" / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    shard = base / "shard"
+    make_tiny_hf_model("llama", base / "shard_src").save_pretrained(shard, max_shard_size="20KB")
+    lost = sorted(set(json.loads((shard / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    (shard / lost).unlink()
+    (base / "lost_shard.txt").write_text(lost)
+    tensor = base / "tensor"
+    make_tiny_hf_model("llama", tensor)
+    sd = load_file(tensor / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, tensor / "model.safetensors", metadata={"format": "pt"})
+    return base
+
+
+@pytest.mark.parametrize("case", ["missing_folder", "no_config", "unsupported", "missing_shard", "missing_tensor",
+                                  "export_unconverted", "export_missing_folder"])
+def test_script_errors_are_one_line(broken_folders, case):
+    b = broken_folders
+    script, args, expect = {
+        "missing_folder": (HF_SCRIPT, ["--checkpoint_dir", b / "nope"], str(b / "nope")),
+        "no_config": (HF_SCRIPT, ["--checkpoint_dir", b / "empty"], str(b / "empty" / "config.json")),
+        "unsupported": (HF_SCRIPT, ["--checkpoint_dir", b / "bert"],
+                        "'BertForMaskedLM' in " + str(b / "bert" / "config.json")),
+        "missing_shard": (HF_SCRIPT, ["--checkpoint_dir", b / "shard"], (b / "lost_shard.txt").read_text()),
+        "missing_tensor": (HF_SCRIPT, ["--checkpoint_dir", b / "tensor"], "'model.layers.1.mlp.up_proj.weight'"),
+        "export_unconverted": (LIT_SCRIPT, ["--checkpoint_dir", b / "tensor", "--out_dir", b / "x"],
+                               str(b / "tensor" / LIT_CONFIG)),
+        "export_missing_folder": (LIT_SCRIPT, ["--checkpoint_dir", b / "nope", "--out_dir", b / "x"], str(b / "nope")),
+    }[case]
+    r = run_script(script, *args)
+    assert_one_line_error(r.returncode, r.stderr, expect)
+
+
+def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
+    """The real command lines: a user error (exit 2, one line), then convert (bf16) and export."""
+    ok = tmp_path / "ok"
+    make_tiny_hf_model("llama3", ok)
+    (ok / "tokenizer.json").write_text("{}")
+    (ok / "tokenizer_config.json").write_text("{}")
+    failing, converting = spawn(HF_SCRIPT, "--checkpoint_dir", broken_folders / "tensor"), spawn(HF_SCRIPT,
+                                                                                                 "--checkpoint_dir", ok,
+                                                                                                 "--dtype", "bf16")
+    _, err = failing.communicate(timeout=120)
+    assert_one_line_error(failing.returncode, err, "'model.layers.1.mlp.up_proj.weight'")
+    _, err = converting.communicate(timeout=120)
+    assert converting.returncode == 0 and LIT_WEIGHTS in err, err
+    assert {t.dtype for t in load_file(ok / LIT_WEIGHTS).values()} == {torch.bfloat16}
+
+    out = tmp_path / "export"
+    exporting = spawn(LIT_SCRIPT, "--checkpoint_dir", ok, "--out_dir", out)
+    _, err = exporting.communicate(timeout=120)
+    assert exporting.returncode == 0 and "model.safetensors" in err and "tokenizer.json" in err, err
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    original, exported = load_file(ok / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k], original[k].bfloat16()) for k in original)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"

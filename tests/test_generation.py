@@ -1,0 +1,45 @@
+"""Sampling and the generation loop: greedy, top-k, top-p, eos stopping, the context limit."""
+import pytest
+import torch
+from helpers import load_ours, random_tokens
+
+from lit_qlora.convert import convert_hf_checkpoint
+from lit_qlora.generation import generate, sample
+from lit_qlora.utils import UserError
+from tests.helpers import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def gen_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_gen")
+    make_tiny_hf_model("llama", folder, initializer_range=0.2)
+    convert_hf_checkpoint(folder)
+    return load_ours(folder)
+
+
+def test_generate_stops_at_eos_and_checks_length(gen_llama):
+    prompt = random_tokens(5, seed=3)
+    greedy = generate(gen_llama, prompt, max_new_tokens=6)
+    assert len(set(greedy[5:].tolist())) >= 3
+    eos = int(greedy[7])  # the third new token
+    first = int((greedy[5:] == eos).nonzero()[0])  # it may also appear earlier
+    out = generate(gen_llama, prompt, max_new_tokens=6, eos_ids=[eos, 10**6])
+    assert out.tolist() == greedy[:5 + first + 1].tolist()  # eos included, nothing after
+    with pytest.raises(UserError, match="context"):
+        generate(gen_llama, prompt, max_new_tokens=gen_llama.config.block_size)
+
+
+def test_sample():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5, -1.0])
+    assert sample(logits).tolist() == [1]
+    assert sample(logits, temperature=1.0, top_k=1).tolist() == [1]
+    assert sample(logits, temperature=1.0, top_p=0.01).tolist() == [1]
+
+    def draws(**kw) -> list[int]:
+        return [int(sample(logits, 1.0, generator=torch.Generator().manual_seed(s), **kw)) for s in range(200)]
+
+    assert set(draws(top_k=2)) == {1, 3}
+    # p = softmax: ~[.03 .55 .07 .34 .01]; top_p=0.8 keeps 1 and 3 (0.55 < 0.8 <= 0.89)
+    assert set(draws(top_p=0.8)) == {1, 3}
+    assert len(set(draws())) >= 4
+    assert draws() == draws()  # the generator makes sampling reproducible

@@ -1,0 +1,116 @@
+"""PEFT interop both ways: our exports run in peft, peft-made adapters import exactly, what cannot be represented is
+refused."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomize_lora, run_script_here
+
+from lit_qlora.adapter import Adapter
+from lit_qlora.loader import load_model, load_model_with_adapter
+from lit_qlora.peft_interop import import_peft
+from lit_qlora.utils import UserError
+
+PEFT_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
+    # transformers 5 calls GPT-NeoX's head lm_head (embed_out before): name both so either version adapts it
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "embed_out", "lm_head"],
+}
+
+
+@pytest.mark.parametrize("which,targets",
+                         [("lora_llama", ALL), ("lora_neox", ALL), ("lora_llama", dict(query=True, value=True)),
+                                           ("lora_neox", dict(query=True, value=True))],
+                         ids=["llama-all", "neox-all", "llama-qv", "neox-qv"])
+@torch.no_grad()
+def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
+    from peft import PeftModel
+
+    tiny = request.getfixturevalue(which)
+    idx = random_tokens(2, 12, seed=3)
+    lora = lora_cfg(**targets)
+    model = load_model(tiny.folder, precision="32-true", lora=lora, seed=0)
+    randomize_lora(model, seed=4)
+    expected = model(idx)
+    adapter = adapter_of(model, lora)
+    adapter.export_peft(tiny.config, tmp_path / "peft", base_model_name_or_path=str(tiny.folder))
+
+    peft_model = PeftModel.from_pretrained(hf_model(tiny.folder), tmp_path / "peft").eval()
+    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
+
+    back_lora, back_config, _ = import_peft(tmp_path / "peft", tiny.config)  # our own export comes back as it was
+    assert back_config == adapter.config
+    assert back_lora.keys() == adapter.lora.keys()
+    for k, v in adapter.lora.items():
+        assert torch.equal(back_lora[k], v), k
+
+
+@pytest.mark.parametrize("which,peft_targets,rslora", [
+    ("lora_llama", PEFT_TARGETS["llama"], False), ("lora_neox", PEFT_TARGETS["gpt_neox"], False),
+    ("lora_llama", ["q_proj", "v_proj"], False),
+    ("lora_llama", ["o_proj", "down_proj"], False), ("lora_llama", PEFT_TARGETS["llama"], True),
+    ("lora_neox", "all-linear", False)],
+    ids=["llama-all", "neox-all", "llama-qv", "llama-partial-mlp", "llama-rslora", "neox-all-linear"])
+@torch.no_grad()
+def test_peft_made_adapter_imports_exactly(which, peft_targets, rslora, request, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tiny = request.getfixturevalue(which)
+    peft_model = get_peft_model(hf_model(tiny.folder),
+                                LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_rslora=rslora,
+                                                                  target_modules=peft_targets, task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(5)
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    idx = random_tokens(2, 12, seed=6)
+    expected = peft_model.eval()(idx).logits
+    peft_model.save_pretrained(tmp_path / "peft")
+
+    adapter = Adapter.load(tmp_path / "peft", tiny.config)  # a folder: goes through import_peft
+    assert adapter.train["source"] == "peft"
+    if isinstance(peft_targets, list) and len(peft_targets) > 4:
+        assert adapter.config.targets() == list(ALL)
+    ours = load_model_with_adapter(tiny.folder, adapter, precision="32-true")
+    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+
+
+def _save_peft(lora_ckpt, tmp_path, **kw) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(hf_model(lora_ckpt.folder), LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **kw))
+    peft_model.save_pretrained(tmp_path / "peft")
+    return tmp_path / "peft"
+
+
+def test_peft_import_refuses_what_it_cannot_represent(lora_llama, tmp_path):
+    folder = _save_peft(lora_llama, tmp_path / "a", target_modules=["q_proj", "v_proj"], layers_to_transform=[0])
+    with pytest.raises(UserError, match=r"layers \[0\] only"):
+        import_peft(folder, lora_llama.config)
+    folder = _save_peft(lora_llama, tmp_path / "b", target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 2})
+    with pytest.raises(UserError, match="different ranks"):
+        import_peft(folder, lora_llama.config)
+    folder = _save_peft(lora_llama, tmp_path / "c", target_modules=["q_proj", "v_proj"])
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "adapter_model.safetensors")
+    save_file({k: v for k, v in sd.items() if "layers.1.self_attn.v_proj.lora_B" not in k},
+              folder / "adapter_model.safetensors")
+    with pytest.raises(UserError, match="no lora_B weight for model.layers.1.self_attn.v_proj"):
+        import_peft(folder, lora_llama.config)
+    save_file({k: v for k, v in sd.items() if "layers.1.self_attn.v_proj" not in k},
+              folder / "adapter_model.safetensors")
+    with pytest.raises(UserError, match="holds no LoRA weights for it"):
+        import_peft(folder, lora_llama.config)
+
+
+def test_export_peft_script(lora_llama, tmp_path):
+    model = load_model(lora_llama.folder, precision="32-true", lora=lora_cfg(), seed=0)
+    Adapter.of_model(model, lora_cfg()).save(tmp_path / "adapter.pth")
+    assert run_script_here("export_peft.py", "--lora_path", tmp_path / "adapter.pth", "--checkpoint_dir",
+                           lora_llama.folder, "--out_dir", tmp_path / "peft") == 0
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert sorted(cfg["target_modules"]) == sorted(PEFT_TARGETS["llama"])
+    assert cfg["rank_pattern"] == {} and cfg["alpha_pattern"] == {}

@@ -1,0 +1,216 @@
+"""Records to tokenized samples (prompt masking, truncation), prepared folders and their cache, the prepare scripts."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_data import DEMO, RECORDS, REPO, CharTokenizer, assert_one_line_error, write_json
+
+from lit_qlora.prepare import DataSettings, ensure_prepared, load_prepared, prepare_samples, save_prepared
+from lit_qlora.templates import get_template
+from lit_qlora.utils import UserError
+
+
+@pytest.mark.parametrize("template", ["alpaca", "plain"])
+def test_prompt_masking(template):
+    tok = CharTokenizer()
+    samples, n_trunc = samples_of(RECORDS, tok, template, max_seq_length=1000)
+    assert n_trunc == 0 and len(samples) == len(RECORDS)
+    for rec, s in zip(RECORDS, samples):
+        prompt = get_template(template).format(rec["instruction"], rec.get("input", ""))
+        n_prompt = len(tok.encode(prompt))  # encoded independently of prepare_samples
+        ids, labels = s["input_ids"], s["labels"]
+        assert ids.dtype == labels.dtype == torch.long
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert (labels[:n_prompt] == -100).all()
+        assert torch.equal(labels[n_prompt:], ids[n_prompt:])
+        assert tok.decode(ids[n_prompt:]) == rec["output"]
+
+    unmasked, _ = samples_of(RECORDS, tok, template, 1000, mask_inputs=False)
+    assert all(torch.equal(s["input_ids"], s["labels"]) for s in unmasked)
+    custom, _ = samples_of(RECORDS[:1], tok, template, 1000, ignore_index=-1)
+    assert custom[0]["labels"][0] == -1
+
+
+def samples_of(records, tokenizer, template, max_seq_length, **kw):
+    return prepare_samples(records, tokenizer, DataSettings(max_seq_length, template=template, **kw))
+
+
+def prepared(data_dir, tokenizer, max_seq_length, **kw):
+    return ensure_prepared(data_dir, tokenizer, DataSettings(max_seq_length, **kw))
+
+
+def test_custom_keys_and_missing_field():
+    recs = [{"q": "Add.", "ctx": "1 + 1", "a": 2}]  # a number as output is fine
+    samples, _ = samples_of(recs, CharTokenizer(), "plain", 100, instruction_key="q", input_key="ctx", output_key="a")
+    assert CharTokenizer().decode(samples[0]["input_ids"]) == "Add.\n1 + 1\n2"
+    with pytest.raises(UserError) as e:
+        samples_of(recs, CharTokenizer(), "plain", 100)
+    assert_one_line_error(e, "record 0", "'instruction'")
+
+
+def test_truncation_counts():
+    tok = CharTokenizer()
+    full, _ = samples_of(RECORDS, tok, "plain", 1000)
+    lengths = [len(s["input_ids"]) for s in full]
+    limit = sorted(lengths)[1]  # exactly one sample fits at length == limit, two are longer
+    samples, n_trunc = samples_of(RECORDS, tok, "plain", limit)
+    assert n_trunc == sum(n > limit for n in lengths) == 2
+    for s, n in zip(samples, lengths):
+        assert len(s["input_ids"]) == len(s["labels"]) == min(n, limit)
+
+    # Cut inside the prompt: no response token is left to learn from, so those samples are left out
+    n_prompt = len(tok.encode(get_template("plain").format(RECORDS[2]["instruction"], RECORDS[2]["input"])))
+    samples, n_trunc = samples_of(RECORDS, tok, "plain", n_prompt)
+    assert n_trunc == 4 and len(samples) == 3
+    assert all((s["labels"] != -100).any() for s in samples)
+    with pytest.raises(UserError) as e:
+        samples_of(RECORDS, tok, "plain", 5)
+    assert_one_line_error(e, "max_seq_length=5")
+    samples, _ = samples_of(RECORDS, tok, "plain", 5, mask_inputs=False)  # unmasked: all kept
+    assert len(samples) == 4
+
+
+def test_save_load_roundtrip(tmp_path):
+    samples, _ = samples_of(RECORDS, CharTokenizer(), "alpaca", 1000)
+    save_prepared(tmp_path / "p", samples[:3], samples[3:], {"template": "alpaca"})
+    train, val, meta = load_prepared(tmp_path / "p")
+    assert len(train) == 3 and len(val) == 1 and torch.equal(train[0]["labels"], samples[0]["labels"])
+    assert meta["template"] == "alpaca" and meta["n_train"] == 3 and meta["n_val"] == 1
+    (tmp_path / "p" / "prepare_config.json").unlink()  # an unfinished write is not trusted
+    with pytest.raises(UserError):
+        load_prepared(tmp_path / "p")
+
+
+def test_ensure_prepared_caches_single_file(tmp_path, capsys):
+    write_json(tmp_path / "alpaca.json", RECORDS * 5)
+    tok = CharTokenizer()
+    kw = dict(template="plain", test_split_fraction=0.2)
+    train, val, meta = prepared(tmp_path, tok, 30, **kw)
+    cache = tmp_path / ".prepared-char-a-30"
+    assert (cache / "prepare_config.json").is_file()
+    assert len(train) == 16 and len(val) == 4 and meta["tokenizer_fingerprint"] == "char-a"
+    err = capsys.readouterr().err
+    assert "Preparing alpaca.json" in err and "warning: 5 of 20 samples" in err  # RECORDS[3] is 37 chars
+
+    train2, val2, _ = prepared(tmp_path, tok, 30, **kw)
+    assert "Using data prepared earlier" in capsys.readouterr().err
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(train + val, train2 + val2))
+
+    write_json(tmp_path / "alpaca.json", RECORDS * 6)  # edited source: prepared again, not reused
+    train3, val3, _ = prepared(tmp_path, tok, 30, **kw)
+    assert len(train3) + len(val3) == 24 and "Preparing" in capsys.readouterr().err
+    prepared(tmp_path, tok, 30, mask_inputs=False, **kw)  # other settings: prepared again
+    assert "Preparing" in capsys.readouterr().err
+    prepared(tmp_path, CharTokenizer("char-b"), 30, **kw)  # another tokenizer gets its own cache
+    assert (tmp_path / ".prepared-char-b-30").is_dir()
+
+
+def test_ensure_prepared_train_val_pair(tmp_path):
+    write_json(tmp_path / "train.json", RECORDS * 2)
+    (tmp_path / "val.jsonl").write_text(json.dumps(RECORDS[0]))
+    train, val, meta = prepared(tmp_path, CharTokenizer(), 512)
+    assert len(train) == 8 and len(val) == 1 and meta["n_truncated"] == 0
+
+
+def test_ensure_prepared_prepared_folder(tmp_path):
+    samples, _ = samples_of(RECORDS, CharTokenizer(), "alpaca", 256)
+    save_prepared(tmp_path, samples[:3], samples[3:], {"tokenizer_fingerprint": "char-a", "max_seq_length": 256})
+    train, val, _ = prepared(tmp_path, CharTokenizer(), 256)
+    assert len(train) == 3 and len(val) == 1
+    prepared(tmp_path, CharTokenizer(), 512)  # samples that fit 256 fit 512 too
+    assert not any(p.name.startswith(".prepared") for p in tmp_path.iterdir())
+
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, CharTokenizer("char-b"), 256)
+    assert_one_line_error(e, "char-a", "char-b", "prepare_alpaca.py")
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, CharTokenizer(), 128)
+    assert_one_line_error(e, "max_seq_length=256", "max_seq_length=128")
+
+
+def test_ensure_prepared_errors(tmp_path):
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path / "nope", CharTokenizer(), 64)
+    assert_one_line_error(e, "does not exist")
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, CharTokenizer(), 64)
+    assert_one_line_error(e, "holds no data")
+    write_json(tmp_path / "a.json", RECORDS)
+    write_json(tmp_path / "b.json", RECORDS)
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, CharTokenizer(), 64)
+    assert_one_line_error(e, "a.json", "b.json")
+
+
+@pytest.fixture(scope="module")
+def prepare_ckpt(tmp_path_factory) -> Path:
+    pytest.importorskip("lit_qlora.tokenizer")
+    from tests.helpers_tokenizer import make_hf_bpe_tokenizer
+
+    folder = make_hf_bpe_tokenizer(tmp_path_factory.mktemp("ckpt"), vocab_size=300)
+    write_json(folder / "config.json", {"max_position_embeddings": 256})
+    return folder
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_real_tokenizer_masking(prepare_ckpt):
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(prepare_ckpt)
+    recs = json.loads(DEMO.read_text())[:20]
+    samples, _ = samples_of(recs, tok, "alpaca", 10_000)
+    for rec, s in zip(recs, samples):
+        n_prompt = len(tok.encode(get_template("alpaca").format(rec["instruction"], rec["input"])))
+        assert (s["labels"][:n_prompt] == -100).all() and (s["labels"][n_prompt:] != -100).all()
+        assert s["input_ids"][-1] == tok.eos_id
+        assert tok.decode(s["input_ids"][n_prompt:-1]).strip() == rec["output"]
+
+
+def test_prepare_alpaca_script(prepare_ckpt, tmp_path):
+    dest = tmp_path / "alpaca"
+    r = run_script("prepare_alpaca.py", "--data_file", str(DEMO), "--checkpoint_dir", str(prepare_ckpt),
+                   "--destination_path", str(dest))
+    assert r.returncode == 0, r.stderr
+    train, val, meta = load_prepared(dest)
+    assert (len(train), len(val)) == (380, 20)
+    assert meta["max_seq_length"] == 256 and meta["template"] == "alpaca"  # default from config.json
+    # finetuning's entry point accepts the folder for the same tokenizer
+    from lit_qlora.tokenizer import Tokenizer
+
+    assert len(prepared(dest, Tokenizer(prepare_ckpt), 256)[0]) == 380
+
+    (tmp_path / "bad.json").write_text('[{"instruction": "x",')
+    r = run_script("prepare_alpaca.py", "--data_file", str(tmp_path / "bad.json"), "--checkpoint_dir",
+                   str(prepare_ckpt), "--destination_path", str(tmp_path / "x"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_prepare_json_script(prepare_ckpt, tmp_path):
+    with open(tmp_path / "qa.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["question", "answer"])
+        w.writerows([[f"What is {i} + 1?", str(i + 1)] for i in range(20)])
+    dest = tmp_path / "qa"
+    common = ["--checkpoint_dir", str(prepare_ckpt), "--destination_path", str(dest), "--template", "plain",
+              "--max_seq_length", "32", "--test_split_fraction", "0.1", "--mask_inputs", "false"]
+    r = run_script("prepare_json.py", "--data_file", str(tmp_path / "qa.csv"), "--instruction_key", "question",
+                   "--output_key", "answer", *common)
+    assert r.returncode == 0, r.stderr
+    train, val, meta = load_prepared(dest)
+    assert (len(train), len(val)) == (18, 2) and meta["mask_inputs"] is False and meta["max_seq_length"] == 32
+    assert torch.equal(train[0]["input_ids"], train[0]["labels"])
+
+    r = run_script("prepare_json.py", "--data_file", str(tmp_path / "qa.csv"), *common)  # default keys missing
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "'instruction'" in r.stderr, r.stderr

@@ -2,7 +2,6 @@
 finished cells skipped on a re-run, an interrupted cell finished by the re-run."""
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import make_tiny_hf_model
 from helpers_tokenizer import make_hf_bpe_tokenizer
+from helpers_train import env as h_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ["32-true:none:AdamW:2", "bf16-true:bnb.nf4-dq:AdamW:2", "32-true:none:AdamW:2:ckpt",
@@ -20,7 +20,7 @@ FAILED = SLUGS[3]
 
 
 def run_matrix(tmp: Path, ckpt: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MODELS=str(ckpt), DATA_DIR=str(data), OUT_ROOT=str(out), MAX_ITERS="2",
+    env = dict(h_env(), MODELS=str(ckpt), DATA_DIR=str(data), OUT_ROOT=str(out), MAX_ITERS="2",
                SETTINGS=" ".join(SETTINGS),
                EXTRA_TRAIN_ARGS="--eval_iters 1 --eval_max_new_tokens 2 --template plain",
                EXTRA_GEN_ARGS="--max_new_tokens 3", PYTHON=sys.executable, PROMPT="Say the word: cat")
@@ -140,7 +140,7 @@ fi
 exec {sys.executable} "$@"
 """)
     fake.chmod(0o755)
-    env = dict(os.environ, MODELS=str(tmp_path / "some-model"), DATA_DIR=str(tmp_path), OUT_ROOT=str(tmp_path / "out"),
+    env = dict(h_env(), MODELS=str(tmp_path / "some-model"), DATA_DIR=str(tmp_path), OUT_ROOT=str(tmp_path / "out"),
                SETTINGS="bf16-true:none:AdamW:3 bf16-true:none:AdamW:5", PYTHON=str(fake))
     res = subprocess.run(["bash", str(ROOT / "scripts" / "run_matrix.sh")], capture_output=True, text=True, env=env,
                          timeout=120)

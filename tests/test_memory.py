@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import env
 
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
@@ -148,7 +149,7 @@ def test_auto_picks_the_largest_fitting_micro_batch():
 
 def _finetune(*args, cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "finetune" / "lora.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+                          text=True, cwd=cwd, timeout=120, env=env())
 
 
 def test_estimate_only_exits_before_loading(tmp_path):
@@ -179,7 +180,7 @@ def test_estimate_only_exits_before_loading(tmp_path):
 def test_estimate_memory_script(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "estimate_memory.py"), "--model_name", "Llama-2-7b-hf",
                           "--quantize", "bnb.nf4-dq", "--micro_batch_size", "2", "--seq_length", "256", "--device",
-                          "cuda", "--json", "true"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          "cuda", "--json", "true"], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env())
     assert res.returncode == 0, res.stderr
     est = json.loads(res.stdout)
     assert est["settings"]["micro_batch_size"] == 2 and est["device_type"] == "cuda"

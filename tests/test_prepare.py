@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_data import DEMO, RECORDS, REPO, CharTokenizer, assert_one_line_error, write_json
+from helpers_train import env
 
 from lit_qlora.prepare import DataSettings, ensure_prepared, load_prepared, prepare_samples, save_prepared
 from lit_qlora.templates import get_template
@@ -160,7 +161,7 @@ def prepare_ckpt(tmp_path_factory) -> Path:
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+                          cwd=REPO, timeout=120, env=env())
 
 
 def test_real_tokenizer_masking(prepare_ckpt):

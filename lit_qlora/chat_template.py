@@ -68,7 +68,8 @@ def _check_namespace_name(name: Any) -> None:
 
 
 class _Namespace(jinja2.utils.Namespace):
-    """jinja's `namespace()` refusing underscore-prefixed names, which could reach Python internals (as transformers)."""
+    """jinja's `namespace()` refusing underscore-prefixed names, which could reach Python internals (as in
+    transformers)."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja, so namespace(self=...) works
         self, args = args[0], args[1:]
@@ -245,7 +246,7 @@ def special_token_strings(tokenizer: Any) -> list[str]:
 
 # Per-tokenizer helpers built once: a tokenizer.json copy without its post-processor (for offsets), a sentencepiece
 # processor without the dummy prefix, the special-token regex.
-_HELPERS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_HELPERS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def _helpers(tokenizer: Any) -> dict:
@@ -395,8 +396,11 @@ def _sp_offsets(sp: Any, ids: list[int], segment: str, prefixed: bool) -> list[t
             end = start + 1
         spans.append((start, end))
         pos += len(piece)
-    shift = 1 if prefixed else 0  # the dummy prefix is not in `segment`
-    return [(max(s - shift, 0), max(e - shift, 0)) for s, e in spans]
+    if not prefixed:
+        return spans
+    # The dummy prefix is not in `segment`; a piece that is the prefix alone gets the first character's range, as
+    # tokenizers aligns a prepended "▁" with the character it precedes.
+    return [(max(s - 1, 0), max(e - 1, 0)) if e > 1 else (0, min(1, len(segment))) for s, e in spans]
 
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:

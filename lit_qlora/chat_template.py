@@ -213,10 +213,10 @@ def special_tokens_map(tokenizer: Any) -> dict[str, str]:
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False,
                 template: str | None = None, **extra: Any) -> str:
     """`render` with the tokenizer's template (or `template`) and its special-token strings."""
-    tokens = special_tokens_map(tokenizer)
-    return render(template or template_of(tokenizer), messages, bos_token=tokens.pop("bos_token", None),
-                  eos_token=tokens.pop("eos_token", None), add_generation_prompt=add_generation_prompt,
-                  **{**tokens, **extra})
+    variables = {**special_tokens_map(tokenizer), **extra}  # extras win, as in transformers
+    return render(template or template_of(tokenizer), messages, bos_token=variables.pop("bos_token", None),
+                  eos_token=variables.pop("eos_token", None), add_generation_prompt=add_generation_prompt,
+                  **variables)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,10 +461,12 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template: str | None =
     end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`, `<end_of_turn>`, ...). Text after that token, such as
     the newline ChatML writes between turns, is not part of the turn.
 
-    Where a turn starts comes from rendering the conversation up to it with add_generation_prompt=True. Earlier
-    turns may render differently in longer conversations at their end (e.g. reasoning that templates drop from
-    older turns); only the text before the turn must agree, so the end is searched in the full rendering. A
-    template without special tokens ends a turn where the full rendering and the one ending at the turn part.
+    Where a turn starts comes from rendering the conversation up to it with add_generation_prompt=True: text the
+    generation prompt holds is given to the model at inference, so it is not trained (even where it runs into the
+    turn, e.g. a prompt that opens a reasoning block). A turn may render differently once later turns follow (e.g.
+    reasoning that templates drop from older turns); only the text before it must agree, so the end is searched
+    in the full rendering. A template without special tokens ends a turn where the full rendering and the one
+    ending at the turn part.
     """
     text = render_chat(tokenizer, messages, False, template, **extra)
     special_re = _helpers(tokenizer)["special_re"]
@@ -490,13 +492,11 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template: str | None =
         bound = starts[n + 1] if n + 1 < len(starts) else len(text)
         content = messages[k].get("content")
         content = content.strip() if isinstance(content, str) else ""
-        first = special_re.search(text, start, bound) if special_re else None
-        body_end = start
-        if content:
-            at = text.find(content, start, bound)
-            # the content must come before the turn's first special token, else it isn't this turn's text
-            if at >= 0 and (first is None or at < first.start()):
-                body_end = at + len(content)
+        # The end-of-turn token is the first special token after the content (a template may write special tokens
+        # between header and content). Content the template doesn't render as is (e.g. reasoning it drops) isn't
+        # found; then the turn ends at the first special token after its start.
+        at = text.find(content, start, bound) if content else -1
+        body_end = at + len(content) if at >= 0 else start
         eot = special_re.search(text, body_end, bound) if special_re else None
         if eot is not None:
             end = eot.end()
@@ -567,8 +567,7 @@ _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "
 
 def is_conversation_record(rec: Any) -> bool:
     """Whether a data record is a conversation: {"messages": [...]} (OpenAI) or {"conversations": [...]} (ShareGPT)."""
-    return isinstance(rec, dict) and (isinstance(rec.get("messages"), list)
-                                      or isinstance(rec.get("conversations"), list))
+    return isinstance(rec, dict) and ("messages" in rec or "conversations" in rec)
 
 
 def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
@@ -624,9 +623,26 @@ def load_conversations(path: Path | str) -> list[list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data file {path} does not exist or is not a file; check the path")
-    text = path.read_text(encoding="utf-8-sig")
-    rows: list[tuple[int, Any]] = []
-    if path.suffix.lower() == ".jsonl" or (path.suffix.lower() == ".json" and text.lstrip().startswith("{")):
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".jsonl"):
+        raise UserError(f"unsupported conversation file {path.name!r}; use a .json or .jsonl file")
+    text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    rows: list[tuple[int, Any]] | None = None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            # JSON Lines saved as .json is read as JSON Lines
+            if not (e.msg == "Extra data" and text.lstrip().startswith("{")):
+                raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                                "fix the file, it must hold a list of conversation objects") from None
+        else:
+            if not isinstance(data, list):
+                raise UserError(f"{path} holds a {type(data).__name__}, not a list of conversations; "
+                                "make the top level a JSON list")
+            rows = list(enumerate(data, start=1))
+    if rows is None:
+        rows = []
         for lineno, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
@@ -634,18 +650,6 @@ def load_conversations(path: Path | str) -> list[list[dict]]:
                 except json.JSONDecodeError as e:
                     raise UserError(f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); "
                                     "fix that line, each line must be one JSON object") from None
-    elif path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                            "fix the file, it must hold a list of conversation objects") from None
-        if not isinstance(data, list):
-            raise UserError(f"{path} holds a {type(data).__name__}, not a list of conversations; "
-                            "make the top level a JSON list")
-        rows = list(enumerate(data, start=1))
-    else:
-        raise UserError(f"unsupported conversation file {path.name!r}; use a .json or .jsonl file")
     if not rows:
         raise UserError(f"{path} holds no conversations; add some or pick another file")
     return [normalize_conversation(rec, row, path) for row, rec in rows]

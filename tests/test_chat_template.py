@@ -281,6 +281,34 @@ def test_assistant_mask_with_template_that_rerenders_earlier_turns(checkpoints):
     assert trained_text(tok, ids, labels) == "It is 4.add again\n</think>\n\nIt is 6."
 
 
+def test_special_token_between_header_and_content(checkpoints):
+    # a turn may hold special tokens before its content (like Functionary's <|content|>): the turn still ends at
+    # the first special token after the content, and that token is the end-of-turn id
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}"
+                "{{ '<|endoftext|>' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tok, ref = checkpoints("smollm2_instruct")
+    text = ref_text(ref, MULTI, chat_template=template)
+    assert text.count("<|endoftext|>") == 2
+    exp_ids, exp_labels = expected_labels(ref, text, "<|im_start|>assistant\n", "<|im_end|>")
+    assert ct.assistant_mask(tok, template, MULTI) == (exp_ids, exp_labels)
+    assert ct.end_of_turn_ids(tok, template) == [ref.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_token_offsets_tile_the_text(checkpoints):
+    # each token's range is exactly its own text: no gaps where a post-processor would trim spaces (GPT-2 style
+    # ByteLevel trim_offsets gives a lone space an empty range), no overlaps except bytes of one character
+    text = "<|im_start|>user\n  Hi  there \t😀 x<|im_end|>\n<|im_start|>assistant\n Sure:  4 ."
+    for name in ("qwen25_instruct", "gemma_it", "zephyr"):
+        tok, _ = checkpoints(name)
+        _, offsets = ct.encode_with_offsets(tok, text)
+        pos = 0
+        for a, b in offsets:
+            assert a == pos or (a, b) == last, (name, a, b, pos)
+            last, pos = (a, b), b
+        assert pos == len(text), name
+
+
 def test_mask_inputs_false_trains_every_token(checkpoints):
     tok, ref = checkpoints("llama3_instruct")
     ids, labels = ct.assistant_mask(tok, None, SYSTEM, mask_inputs=False)
@@ -369,9 +397,16 @@ def test_record_files_that_are_not_lists(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{oops\n')
     with pytest.raises(UserError, match=r"^line 2 of .*bad.jsonl is not valid JSON"):
         ct.load_conversations(tmp_path / "bad.jsonl")
-    (tmp_path / "num.json").write_text("3")
-    with pytest.raises(UserError, match="holds a int, not a list of conversations"):
-        ct.load_conversations(tmp_path / "num.json")
+    (tmp_path / "one.json").write_text('{\n  "messages": [{"role": "user", "content": "Hi"}]\n}\n')
+    with pytest.raises(UserError, match="holds a dict, not a list of conversations; make the top level a JSON list"):
+        ct.load_conversations(tmp_path / "one.json")
+    (tmp_path / "broken.json").write_text('[{"messages": ]')
+    with pytest.raises(UserError, match=r"broken.json is not valid JSON \(Expecting value at line 1 column 15\)"):
+        ct.load_conversations(tmp_path / "broken.json")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match="unsupported conversation file 'data.csv'; use a .json or .jsonl file"):
+        ct.load_conversations(tmp_path / "data.csv")
+    assert ct.is_conversation_record({"messages": "x"})  # so its error is about messages, not a missing field
 
 
 def test_chat_script_prompt_keeps_eos_between_turns(checkpoints):

@@ -258,7 +258,7 @@ def _helpers(tokenizer: Any) -> dict:
         if tokenizer.backend == "huggingface":
             from tokenizers import Tokenizer as HFTokenizer
 
-            # A ByteLevel/Roberta post-processor with trim_offsets moves offsets off whitespace (a "\n" token gets
+            # A ByteLevel/Roberta post-processor with trim_offsets moves offsets off spaces (a lone space token gets
             # an empty range); ids are the same without it since no special tokens are added.
             copy = HFTokenizer.from_str(tokenizer.processor.to_str())
             copy.post_processor = None

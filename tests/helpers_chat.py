@@ -4,6 +4,7 @@ sentencepiece tokenizer.model (Llama 2 / Mistral v0.1 / Zephyr style). Templates
 """
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -91,6 +92,23 @@ def make_sp_chat_tokenizer(folder: Path, chat_template: str, legacy: bool = Fals
     config = json.loads(config_path.read_text())
     config["legacy"] = legacy
     _write_json(config_path, config)
+    return folder
+
+
+def make_sp_without_byte_fallback(folder: Path) -> Path:
+    """A sentencepiece tokenizer.model without byte fallback: rare characters become <unk>."""
+    import sentencepiece as spm
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAINING_TEXT * 20), model_writer=model, model_type="bpe", vocab_size=400,
+        character_coverage=0.98, byte_fallback=False, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3, num_threads=1, minloglevel=2)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
+                                                   "eos_token": "</s>", "unk_token": "<unk>", "legacy": False})
     return folder
 
 

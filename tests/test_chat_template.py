@@ -302,7 +302,7 @@ def test_token_offsets_tile_the_text(checkpoints):
     for name in ("qwen25_instruct", "gemma_it", "zephyr"):
         tok, _ = checkpoints(name)
         _, offsets = ct.encode_with_offsets(tok, text)
-        pos = 0
+        pos, last = 0, None
         for a, b in offsets:
             assert a == pos or (a, b) == last, (name, a, b, pos)
             last, pos = (a, b), b

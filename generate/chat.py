@@ -14,23 +14,19 @@ from typing import Optional
 import torch
 
 from lit_qlora import demo
+from lit_qlora.chat_template import encode_chat, end_of_turn_ids
 from lit_qlora.generation import generate
 from lit_qlora.inference import autocast_for, format_prompt, load_for_inference, pick_device
-from lit_qlora.utils import UserError, run_cli
+from lit_qlora.utils import run_cli
 
 
-def render(messages: list[dict], tokenizer, adapter: Optional[dict], template: Optional[str]) -> str:
+def encode_prompt(messages: list[dict], tokenizer, adapter: Optional[dict], template: Optional[str]) -> torch.Tensor:
+    """Prompt ids. With a chat template: the ids transformers' apply_chat_template gives (real bos/eos strings in the
+    text, bos once); otherwise the adapter's prompt template over the conversation so far."""
     if tokenizer.chat_template:
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(UserError(f"chat template: {msg}; fix the "
-                                                                                     "messages"))
-        # bos_token is left empty: `tokenizer.encode` adds bos itself, as the model family expects
-        return env.from_string(tokenizer.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                               bos_token="", eos_token="")
+        return torch.tensor(encode_chat(tokenizer, messages, add_generation_prompt=True), dtype=torch.long)
     history = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-    return history + format_prompt(messages[-1]["content"], "", adapter, template)
+    return tokenizer.encode(history + format_prompt(messages[-1]["content"], "", adapter, template))
 
 
 def main(
@@ -55,6 +51,8 @@ def main(
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    if tokenizer.chat_template:  # the template's end-of-turn token (e.g. <|im_end|>) may not be among the eos ids
+        stops = list(dict.fromkeys([*stops, *end_of_turn_ids(tokenizer)]))
     messages: list[dict] = []
     while True:
         try:
@@ -67,7 +65,7 @@ def main(
             messages = []
             continue
         messages.append({"role": "user", "content": line})
-        ids = tokenizer.encode(render(messages, tokenizer, adapter, template))
+        ids = encode_prompt(messages, tokenizer, adapter, template)
         budget = min(max_new_tokens, model.config.block_size - len(ids))
         if budget <= 0:
             print("(the conversation is longer than the model's context; type !reset)", file=sys.stderr)

@@ -82,6 +82,8 @@ class Tokenizer:
         self.model_path = path
 
         tok_config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
+        # kept for chat templates: the special-token strings a template sees, sentencepiece prefix settings
+        self.tokenizer_config: dict[str, Any] = tok_config
         gen_config = _read_json(self.checkpoint_dir / "generation_config.json")
         model_config = _read_json(self.checkpoint_dir / "config.json")
 

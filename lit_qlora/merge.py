@@ -65,17 +65,22 @@ def lora_delta(adapter: dict, module: str, config: Config, out_f: int, in_f: int
     return m.delta_weight()
 
 
-def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) -> Path:
-    """Base checkpoint + adapter -> a merged checkpoint folder `out_dir`. Returns `out_dir`."""
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    config = ensure_converted(checkpoint_dir)
-    if out_dir.resolve() == checkpoint_dir.resolve():
-        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; write the merged model to a new folder")
-    if not isinstance(adapter, dict):
-        adapter = load_adapter(Path(adapter), config)
-    targets = lora_targets(config, LoRAConfig.from_dict(adapter["lora_config"]))
-    weights = checkpoint_dir / LIT_WEIGHTS
+def merged_tensors(checkpoint_dir: Path, adapter: Optional[dict], config: Config
+                   ) -> tuple[list[tuple[str, torch.Size, torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
+    """(specs, stream) of our checkpoint in `checkpoint_dir` with `adapter` added, read one tensor at a time.
+
+    specs: (name, shape, stored dtype) of every tensor, in the order `stream` yields them. In the stream an adapted
+    weight is base + update in fp32 (the caller picks the dtype to store), every other tensor is as stored. A LoRA on
+    a tied head comes last, as its own `lm_head.weight` (the embedding plus the head's update).
+    """
+    weights = Path(checkpoint_dir) / LIT_WEIGHTS
     specs = safetensors_specs(weights)
+
+    from lit_qlora.loader import read_safetensors
+
+    if adapter is None:
+        return specs, read_safetensors(weights)
+    targets = lora_targets(config, LoRAConfig.from_dict(adapter["lora_config"]))
     untie = config.tie_embeddings and "lm_head" in targets
     if untie:  # the head gets its own, updated copy of the embedding
         wte = next(s for s in specs if s[0] == "transformer.wte.weight")
@@ -84,22 +89,35 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) 
     if missing:
         raise UserError(f"{weights} has no tensor {missing[0]}.weight; the checkpoint is incomplete: convert it again")
 
-    from lit_qlora.loader import read_safetensors
-
-    def merged(name: str, t: torch.Tensor, module: str) -> torch.Tensor:
+    def merged(t: torch.Tensor, module: str) -> torch.Tensor:
         out_f, in_f = t.shape
-        return (t.float() + lora_delta(adapter, module, config, out_f, in_f)).to(t.dtype)
+        return t.float() + lora_delta(adapter, module, config, out_f, in_f)
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in read_safetensors(weights):
             module = name.removesuffix(".weight")
-            yield name, (merged(name, t, module) if name.endswith(".weight") and module in targets else t)
+            yield name, (merged(t, module) if name.endswith(".weight") and module in targets else t)
         if untie:
             for _, t in read_safetensors(weights, keys={"transformer.wte.weight"}):
-                yield "lm_head.weight", merged("lm_head.weight", t, "lm_head")
+                yield "lm_head.weight", merged(t, "lm_head")
 
+    return specs, stream()
+
+
+def merge_checkpoint(checkpoint_dir: Path, adapter: dict | Path, out_dir: Path) -> Path:
+    """Base checkpoint + adapter -> a merged checkpoint folder `out_dir`. Returns `out_dir`."""
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    config = ensure_converted(checkpoint_dir)
+    if out_dir.resolve() == checkpoint_dir.resolve():
+        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; write the merged model to a new folder")
+    if not isinstance(adapter, dict):
+        adapter = load_adapter(Path(adapter), config)
+    specs, stream = merged_tensors(checkpoint_dir, adapter, config)
+    untie = config.tie_embeddings and any(name == "lm_head.weight" for name, _, _ in specs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, stream(), metadata={"merged_from": str(checkpoint_dir)})
+    # each tensor goes back to the dtype it was stored in (the update was added in fp32)
+    cast = ((name, t.to(dtype)) for (name, t), (_, _, dtype) in zip(stream, specs))
+    write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, cast, metadata={"merged_from": str(checkpoint_dir)})
     out_config = replace(config, name=out_dir.name, tie_embeddings=False if untie else config.tie_embeddings)
     out_config.save(out_dir / LIT_CONFIG)
     copy_tokenizer_files(checkpoint_dir, out_dir)

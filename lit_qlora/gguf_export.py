@@ -135,7 +135,13 @@ def tensor_type(shape: tuple[int, ...], dtype: str) -> Q:
 def _encode(t: torch.Tensor, qtype: Q) -> np.ndarray:
     """The bytes of `t` in ggml type `qtype`, as a uint8 array of the byte shape."""
     if qtype == Q.Q8_0:
-        return gguf.quants.quantize(t.detach().float().cpu().numpy(), qtype)
+        x = t.detach().float().cpu()
+        out = np.empty(gguf.quant_shape_to_byte_shape(tuple(x.shape), qtype), dtype=np.uint8)
+        rows, out_rows = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+        step = max(1, 2**24 // x.shape[-1])  # 16M values at a time keep the quantizer's temporaries small
+        for i in range(0, rows.shape[0], step):
+            out_rows[i:i + step] = gguf.quants.quantize(rows[i:i + step].numpy(), qtype)
+        return out
     torch_dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
     return t.detach().to(device="cpu", dtype=torch_dtype).contiguous().view(torch.uint8).numpy()
 

@@ -54,11 +54,11 @@ _GLOBAL_NAMES = {"transformer.wte": "token_embd", "transformer.ln_f": "output_no
 # Pre-tokenizer regexes of tokenizer.json files (a Split before a regex-free ByteLevel) -> llama.cpp's name for them
 _SPLIT_REGEX_NAMES = {
     # Llama 3 / 3.x
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "llama-bpe",
     # Qwen2 / 2.5: single digits instead of groups of three
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "qwen2",
 }
 
 
@@ -75,7 +75,8 @@ def gguf_architecture(config: Config) -> str:
     for key, want in expected.items():
         if getattr(config, key) != want:
             raise UserError(f"this {config.hf_architecture} has {key}={getattr(config, key)!r}, which llama.cpp's "
-                            f"{arch!r} architecture cannot express ({want!r} needed); export it with scripts/export_hf.py")
+                            f"{arch!r} architecture cannot express ({want!r} needed); export it with "
+                            "scripts/export_hf.py")
     return arch
 
 
@@ -199,8 +200,8 @@ def read_vocab(checkpoint_dir: Path, vocab_size: int) -> GGUFVocab:
         vocab = _sentencepiece_vocab(checkpoint_dir / "tokenizer.model", checkpoint_dir)
     else:
         kind = (data or {}).get("model", {}).get("type", "?")
-        raise UserError(f"{tok_json} is a {kind} tokenizer that is not byte-level BPE, and there is no tokenizer.model; "
-                        f"copy the model's sentencepiece tokenizer.model into {checkpoint_dir}")
+        raise UserError(f"{tok_json} is a {kind} tokenizer that is not byte-level BPE, and there is no "
+                        f"tokenizer.model; copy the model's sentencepiece tokenizer.model into {checkpoint_dir}")
     if len(vocab.tokens) > vocab_size:
         raise UserError(f"the tokenizer in {checkpoint_dir} has {len(vocab.tokens)} tokens, more than the model's "
                         f"{vocab_size} embedding rows; use the tokenizer the model was trained with")
@@ -239,7 +240,8 @@ def _pre_tokenizers(data: dict) -> list[dict]:
 
 
 def _is_byte_level(data: dict) -> bool:
-    return (data.get("model") or {}).get("type") == "BPE" and any(p.get("type") == "ByteLevel" for p in _pre_tokenizers(data))
+    byte_level = any(p.get("type") == "ByteLevel" for p in _pre_tokenizers(data))
+    return (data.get("model") or {}).get("type") == "BPE" and byte_level
 
 
 def _pre_name(data: dict, path: Path) -> str:
@@ -255,8 +257,8 @@ def _pre_name(data: dict, path: Path) -> str:
     if not byte_level.get("add_prefix_space", False):
         if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
             name = "gpt-2"  # GPT-2's own regex, inside ByteLevel
-        elif kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and byte_level.get("use_regex", True):
-            name = "smollm"  # SmolLM2: every digit alone, then GPT-2's regex
+        elif kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+            name = "smollm" if byte_level.get("use_regex", True) else None  # every digit alone, then GPT-2's regex
         elif kinds == ["Split", "ByteLevel"] and not byte_level.get("use_regex", True) and not parts[0].get("invert"):
             name = _SPLIT_REGEX_NAMES.get((parts[0].get("pattern") or {}).get("Regex"))
     if name is None:
@@ -407,7 +409,7 @@ def write_lora(config: Config, out_file: Path, dtype: str, adapter: dict) -> Non
         try:
             A, B = adapter["lora"][module + ".lora_A"].float(), adapter["lora"][module + ".lora_B"].float()
         except KeyError as e:
-            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it")
+            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it") from None
         gguf_names = {rows[0] if rows else 0: (name, heads)
                       for name, rows, heads in gguf_parts(config, arch, module + ".weight")}
         b_row = 0
@@ -439,10 +441,11 @@ def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[dict | P
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if lora_only and adapter is None:
-        raise UserError("--lora_only writes an adapter file and needs --lora_path; pass the adapter, or drop --lora_only "
-                        "to export the model")
+        raise UserError("--lora_only writes an adapter file and needs --lora_path; pass the adapter, or drop "
+                        "--lora_only to export the model")
     if lora_only and dtype == "q8_0":
-        raise UserError("--dtype q8_0 is for model files; write the adapter (it is small) with --dtype f16, bf16 or f32")
+        raise UserError("--dtype q8_0 is for model files; write the adapter (it is small) with --dtype f16, bf16 "
+                        "or f32")
     if out_file.is_dir():
         raise UserError(f"--out_file {out_file} is a folder; pass a file name such as {out_file / 'model.gguf'}")
     if out_file.exists() and not overwrite:

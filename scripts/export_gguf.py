@@ -25,7 +25,8 @@ def export(checkpoint_dir: Path, out_file: Path, lora_path: Optional[Path] = Non
     Args:
         checkpoint_dir: The (base) model folder, with its tokenizer files.
         out_file: The GGUF file to write (e.g. model.gguf); it is written under a temporary name, then renamed.
-        lora_path: An adapter to merge first (a .pth adapter file or a PEFT folder); without it the base model is exported.
+        lora_path: An adapter to merge first (a .pth adapter file or a PEFT folder); without it the base model is
+            exported.
         dtype: Weights in the file: f16, bf16, f32 or q8_0 (8-bit blocks, about half of f16). Norms stay f32.
         lora_only: Write the adapter of --lora_path alone as a GGUF LoRA file, for llama.cpp's --lora on top of the
             base model exported without an adapter (--dtype f16, bf16 or f32).

@@ -35,7 +35,8 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% e
 # is rounded once (relative error <= u: 2^-11 for f16, 2^-8 for bf16; q8_0 rounds to 1/254 of its 32-value block's
 # largest magnitude, ~2^-8 of the block scale, so several u for a typical weight); the rounding errors of a dot
 # product are independent and partly cancel: measured errors are <= 1 u * scale (f16, bf16) and <= 2.5 u * scale
-# (q8_0, with bf16's u); `pytest tests/test_gguf.py -k logits_match -s` prints them. A wrong layout (a missing permutation, a swapped tensor) is off by ~scale.
+# (q8_0, with bf16's u); `pytest tests/test_gguf.py -k logits_match -s` prints them. A wrong layout (a missing
+# permutation, a swapped tensor) is off by ~scale.
 TOLERANCE = {"f32": None, "f16": 4 * 2**-11, "bf16": 4 * 2**-8, "q8_0": 8 * 2**-8}
 F32_TOLERANCE = 1e-4  # absolute, as for the HF export
 
@@ -56,8 +57,8 @@ def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
                         vocab_size=512),
         "llama3": _model(base, "llama3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320, split_regex=LLAMA3_SPLIT)),
         "mistral": _model(base, "mistral", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320)),
-        "qwen2": _model(base, "qwen2", lambda f: make_hf_bpe_tokenizer(f, vocab_size=300, split_regex=QWEN2_SPLIT,
-                                                                       bos_in_post_processor=False, add_bos_token=None)),
+        "qwen2": _model(base, "qwen2", lambda f: make_hf_bpe_tokenizer(
+            f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None)),
     }
 
 

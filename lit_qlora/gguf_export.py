@@ -409,7 +409,8 @@ def write_lora(config: Config, out_file: Path, dtype: str, adapter: dict) -> Non
         try:
             A, B = adapter["lora"][module + ".lora_A"].float(), adapter["lora"][module + ".lora_B"].float()
         except KeyError as e:
-            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it") from None
+            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint "
+                            "of it") from None
         gguf_names = {rows[0] if rows else 0: (name, heads)
                       for name, rows, heads in gguf_parts(config, arch, module + ".weight")}
         b_row = 0

@@ -34,7 +34,9 @@ def export(checkpoint_dir: Path, out_file: Path, lora_path: Optional[Path] = Non
     """
     export_gguf(checkpoint_dir, out_file, adapter=lora_path, dtype=dtype, lora_only=lora_only, overwrite=overwrite)
     kind = "LoRA adapter" if lora_only else f"{dtype} model"
-    print(f"Wrote the {kind} {out_file} ({out_file.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
+    size = out_file.stat().st_size
+    size_text = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+    print(f"Wrote the {kind} {out_file} ({size_text})", file=sys.stderr)
 
 
 if __name__ == "__main__":

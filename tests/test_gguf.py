@@ -5,6 +5,7 @@ Tiny models of every supported family: llama (sentencepiece tokenizer, chat temp
 Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer) and qwen2 (biases,
 tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding).
 """
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -304,6 +305,9 @@ def test_merged_adapter_through_the_script(models, kind, tmp_path):
     finally:
         sys.argv = argv
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]  # no temporary left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # not the temporary file's private 0600
     assert "output.weight" in {t.name for t in gguf.GGUFReader(out).tensors}
     hf = hf_from_gguf(out)
     assert not hf.config.tie_word_embeddings

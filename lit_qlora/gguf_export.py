@@ -442,7 +442,8 @@ def write_lora(config: Config, out_file: Path, dtype: str, adapter: dict) -> Non
 def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[dict | Path] = None, dtype: str = "f16",
                 lora_only: bool = False, overwrite: bool = False) -> Path:
     """Our checkpoint (merged with `adapter` if given) -> one GGUF model file; with `lora_only`, the adapter alone
-    as a GGUF LoRA file. Every check runs before anything is written."""
+    as a GGUF LoRA file. Every check runs before `out_file` is touched (an HF folder is converted on first use, as
+    everywhere)."""
     checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")

@@ -23,6 +23,7 @@ COMMANDS = {
     "merge": ("scripts/merge_lora.py", "merge an adapter into its base"),
     "export-hf": ("scripts/export_hf.py", "export a (merged) model as a transformers folder"),
     "export-peft": ("scripts/export_peft.py", "export an adapter as a PEFT folder"),
+    "export-gguf": ("scripts/export_gguf.py", "export a model (or an adapter) as a GGUF file for llama.cpp"),
     "estimate-memory": ("scripts/estimate_memory.py", "predict the peak training memory"),
 }
 

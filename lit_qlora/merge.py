@@ -17,7 +17,15 @@ from typing import Iterator, Optional
 import torch
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, read_safetensors, safetensors_specs, write_safetensors_stream
+from lit_qlora.checkpoint import (
+    LIT_CONFIG,
+    LIT_WEIGHTS,
+    TensorSpec,
+    read_safetensors,
+    safetensors_specs,
+    write_safetensors_stream,
+)
+from lit_qlora.config import Config
 from lit_qlora.convert import convert_lit_checkpoint, ensure_converted
 from lit_qlora.utils import UserError
 
@@ -39,17 +47,20 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Path) -> Path:
-    """Base checkpoint + adapter -> a merged checkpoint folder `out_dir`. Returns `out_dir`."""
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    config = ensure_converted(checkpoint_dir)
-    if out_dir.resolve() == checkpoint_dir.resolve():
-        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; write the merged model to a new folder")
-    if not isinstance(adapter, Adapter):
-        adapter = Adapter.load(Path(adapter), config)
-    targets = adapter.targets()
-    weights = checkpoint_dir / LIT_WEIGHTS
+def merged_tensors(checkpoint_dir: Path, adapter: Optional[Adapter], config: Config
+                   ) -> tuple[list[TensorSpec], Iterator[tuple[str, torch.Tensor]]]:
+    """(specs, stream) of our checkpoint in `checkpoint_dir` with `adapter` added, read one tensor at a time.
+
+    specs: (name, shape, stored dtype) of every tensor, in the order `stream` yields them. In the stream an adapted
+    weight is base + update in fp32 (the caller picks the dtype to store: merge_checkpoint the stored one, the GGUF
+    export its --dtype); every other tensor is as stored. A LoRA on a tied head comes last, as its own
+    `lm_head.weight` (the embedding plus the head's update).
+    """
+    weights = Path(checkpoint_dir) / LIT_WEIGHTS
     specs = safetensors_specs(weights)
+    if adapter is None:
+        return specs, read_safetensors(weights)
+    targets = adapter.targets()
     untie = config.tie_embeddings and "lm_head" in targets
     if untie:  # the head gets its own, updated copy of the embedding
         wte = next(s for s in specs if s[0] == "transformer.wte.weight")
@@ -60,13 +71,28 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Pat
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in read_safetensors(weights):
-            yield name, adapter.merged(name, t)
+            yield name, adapter.merged(name, t, torch.float32)
         if untie:
             for _, t in read_safetensors(weights, keys={"transformer.wte.weight"}):
-                yield "lm_head.weight", adapter.merged("lm_head.weight", t)
+                yield "lm_head.weight", adapter.merged("lm_head.weight", t, torch.float32)
 
+    return specs, stream()
+
+
+def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Path) -> Path:
+    """Base checkpoint + adapter -> a merged checkpoint folder `out_dir`. Returns `out_dir`."""
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    config = ensure_converted(checkpoint_dir)
+    if out_dir.resolve() == checkpoint_dir.resolve():
+        raise UserError(f"--out_dir {out_dir} is the base checkpoint folder; write the merged model to a new folder")
+    if not isinstance(adapter, Adapter):
+        adapter = Adapter.load(Path(adapter), config)
+    specs, stream = merged_tensors(checkpoint_dir, adapter, config)
+    untie = config.tie_embeddings and any(name == "lm_head.weight" for name, _, _ in specs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, stream(), metadata={"merged_from": str(checkpoint_dir)})
+    # each tensor goes back to the dtype it was stored in (the update was added in fp32)
+    cast = ((name, t.to(dtype)) for (name, t), (_, _, dtype) in zip(stream, specs, strict=True))
+    write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, cast, metadata={"merged_from": str(checkpoint_dir)})
     out_config = replace(config, name=out_dir.name, tie_embeddings=False if untie else config.tie_embeddings)
     out_config.save(out_dir / LIT_CONFIG)
     copy_tokenizer_files(checkpoint_dir, out_dir)

@@ -55,19 +55,27 @@ def make_hf_bpe_tokenizer(
     bos_in_post_processor: bool = True,
     add_bos_token: bool | None = True,
     chat_template: str | None = None,
+    split_regex: str | None = None,
 ) -> Path:
     """Write a byte-level BPE tokenizer.json + tokenizer_config.json into `folder`.
 
     Ids 0..3 are <unk>, <s>, </s>, <pad>. With `bos_in_post_processor` the tokenizer.json's
     post-processor prepends <s> (like Llama 3's); `add_bos_token=None` leaves the key out of
-    tokenizer_config.json.
+    tokenizer_config.json. Text is split with GPT-2's regex (inside ByteLevel), or with `split_regex`
+    before a regex-free ByteLevel, as Llama 3's and Qwen2's tokenizer.json do.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_regex is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -1,0 +1,478 @@
+"""Export to GGUF, the file format of llama.cpp (and of Ollama and LM Studio, which run on it).
+
+Two kinds of file:
+- a model: our checkpoint, with an adapter merged in full precision (`merge.merged_tensors`: base + update in fp32,
+  never into 4-bit weights), in f32, f16, bf16 or q8_0, with the architecture and the tokenizer as metadata;
+- a LoRA adapter alone, for llama.cpp's `--lora` on top of a model file exported without it.
+
+Tensors get llama.cpp's names and the layout its converter (`convert_hf_to_gguf.py`) writes, so the file is the one
+llama.cpp would have made from the Hugging Face export of the same weights. They are streamed one at a time: the
+header is computed from shapes alone, then each tensor is read, converted and written. The `gguf` package
+(llama.cpp's own Python writer) writes the format.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import gguf
+import numpy as np
+import sentencepiece
+import torch
+
+from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import LIT_CONFIG
+from lit_qlora.config import Config
+from lit_qlora.convert import ensure_converted
+from lit_qlora.merge import merged_tensors
+from lit_qlora.model import llama3_scale_inv_freq
+from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.utils import UserError, atomic_write
+
+Q = gguf.GGMLQuantizationType
+
+# HF architecture -> llama.cpp architecture. Mistral is plain "llama" to llama.cpp (its converter maps
+# MistralForCausalLM there too); TinyLlama and SmolLM2 are LlamaForCausalLM.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM) and "
+             "Qwen2/2.5 (Qwen2ForCausalLM)")
+
+# --dtype -> (type of the 2-D weights, general.file_type). Norms, biases and rope factors always stay f32.
+DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
+    "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "f32": (Q.F32, gguf.LlamaFileType.ALL_F32),
+    "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+# Our tensor names -> llama.cpp's. The fused qkv is split into attn_q / attn_k / attn_v by `gguf_parts`.
+_LAYER_NAMES = {"norm_1": "attn_norm", "attn.proj": "attn_output", "norm_2": "ffn_norm", "mlp.fc_1": "ffn_gate",
+                "mlp.fc_2": "ffn_up", "mlp.proj": "ffn_down"}
+_GLOBAL_NAMES = {"transformer.wte": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output"}
+
+# Pre-tokenizer regexes of tokenizer.json files (a Split before a regex-free ByteLevel) -> llama.cpp's name for them
+_SPLIT_REGEX_NAMES = {
+    # Llama 3 / 3.x
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "llama-bpe",
+    # Qwen2 / 2.5: single digits instead of groups of three
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+# ---- the model's shape ------------------------------------------------------------------------
+def gguf_architecture(config: Config) -> str:
+    """llama.cpp's architecture name for `config`; a one-line refusal for anything the export cannot write exactly."""
+    arch = ARCHITECTURES.get(config.hf_architecture)
+    if arch is None:
+        raise UserError(f"GGUF export supports {SUPPORTED}, not {config.hf_architecture}; export one of those, or use "
+                        "scripts/export_hf.py and llama.cpp's convert_hf_to_gguf.py")
+    expected = dict(norm_class="RMSNorm", mlp_class="LLaMAMLP", activation="silu", bias=False, lm_head_bias=False,
+                    parallel_residual=False, scale_embeddings=False, norm_unit_offset=False,
+                    rope_n_elem=config.head_size)
+    for key, want in expected.items():
+        if getattr(config, key) != want:
+            raise UserError(f"this {config.hf_architecture} has {key}={getattr(config, key)!r}, which llama.cpp's "
+                            f"{arch!r} architecture cannot express ({want!r} needed); export it with "
+                            "scripts/export_hf.py")
+    return arch
+
+
+def gguf_parts(config: Config, arch: str, name: str) -> list[tuple[str, Optional[tuple[int, int]], Optional[int]]]:
+    """Our tensor `name` -> [(llama.cpp name, (first row, rows) taken from ours or None for all,
+    heads to permute for llama.cpp's rotary or None)]."""
+    module, _, param = name.rpartition(".")
+    if not module.startswith("transformer.h."):
+        return [(f"{_GLOBAL_NAMES[module]}.{param}", None, None)]
+    i, _, sub = module[len("transformer.h."):].partition(".")
+    if sub != "attn.qkv":
+        return [(f"blk.{i}.{_LAYER_NAMES[sub]}.{param}", None, None)]
+    q, k, v = config.qkv_sizes
+    # llama.cpp's "llama" rope rotates adjacent pairs of a head's channels, HF's rotates channel j with j + head/2:
+    # llama.cpp's converter reorders q and k rows (weights and biases) to match. "qwen2" uses the HF (NeoX)
+    # convention in llama.cpp, so nothing moves there.
+    rotary = arch == "llama"
+    return [(f"blk.{i}.attn_q.{param}", (0, q), config.n_head if rotary else None),
+            (f"blk.{i}.attn_k.{param}", (q, k), config.n_query_groups if rotary else None),
+            (f"blk.{i}.attn_v.{param}", (q + k, v), None)]
+
+
+def rotate_half_to_interleaved(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the q or k rows of every head from HF's rotate-half order (channel j pairs with j + head/2) to
+    llama.cpp's interleaved order (channel 2j pairs with 2j + 1): row j of a head goes to 2j, row j + head/2 to 2j + 1.
+    Works for weights [rows, in], biases [rows] and LoRA B matrices [rows, r]."""
+    head = rows.shape[0] // n_heads
+    return rows.reshape(n_heads, 2, head // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def split_gguf(config: Config, arch: str, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensor -> the llama.cpp tensors it becomes, in llama.cpp's layout."""
+    for gguf_name, rows, heads in gguf_parts(config, arch, name):
+        part = t[rows[0]:rows[0] + rows[1]] if rows else t
+        yield gguf_name, rotate_half_to_interleaved(part, heads) if heads else part
+
+
+def rope_factors(config: Config) -> Optional[torch.Tensor]:
+    """Llama 3.1 rope scaling as llama.cpp stores it: one divisor per rotary frequency (`rope_freqs.weight`)."""
+    if not config.rope_scaling:
+        return None
+    n = config.rope_n_elem
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
+    return inv_freq / llama3_scale_inv_freq(inv_freq, config.rope_scaling)
+
+
+def tensor_type(shape: tuple[int, ...], dtype: str) -> Q:
+    if len(shape) == 1:  # norms, biases, rope factors: small, and llama.cpp keeps them in f32 too
+        return Q.F32
+    qtype = DTYPES[dtype][0]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if shape[-1] % block:  # a q8_0 block is 32 values of one row; llama.cpp's converter falls back to f16 too
+        return Q.F16
+    return qtype
+
+
+def _encode(t: torch.Tensor, qtype: Q) -> np.ndarray:
+    """The bytes of `t` in ggml type `qtype`, as a uint8 array of the byte shape."""
+    if qtype == Q.Q8_0:
+        x = t.detach().float().cpu()
+        out = np.empty(gguf.quant_shape_to_byte_shape(tuple(x.shape), qtype), dtype=np.uint8)
+        rows, out_rows = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+        step = max(1, 2**24 // x.shape[-1])  # 16M values at a time keep the quantizer's temporaries small
+        for i in range(0, rows.shape[0], step):
+            out_rows[i:i + step] = gguf.quants.quantize(rows[i:i + step].numpy(), qtype)
+        return out
+    torch_dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+    return t.detach().to(device="cpu", dtype=torch_dtype).contiguous().view(torch.uint8).numpy()
+
+
+# ---- the tokenizer ----------------------------------------------------------------------------
+@dataclass
+class GGUFVocab:
+    """What llama.cpp needs to rebuild the tokenizer (the tokenizer.* metadata)."""
+
+    model: str  # "llama" (sentencepiece) or "gpt2" (byte-level BPE)
+    tokens: list[str]
+    types: list[int]
+    scores: Optional[list[float]] = None
+    merges: Optional[list[str]] = None
+    pre: Optional[str] = None
+    add_space_prefix: Optional[bool] = None
+    special: dict[str, Optional[int]] = field(default_factory=dict)  # bos / eos / unk / pad -> id
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+    def write(self, w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model(self.model)
+        if self.pre is not None:
+            w.add_tokenizer_pre(self.pre)
+        w.add_token_list(self.tokens)
+        w.add_token_types(self.types)
+        if self.scores is not None:
+            w.add_token_scores(self.scores)
+        if self.merges:
+            w.add_token_merges(self.merges)
+        if self.add_space_prefix is not None:
+            w.add_add_space_prefix(self.add_space_prefix)
+        adders = dict(bos=w.add_bos_token_id, eos=w.add_eos_token_id, unk=w.add_unk_token_id, pad=w.add_pad_token_id)
+        for kind, token_id in self.special.items():
+            if token_id is not None:
+                adders[kind](token_id)
+        w.add_add_bos_token(self.add_bos)
+        w.add_add_eos_token(self.add_eos)
+        if self.chat_template:
+            w.add_chat_template(self.chat_template)
+
+
+def read_vocab(checkpoint_dir: Path, vocab_size: int) -> GGUFVocab:
+    """The tokenizer of `checkpoint_dir` as GGUF metadata, padded to the model's `vocab_size` rows."""
+    checkpoint_dir = Path(checkpoint_dir)
+    tok = Tokenizer(checkpoint_dir)  # a one-line UserError when there is no tokenizer
+    tok_json = checkpoint_dir / "tokenizer.json"
+    data = json.loads(tok_json.read_text(encoding="utf-8")) if tok_json.is_file() else None
+    if data is not None and _is_byte_level(data):
+        vocab = _bpe_vocab(data, tok_json)
+    elif (checkpoint_dir / "tokenizer.model").is_file():
+        # llama.cpp's sentencepiece tokenizer needs the pieces' scores, which only tokenizer.model has
+        vocab = _sentencepiece_vocab(checkpoint_dir / "tokenizer.model", checkpoint_dir)
+    else:
+        kind = (data or {}).get("model", {}).get("type", "?")
+        raise UserError(f"{tok_json} is a {kind} tokenizer that is not byte-level BPE, and there is no "
+                        f"tokenizer.model; copy the model's sentencepiece tokenizer.model into {checkpoint_dir}")
+    if len(vocab.tokens) > vocab_size:
+        raise UserError(f"the tokenizer in {checkpoint_dir} has {len(vocab.tokens)} tokens, more than the model's "
+                        f"{vocab_size} embedding rows; use the tokenizer the model was trained with")
+    for i in range(len(vocab.tokens), vocab_size):  # rows no token uses (padded vocabularies): as llama.cpp pads
+        vocab.tokens.append(f"[PAD{i}]")
+        vocab.types.append(gguf.TokenType.UNUSED)
+        if vocab.scores is not None:
+            vocab.scores.append(-1000.0)
+
+    tok_config = _read_json(checkpoint_dir / "tokenizer_config.json")
+    model_config = _read_json(checkpoint_dir / "config.json")
+
+    def config_id(key: str) -> Optional[int]:
+        value = tok_config.get(f"{key}_token")
+        token = value.get("content") if isinstance(value, dict) else value
+        token_id = tok.token_to_id(token) if isinstance(token, str) else None
+        fallback = model_config.get(f"{key}_token_id")
+        return token_id if token_id is not None else fallback if isinstance(fallback, int) else None
+
+    # our Tokenizer decides bos/eos and whether encode() adds them: the GGUF says the same
+    own = {kind: vocab.special.get(kind) for kind in ("unk", "pad")}  # what the tokenizer file itself says
+    vocab.special = dict(bos=tok.bos_id, eos=tok.eos_id,
+                         **{kind: config_id(kind) if i is None else i for kind, i in own.items()})
+    vocab.add_bos, vocab.add_eos = tok.add_bos, tok.add_eos
+    vocab.chat_template = tok.chat_template
+    return vocab
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _pre_tokenizers(data: dict) -> list[dict]:
+    pre = data.get("pre_tokenizer") or {}
+    return list(pre.get("pretokenizers", [])) if pre.get("type") == "Sequence" else [pre] if pre else []
+
+
+def _is_byte_level(data: dict) -> bool:
+    byte_level = any(p.get("type") == "ByteLevel" for p in _pre_tokenizers(data))
+    return (data.get("model") or {}).get("type") == "BPE" and byte_level
+
+
+def _pre_name(data: dict, path: Path) -> str:
+    """llama.cpp's name for the way a byte-level BPE tokenizer.json splits text before merging.
+
+    llama.cpp's converter recognises a tokenizer by hashing how it encodes a test text; we read the pre-tokenizer
+    from tokenizer.json instead (same answer, and no transformers needed), and refuse what we cannot name, as it does.
+    """
+    parts = _pre_tokenizers(data)
+    kinds = [p.get("type") for p in parts]
+    byte_level = parts[-1] if kinds and kinds[-1] == "ByteLevel" else {}
+    name = None
+    if not byte_level.get("add_prefix_space", False):
+        if kinds == ["ByteLevel"] and byte_level.get("use_regex", True):
+            name = "gpt-2"  # GPT-2's own regex, inside ByteLevel
+        elif kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+            name = "smollm" if byte_level.get("use_regex", True) else None  # every digit alone, then GPT-2's regex
+        elif kinds == ["Split", "ByteLevel"] and not byte_level.get("use_regex", True) and not parts[0].get("invert"):
+            name = _SPLIT_REGEX_NAMES.get((parts[0].get("pattern") or {}).get("Regex"))
+    if name is None:
+        raise UserError(f"the pre-tokenizer of {path} ({' + '.join(map(str, kinds)) or 'none'}) is not one llama.cpp "
+                        "knows by name (GPT-2, Llama 3, Qwen2, SmolLM2); export with scripts/export_hf.py and convert "
+                        "with llama.cpp's convert_hf_to_gguf.py")
+    return name
+
+
+def _bpe_vocab(data: dict, path: Path) -> GGUFVocab:
+    model = data["model"]
+    by_id = {int(i): token for token, i in model["vocab"].items()}
+    added = {int(t["id"]): t for t in data.get("added_tokens", [])}
+    by_id.update({i: t["content"] for i, t in added.items()})
+    n = max(by_id) + 1 if by_id else 0
+    tokens, types = [], []
+    for i in range(n):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL if i not in added else
+                         gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+    # tokenizers writes merges as "a b" (older files) or ["a", "b"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    vocab = GGUFVocab(model="gpt2", tokens=tokens, types=types, merges=merges, pre=_pre_name(data, path))
+    unk = model.get("unk_token")
+    vocab.special["unk"] = model["vocab"].get(unk) if unk else None
+    if data.get("normalizer"):
+        vocab.notes.append(f"{path.name} normalizes text ({data['normalizer'].get('type')}) before tokenizing and "
+                           "llama.cpp does not: text not already in that form may get other ids there")
+    return vocab
+
+
+def _sentencepiece_vocab(path: Path, checkpoint_dir: Path) -> GGUFVocab:
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        types.append(gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                     else gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i)
+                     else gguf.TokenType.NORMAL)
+    # tokens added on top of the sentencepiece model (chat markers): they follow its pieces
+    decoder = _read_json(checkpoint_dir / "tokenizer_config.json").get("added_tokens_decoder") or {}
+    extra = {int(i): t for i, t in decoder.items() if int(i) >= len(tokens)}
+    for i in range(len(tokens), max(extra, default=len(tokens) - 1) + 1):
+        t = extra.get(i)
+        tokens.append(t["content"] if t else f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED if t is None else
+                     gguf.TokenType.CONTROL if t.get("special") else gguf.TokenType.USER_DEFINED)
+    # llama.cpp prepends the "▁" of a dummy prefix itself when add_space_prefix is set: probe the model for it
+    first = sp.encode("a", out_type=str)
+    vocab = GGUFVocab(model="llama", tokens=tokens, types=types, scores=scores,
+                      add_space_prefix=bool(first) and first[0].startswith("\u2581"))
+    vocab.special["unk"] = sp.unk_id() if sp.unk_id() >= 0 else None
+    vocab.special["pad"] = sp.pad_id() if sp.pad_id() >= 0 else None
+    return vocab
+
+
+# ---- writing ----------------------------------------------------------------------------------
+Plan = list[tuple[str, tuple[int, ...], Q]]
+
+
+def _write(path: Path, arch: str, metadata: Callable[[gguf.GGUFWriter], None], plan: Plan,
+           tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Write a GGUF file atomically: header and tensor table from `plan`, then the tensors as `tensors` yields them."""
+
+    def write(tmp: Path) -> None:
+        w = gguf.GGUFWriter(tmp, arch)
+        try:
+            metadata(w)
+            for name, shape, qtype in plan:
+                byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+                w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for (name, shape, qtype), (got, t) in zip(plan, tensors, strict=True):
+                if got != name or tuple(t.shape) != shape:
+                    raise RuntimeError(f"tensor stream mismatch at {name} {shape}: got {got} {tuple(t.shape)}")
+                w.write_tensor_data(_encode(t, qtype))
+        finally:
+            w.close()
+        # the temporary file is private (0600); the model file is for other programs too (Ollama, a server)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
+
+    atomic_write(path, write)
+
+
+def _shape_metadata(w: gguf.GGUFWriter, config: Config, name: str, file_type: int) -> None:
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(config.vocab_size)
+    w.add_context_length(config.block_size)
+    w.add_embedding_length(config.n_embd)
+    w.add_block_count(config.n_layer)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.n_head)
+    w.add_head_count_kv(config.n_query_groups)
+    w.add_rope_dimension_count(config.rope_n_elem)
+    w.add_rope_freq_base(config.rope_base)
+    w.add_layer_norm_rms_eps(config.norm_eps)
+    if config.head_size * config.n_head != config.n_embd:  # llama.cpp assumes n_embd / n_head otherwise
+        w.add_key_length(config.head_size)
+        w.add_value_length(config.head_size)
+
+
+def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str, adapter: Optional[Adapter],
+                vocab: GGUFVocab) -> None:
+    arch = gguf_architecture(config)
+    specs, stream = merged_tensors(checkpoint_dir, adapter, config)
+    factors = rope_factors(config)
+    plan: Plan = [("rope_freqs.weight", tuple(factors.shape), Q.F32)] if factors is not None else []
+    for name, shape, _ in specs:
+        for gguf_name, rows, _ in gguf_parts(config, arch, name):
+            gguf_shape = (rows[1], *shape[1:]) if rows else tuple(shape)
+            plan.append((gguf_name, gguf_shape, tensor_type(gguf_shape, dtype)))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        if factors is not None:
+            yield "rope_freqs.weight", factors
+        for name, t in stream:
+            yield from split_gguf(config, arch, name, t)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type(gguf.GGUFType.MODEL)
+        _shape_metadata(w, config, config.name or Path(checkpoint_dir).name, DTYPES[dtype][1])
+        vocab.write(w)
+
+    _write(out_file, arch, metadata, plan, tensors())
+
+
+def write_lora(config: Config, out_file: Path, dtype: str, adapter: Adapter) -> None:
+    """The adapter as llama.cpp's LoRA file: per adapted weight `<name>.lora_a` [r, in] and `<name>.lora_b` [out, r],
+    applied as W + alpha / r * B @ A (our scaling)."""
+    arch = gguf_architecture(config)
+    lora = adapter.config
+    q, k, _ = config.qkv_sizes
+    pairs: list[tuple[str, torch.Tensor]] = []
+    for module, parts in adapter.targets().items():
+        if module == "lm_head" and config.tie_embeddings:
+            raise UserError("the adapter trains the head of a model whose head is its embedding (tied), and llama.cpp "
+                            "applies no LoRA to a tied head; export the merged model instead (drop --lora_only)")
+        try:
+            A, B = adapter.lora[module + ".lora_A"].float(), adapter.lora[module + ".lora_B"].float()
+        except KeyError as e:
+            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint "
+                            "of it") from None
+        gguf_names = {rows[0] if rows else 0: (name, heads)
+                      for name, rows, heads in gguf_parts(config, arch, module + ".weight")}
+        b_row = 0
+        # our fused qkv stacks the A of each adapted part and the B rows of each: one llama.cpp pair per part
+        for i, (start, n) in enumerate(parts or [(0, B.shape[0])]):
+            name, heads = gguf_names[start]
+            a, b = A[i * lora.r:(i + 1) * lora.r], B[b_row:b_row + n]
+            b_row += n
+            # B @ A has B's rows: the q/k row order llama.cpp expects is B's
+            pairs += [(name + ".lora_a", a), (name + ".lora_b", rotate_half_to_interleaved(b, heads) if heads else b)]
+    plan: Plan = [(name, tuple(t.shape), tensor_type(tuple(t.shape), dtype)) for name, t in pairs]
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(lora.alpha))
+        w.add_name(config.name or "adapter")
+        w.add_file_type(DTYPES[dtype][1])
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    _write(out_file, arch, metadata, plan, iter(pairs))
+
+
+def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[Adapter | Path] = None, dtype: str = "f16",
+                lora_only: bool = False, overwrite: bool = False) -> Path:
+    """Our checkpoint (merged with `adapter` if given) -> one GGUF model file; with `lora_only`, the adapter alone
+    as a GGUF LoRA file. Every check runs before `out_file` is touched (an HF folder is converted on first use, as
+    everywhere)."""
+    checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if lora_only and adapter is None:
+        raise UserError("--lora_only writes an adapter file and needs --lora_path; pass the adapter, or drop "
+                        "--lora_only to export the model")
+    if lora_only and dtype == "q8_0":
+        raise UserError("--dtype q8_0 is for model files; write the adapter (it is small) with --dtype f16, bf16 "
+                        "or f32")
+    if out_file.is_dir():
+        raise UserError(f"--out_file {out_file} is a folder; pass a file name such as {out_file / 'model.gguf'}")
+    if out_file.exists() and not overwrite:
+        raise UserError(f"{out_file} exists; pass --overwrite to replace it, or another --out_file")
+    if (checkpoint_dir / "config.json").is_file() and not (checkpoint_dir / LIT_CONFIG).is_file():
+        gguf_architecture(Config.from_hf_config(checkpoint_dir / "config.json"))  # refuse before converting
+    config = ensure_converted(checkpoint_dir)
+    gguf_architecture(config)
+    if adapter is not None and not isinstance(adapter, Adapter):
+        adapter = Adapter.load(Path(adapter), config)
+    if lora_only:
+        write_lora(config, out_file, dtype, adapter)
+        return out_file
+    vocab = read_vocab(checkpoint_dir, config.vocab_size)
+    notes = list(vocab.notes)
+    if config.sliding_window_size and config.sliding_window_size < config.block_size:
+        notes.append(f"llama.cpp's {gguf_architecture(config)!r} architecture has no sliding-window attention: the "
+                     f"GGUF model attends to the whole context (the same as this one up to "
+                     f"{config.sliding_window_size} tokens)")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    write_model(checkpoint_dir, config, out_file, dtype, adapter, vocab)
+    return out_file

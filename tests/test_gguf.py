@@ -1,0 +1,411 @@
+"""GGUF export, checked against references: transformers' GGUF reader (model, config and tokenizer rebuilt from the
+file alone), llama.cpp's own `gguf` package (reader, tensor name map, dequantization) and sentencepiece.
+
+Tiny models of every supported family: llama (sentencepiece tokenizer, chat template), llama3 (tied embeddings,
+Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer) and qwen2 (biases,
+tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding).
+"""
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import pytest
+import torch
+from helpers import make_tiny_hf_model
+from helpers_tokenizer import make_hf_bpe_tokenizer, make_sentencepiece_tokenizer, tokenizer_test_corpus
+from helpers_train import ROOT, assert_one_line_error, run_script
+
+from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import lit_param_shapes
+from lit_qlora.convert import convert_hf_checkpoint, lit_to_hf_plan
+from lit_qlora.gguf_export import export_gguf
+from lit_qlora.loader import load_model, load_model_with_adapter
+from lit_qlora.lora import LoRAConfig, lora_modules
+from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.utils import UserError
+
+EXPORT = ROOT / "scripts" / "export_gguf.py"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+
+# Logit tolerances, as a multiple of the unit roundoff u of the stored weights times the largest |logit|. Each weight
+# is rounded once, with a relative error <= u (2^-11 for f16, 2^-8 for bf16). q8_0 rounds each weight to a step of
+# 1/127 of its 32-value block's largest magnitude (~2.5 sigma): an rms error ~3.5x bf16's for a typical weight, so
+# its bound is in bf16's u. Rounding errors of a dot product are independent and partly cancel; through two layers
+# they come out at <= 1.8 u * scale (f16, bf16) and <= 4.7 u * scale (q8_0), as
+# `pytest tests/test_gguf.py -k logits_match -s` prints. A wrong layout (a missing q/k permutation, swapped or
+# missing rope factors) is off by ~10% of the scale (~25 u of bf16).
+TOLERANCE = {"f32": None, "f16": 4 * 2**-11, "bf16": 4 * 2**-8, "q8_0": 10 * 2**-8}
+F32_TOLERANCE = 1e-4  # absolute, as for the HF export
+
+
+def _model(base: Path, kind: str, tokenizer, **overrides) -> SimpleNamespace:
+    folder = base / f"tiny-{kind}"  # not a bare "mistral": transformers' reader then asks gguf for a "mistral" arch
+    # weights of std 0.05 instead of 0.02: attention far from uniform, so a wrong q/k layout or rope moves the logits
+    # by ~10% of their scale instead of ~1%, beyond the bf16 / q8_0 tolerances
+    make_tiny_hf_model(kind, folder, initializer_range=0.05, **overrides)
+    tokenizer(folder)
+    convert_hf_checkpoint(folder)
+    return SimpleNamespace(kind=kind, folder=folder, config=load_model(folder, precision="32-true").config)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
+    base = tmp_path_factory.mktemp("gguf_models")
+    return {
+        "llama": _model(base, "llama", lambda f: make_sentencepiece_tokenizer(f, chat_template=TEMPLATE),
+                        vocab_size=512),
+        "llama3": _model(base, "llama3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320, split_regex=LLAMA3_SPLIT)),
+        "mistral": _model(base, "mistral", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320)),
+        "qwen2": _model(base, "qwen2", lambda f: make_hf_bpe_tokenizer(
+            f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None)),
+    }
+
+
+def export(model: SimpleNamespace, out_dir: Path, **kw) -> Path:
+    """Export into a folder of its own: transformers reads tokenizer_config.json / config.json next to the file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return export_gguf(model.folder, out_dir / "model.gguf", **kw)
+
+
+def hf_from_gguf(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def apply_rope_freqs(hf_model, path: Path) -> None:
+    """transformers' reader drops llama.cpp's rope_freqs tensor (Llama 3.1 scaling): apply it as llama.cpp does,
+    every default rotary frequency divided by its factor."""
+    factors = tensors_of(path).get("rope_freqs.weight")
+    if factors is not None:
+        rope = hf_model.model.rotary_emb
+        inv_freq, _ = rope.compute_default_rope_parameters(hf_model.config)
+        rope.inv_freq = inv_freq / factors
+
+
+def tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file, dequantized by the gguf package, in torch order."""
+    reader = gguf.GGUFReader(path)
+    return {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
+
+
+def field(reader: gguf.GGUFReader, key: str):
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def tokens(config, *shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def seq_len(model) -> int:  # the GGUF has no sliding window (llama.cpp's llama arch): compare within it
+    return min(12, model.config.sliding_window_size or 12)
+
+
+# ---- weights: logits through transformers' GGUF reader -------------------------------------------
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+@torch.no_grad()
+def test_logits_match(models, kind, dtype, tmp_path):
+    model = models[kind]
+    idx = tokens(model.config, 2, seq_len(model))
+    ours = load_model(model.folder, precision="32-true")(idx)
+    path = export(model, tmp_path, dtype=dtype)
+    hf = hf_from_gguf(path)
+    assert hf.config.tie_word_embeddings == model.config.tie_embeddings
+    apply_rope_freqs(hf, path)
+    diff = (hf(idx).logits - ours).abs().max().item()
+    scale = ours.abs().max().item()
+    bound = F32_TOLERANCE if TOLERANCE[dtype] is None else TOLERANCE[dtype] * scale
+    print(f"{kind} {dtype}: max |logit diff| {diff:.2e} (max |logit| {scale:.2f}, bound {bound:.2e})")
+    assert diff <= bound, (diff, bound)
+
+    reader = gguf.GGUFReader(path)  # 2-D weights in the asked type, 1-D tensors in f32, as llama.cpp writes them
+    want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[dtype]
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {want}
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 1} == {"F32"}
+
+
+def test_rope_factors_match_transformers_llama3(models, tmp_path):
+    """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors; transformers computes the scaled
+    frequencies from the config: the two agree."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = models["llama3"]
+    cfg = transformers.AutoConfig.from_pretrained(model.folder)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+    default, _ = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(cfg)
+    factors = tensors_of(export(model, tmp_path, dtype="f32"))["rope_freqs.weight"]
+    assert factors.shape == default.shape and (factors != 1).any()
+    torch.testing.assert_close(factors, default / scaled, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+def test_metadata_and_names(models, kind, tmp_path):
+    """The config transformers rebuilds from the file equals the original config.json, and the tensor names are the
+    ones llama.cpp's name map gives for the HF tensors (no more, no fewer)."""
+    import transformers
+
+    model = models[kind]
+    path = export(model, tmp_path, dtype="f16")
+    original = transformers.AutoConfig.from_pretrained(model.folder)
+    rebuilt = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(rebuilt, key) == getattr(original, key), key
+    # llama.cpp keeps these floats in f32
+    assert rebuilt.rms_norm_eps == pytest.approx(original.rms_norm_eps, rel=1e-7)
+    assert rebuilt.rope_parameters["rope_theta"] == pytest.approx(original.rope_parameters["rope_theta"], rel=1e-7)
+    assert rebuilt.bos_token_id == 1 and rebuilt.eos_token_id == 2
+
+    reader = gguf.GGUFReader(path)
+    arch = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2"}[kind]
+    assert field(reader, "general.architecture") == arch and field(reader, "general.type") == "model"
+    assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
+    assert field(reader, f"{arch}.rope.dimension_count") == model.config.head_size == 16
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
+                                     original.num_hidden_layers)
+    hf_keys = [k for k, _, _ in lit_to_hf_plan(model.config)]
+    expected = {names.get_name(k.rpartition(".")[0]) + "." + k.rpartition(".")[2] for k in hf_keys}
+    expected |= {"rope_freqs.weight"} if model.config.rope_scaling else set()
+    assert {t.name for t in reader.tensors} == expected
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+def test_tokenizer_matches(models, kind, tmp_path):
+    """transformers' tokenizer rebuilt from the file alone encodes like ours: ASCII, accents, CJK, emoji, code,
+    leading spaces, newlines (240 texts), and has the same special tokens and chat template."""
+    import transformers
+
+    model = models[kind]
+    path = export(model, tmp_path, dtype="f16")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer(model.folder)
+    assert (ref.bos_token_id, ref.eos_token_id) == (ours.bos_id, ours.eos_id) == (1, 2)
+    assert ref.pad_token_id == 3 and ref.unk_token_id == 0
+    assert ref.chat_template == ours.chat_template == (TEMPLATE if kind == "llama" else None)
+    reader = gguf.GGUFReader(path)
+    assert field(reader, "tokenizer.ggml.add_bos_token") == ours.add_bos
+    assert field(reader, "tokenizer.ggml.add_eos_token") is ours.add_eos is False
+    assert field(reader, "tokenizer.ggml.model") == ("llama" if kind == "llama" else "gpt2")
+    assert field(reader, "tokenizer.ggml.pre") == {"llama": None, "llama3": "llama-bpe", "mistral": "gpt-2",
+                                                   "qwen2": "qwen2"}[kind]
+    assert len(field(reader, "tokenizer.ggml.tokens")) == model.config.vocab_size  # qwen2: padded 300 -> 320
+
+    plain = transformers.AutoTokenizer.from_pretrained(model.folder) if kind == "llama" else None
+    texts = tokenizer_test_corpus()
+    quirks = 0
+    for text in texts:
+        got = ref(text)["input_ids"]
+        if kind == "llama" and text.startswith(" "):
+            # transformers 5 builds every sentencepiece tokenizer with Metaspace(prepend_scheme="first"), which takes a
+            # leading space as the dummy prefix: " x" is encoded like "x". Its tokenizer from the original
+            # tokenizer.model does the same; llama.cpp (add_space_prefix) and sentencepiece prepend "▁" as we do.
+            quirks += got != ours.encode(text).tolist()
+            assert got == plain(text)["input_ids"], repr(text)
+            continue
+        assert got == ours.encode(text).tolist(), repr(text)
+    assert quirks < 40
+
+
+def _with_pre_tokenizer(model, folder: Path, pre_tokenizer: dict) -> SimpleNamespace:
+    """A copy of `model` whose tokenizer.json splits text with `pre_tokenizer`."""
+    import json
+
+    shutil.copytree(model.folder, folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = pre_tokenizer
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return SimpleNamespace(kind=model.kind, folder=folder, config=model.config)
+
+
+def test_smollm_and_unknown_pre_tokenizers(models, tmp_path):
+    """SmolLM2 splits digits one by one before GPT-2's regex: llama.cpp's "smollm". transformers' GGUF reader has no
+    split for that name (it keeps GPT-2's regex), so it can only check texts without digits, where the two agree.
+    A pre-tokenizer llama.cpp has no name for is refused, as llama.cpp's converter does."""
+    import transformers
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    smollm = _with_pre_tokenizer(models["mistral"], tmp_path / "smollm", {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]})
+    path = export(smollm, tmp_path / "out", dtype="f16")
+    assert field(gguf.GGUFReader(path), "tokenizer.ggml.pre") == "smollm"
+    ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = Tokenizer(smollm.folder)
+    texts = [t for t in tokenizer_test_corpus() if not any(c.isdigit() for c in t)]
+    assert len(texts) > 100 and all(ref(t)["input_ids"] == ours.encode(t).tolist() for t in texts)
+    assert ours.encode("2048").tolist() == [1, *[ours.token_to_id(c) for c in "2048"]]  # the split is real
+
+    odd = _with_pre_tokenizer(models["mistral"], tmp_path / "odd", dict(byte_level, add_prefix_space=True))
+    with pytest.raises(UserError, match=r"pre-tokenizer of .* \(ByteLevel\) is not one llama.cpp knows"):
+        export(odd, tmp_path / "odd-out")
+    assert not any((tmp_path / "odd-out").iterdir())
+
+
+def test_sentencepiece_vocabulary_is_sentencepiece(models, tmp_path):
+    """The "llama" vocabulary in the file is sentencepiece's own: pieces, scores, token types, dummy prefix."""
+    import sentencepiece
+
+    model = models["llama"]
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model.folder / "tokenizer.model"))
+    reader = gguf.GGUFReader(export(model, tmp_path, dtype="f16"))
+    assert field(reader, "tokenizer.ggml.tokens") == [sp.id_to_piece(i) for i in range(sp.vocab_size())]
+    assert field(reader, "tokenizer.ggml.scores") == pytest.approx([sp.get_score(i) for i in range(sp.vocab_size())])
+    types = field(reader, "tokenizer.ggml.token_type")
+    T = gguf.TokenType
+    assert types[:4] == [T.UNKNOWN, T.CONTROL, T.CONTROL, T.CONTROL]  # <unk> <s> </s> <pad>
+    assert all(types[i] == (T.BYTE if sp.is_byte(i) else T.NORMAL) for i in range(4, sp.vocab_size()))
+    assert sum(t == T.BYTE for t in types) == 256
+    assert field(reader, "tokenizer.ggml.add_space_prefix") is True
+    assert field(reader, "tokenizer.ggml.merges") is None  # llama.cpp merges sentencepiece pieces by score
+
+
+# ---- adapters ----------------------------------------------------------------------------------
+ALL = dict(query=True, key=True, value=True, projection=True, mlp=True, head=True)
+
+
+def make_adapter(model, seed: int = 0, **targets) -> Adapter:
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, **{k: targets.get(k, False) for k in ALL})
+    m = load_model(model.folder, precision="32-true", lora=lora, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in lora_modules(m).values():
+            module.lora_A.copy_(torch.randn(module.lora_A.shape, generator=g) * 0.1)
+            module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=g) * 0.1)
+    return Adapter.of_model(m, lora)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3"])
+@torch.no_grad()
+def test_merged_adapter_through_the_script(models, kind, tmp_path):
+    """--lora_path: merged in full precision (on llama3 the LoRA on the tied head unties it: an output tensor)."""
+    import runpy
+    import sys
+
+    model = models[kind]
+    adapter = make_adapter(model, **ALL)
+    adapter.save(tmp_path / "adapter.pth")
+    idx = tokens(model.config, 2, 12, seed=1)
+    ours = load_model_with_adapter(model.folder, adapter, precision="32-true")(idx)
+    out = tmp_path / "out" / "model.gguf"
+    argv = sys.argv
+    sys.argv = [str(EXPORT), "--checkpoint_dir", str(model.folder), "--lora_path", str(tmp_path / "adapter.pth"),
+                "--out_file", str(out), "--dtype", "f32"]
+    try:
+        runpy.run_path(str(EXPORT), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]  # no temporary left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # not the temporary file's private 0600
+    assert "output.weight" in {t.name for t in gguf.GGUFReader(out).tensors}
+    hf = hf_from_gguf(out)
+    assert not hf.config.tie_word_embeddings
+    apply_rope_freqs(hf, out)
+    assert (hf(idx).logits - ours).abs().max().item() <= F32_TOLERANCE
+
+
+def _reverse_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' undoing of llama.cpp's q/k row order (its GGUF reader's LlamaTensorProcessor)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    return torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(rows.numpy(), heads, heads).copy())
+
+
+@pytest.mark.parametrize("kind,targets", [("llama", ALL), ("llama3", dict(query=True, key=True, mlp=True)),
+                                          ("qwen2", dict(query=True, key=True, value=True, projection=True))],
+                         ids=["llama-all", "llama3-qk-mlp", "qwen2-qkvo"])
+@torch.no_grad()
+def test_lora_only(models, kind, targets, tmp_path):
+    """--lora_only: llama.cpp's LoRA file. Its tensors (read back by the gguf package) give B @ A * alpha / r equal to
+    our merged update once transformers undoes llama.cpp's q/k order, and the base GGUF plus those updates (added the
+    way llama.cpp applies them) gives our adapted model's logits."""
+    model, config = models[kind], models[kind].config
+    adapter = make_adapter(model, seed=2, **targets)
+    path = export(model, tmp_path / "lora", adapter=adapter, lora_only=True, dtype="f32")
+    reader = gguf.GGUFReader(path)
+    assert field(reader, "general.type") == "adapter" and field(reader, "adapter.type") == "lora"
+    assert field(reader, "adapter.lora.alpha") == 8.0
+    assert field(reader, "general.architecture") == ("qwen2" if kind == "qwen2" else "llama")
+    file = tensors_of(path)
+
+    arch = gguf.MODEL_ARCH.QWEN2 if kind == "qwen2" else gguf.MODEL_ARCH.LLAMA
+    names = gguf.get_tensor_name_map(arch, config.n_layer)
+    lora = adapter.config
+    shapes = lit_param_shapes(config)
+    hf_deltas = {}  # HF weight name -> our update, split like the HF tensors
+    for hf_key, key, j in lit_to_hf_plan(config):
+        module = key.removesuffix(".weight")
+        if key.endswith(".weight") and module + ".lora_A" in adapter.lora:
+            delta = adapter.delta(module, tuple(shapes[key]))
+            hf_deltas[hf_key] = delta.split(config.qkv_sizes)[j] if j is not None else delta
+    hf_deltas = {k: v for k, v in hf_deltas.items() if v.abs().max() > 0}  # k/v rows without LoRA
+    assert len(file) == 2 * len(hf_deltas)
+
+    base_path = export(model, tmp_path / "base", dtype="f32")
+    base = hf_from_gguf(base_path)
+    apply_rope_freqs(base, base_path)
+    params = dict(base.named_parameters())
+    ne = {t.name: list(t.shape) for t in [*reader.tensors, *gguf.GGUFReader(base_path).tensors]}
+    for hf_key, expected in hf_deltas.items():
+        gguf_name = names.get_name(hf_key.removesuffix(".weight")) + ".weight"
+        # the shape checks of llama.cpp's adapter loader, in ggml's order: a [in, r], b [r, out] for a base [in, out]
+        a_ne, b_ne = ne[gguf_name + ".lora_a"], ne[gguf_name + ".lora_b"]
+        assert a_ne[0] == ne[gguf_name][0] and b_ne[1] == ne[gguf_name][1] and a_ne[1] == b_ne[0] == lora.r
+        a, b = file[gguf_name + ".lora_a"], file[gguf_name + ".lora_b"]
+        delta = b @ a * (lora.alpha / lora.r)
+        if arch == gguf.MODEL_ARCH.LLAMA and hf_key.endswith(("q_proj.weight", "k_proj.weight")):
+            delta = _reverse_permute(delta, config.n_head if "q_proj" in hf_key else config.n_query_groups)
+        torch.testing.assert_close(delta, expected, rtol=0, atol=1e-6)
+        params[hf_key].add_(delta)
+    idx = tokens(config, 2, seq_len(model), seed=3)
+    ours = load_model_with_adapter(model.folder, adapter, precision="32-true")(idx)
+    assert (base(idx).logits - ours).abs().max().item() <= F32_TOLERANCE
+
+
+def test_lora_only_refusals(models, tmp_path):
+    with pytest.raises(UserError, match="tied"):  # llama.cpp applies no LoRA to a head that is the embedding
+        export(models["qwen2"], tmp_path, adapter=make_adapter(models["qwen2"], head=True, query=True), lora_only=True)
+    with pytest.raises(UserError, match="needs --lora_path"):
+        export(models["llama"], tmp_path, lora_only=True)
+    with pytest.raises(UserError, match="q8_0 is for model files"):
+        export(models["llama"], tmp_path, adapter=make_adapter(models["llama"], query=True), lora_only=True,
+               dtype="q8_0")
+    assert not any(tmp_path.iterdir())
+
+
+# ---- bad input through the script --------------------------------------------------------------
+def test_bad_input_one_line_and_nothing_written(models, tmp_path):
+    gemma = tmp_path / "tiny-gemma"
+    make_tiny_hf_model("gemma", gemma)
+    make_hf_bpe_tokenizer(gemma, vocab_size=320)
+    no_tok = tmp_path / "no-tokenizer"
+    shutil.copytree(models["mistral"].folder, no_tok)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tok / name).unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "taken.gguf").write_bytes(b"keep me")
+    ok = models["mistral"].folder
+    cases = [
+        ([gemma, out / "a.gguf"], ["GGUF export supports Llama 2/3/3.x", "Mistral", "Qwen2", "not GemmaForCausalLM"]),
+        ([ok, out / "a.gguf", "--dtype", "q4_k"], ["--dtype 'q4_k' is not supported", "f16, bf16, f32, q8_0"]),
+        ([no_tok, out / "a.gguf"], ["no tokenizer found in", "copy the tokenizer files"]),
+        ([ok, out / "taken.gguf"], ["taken.gguf exists", "--overwrite"]),
+    ]
+    for (ckpt, out_file, *extra), expect in cases:
+        r = run_script(EXPORT, ["--checkpoint_dir", ckpt, "--out_file", out_file, *extra])
+        assert_one_line_error(r, *expect)
+        assert sorted(p.name for p in out.iterdir()) == ["taken.gguf"], expect  # nothing written, no temporaries
+    assert (out / "taken.gguf").read_bytes() == b"keep me"
+    export_gguf(ok, out / "taken.gguf", dtype="q8_0", overwrite=True)
+    assert gguf.GGUFReader(out / "taken.gguf").get_field("general.architecture").contents() == "llama"

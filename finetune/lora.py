@@ -12,6 +12,7 @@ build_model -> restore -> fit (train_step, validate, save) -> summarize. The fla
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import sys
@@ -116,7 +117,9 @@ class Session:
     losses: list = field(default_factory=list)
     iter_times: list = field(default_factory=list)
     iter_tokens: list = field(default_factory=list)
-    skipped: int = 0
+    skipped: int = 0  # steps skipped for a non-finite loss (--nan_policy skip)
+    overflow_skips: int = 0  # updates the fp16 GradScaler skipped
+    overflows_in_a_row: int = 0
     val_loss: Optional[float] = None
 
 
@@ -346,7 +349,11 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
     loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
     step_loss = float(loss_sum / n_tok.clamp(min=1))
     trainable = [p for p in s.gpt.parameters() if p.requires_grad]
-    if not torch.isfinite(torch.tensor(step_loss)) or not all_finite(p.grad for p in trainable):
+    # Under 16-mixed, Fabric's GradScaler multiplies the loss by its scale (2^16 at first), so the gradients of a
+    # healthy step can overflow: the scaler finds that, skips the update and halves its scale. Only a non-finite
+    # *loss* (the forward itself overflowed) is ours to handle; without a scaler, non-finite gradients are too.
+    scaler = getattr(fabric.strategy.precision, "scaler", None)
+    if not math.isfinite(step_loss) or (scaler is None and not all_finite(p.grad for p in trainable)):
         s.optimizer.zero_grad(set_to_none=True)
         if t.nan_policy == "stop":
             raise TrainingDiverged(f"loss became {step_loss} at iteration {s.step + 1} ({_last_good(s)}); try "
@@ -359,12 +366,17 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
             raise TrainingDiverged(f"{s.skipped} non-finite losses, the last at iteration {s.step + 1}; use "
                                    "--precision bf16-true or a lower --learning_rate")
         return None
-    if t.grad_clip:
-        fabric.clip_gradients(s.model, s.optimizer, max_norm=t.grad_clip)
+    if t.grad_clip:  # with a scaler, Fabric unscales first; overflowed gradients are left for the scaler to skip
+        fabric.clip_gradients(s.model, s.optimizer, max_norm=t.grad_clip, error_if_nonfinite=scaler is None)
     for g in s.optimizer.param_groups:
         g["lr"] = lr_at(s.step, s.max_steps, t.learning_rate, t.min_lr, t.warmup_steps)
-    s.optimizer.step()
+    scale = scaler.get_scale() if scaler is not None else None
+    s.optimizer.step()  # with a scaler: scaler.step (skipped if the gradients overflowed) and scaler.update
     s.optimizer.zero_grad(set_to_none=True)
+    if scaler is not None and scaler.get_scale() < scale:
+        _note_overflow(s, scale, scaler.get_scale())
+    else:
+        s.overflows_in_a_row = 0
     if not all_finite(trainable):
         # finite loss and gradients can still overflow the weights (e.g. fp16 with a huge learning rate): stop before
         # such weights reach a checkpoint, so the last checkpoint stays a good one
@@ -372,6 +384,21 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
                                f"--precision bf16-true or bf16-mixed, or a lower --learning_rate than "
                                f"{t.learning_rate}")
     return step_loss, sum(int(b["lengths"].sum()) for b in micro) * world
+
+
+def _note_overflow(s: Session, before: float, after: float) -> None:
+    """The GradScaler skipped this update (fp16 gradients overflowed at its scale). Normal in the first steps of a
+    16-mixed run while the scale settles; said once, counted in metrics.json; endless skipping is a divergence."""
+    s.overflow_skips += 1
+    s.overflows_in_a_row += 1
+    if s.overflow_skips == 1:
+        s.fabric.print(f"note: fp16 gradients overflowed at iteration {s.step + 1}; the gradient scaler skipped the "
+                       f"update and lowered its scale from {before:g} to {after:g} (usual in the first steps of "
+                       "16-mixed)", file=sys.stderr)
+    if s.overflows_in_a_row >= 30:
+        raise TrainingDiverged(f"the fp16 gradients overflowed {s.overflows_in_a_row} steps in a row (loss scale now "
+                               f"{after:g}) up to iteration {s.step + 1}; use --precision bf16-mixed or bf16-true, or "
+                               "a lower --learning_rate")
 
 
 def _last_good(s: Session) -> str:
@@ -453,8 +480,10 @@ def summarize(s: Session) -> None:
                    tokens_per_sec=sum(s.iter_tokens) / max(sum(s.iter_times), 1e-9) if s.iter_times else None,
                    peak_memory_gb=mem, memory_kind="cuda max allocated" if fabric.device.type == "cuda" else "peak RSS",
                    final_train_loss=s.losses[-1] if s.losses else None, final_val_loss=s.val_loss,
+                   skipped_steps=s.skipped, fp16_overflow_skips=s.overflow_skips,
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
-                   trainable_params=r["trainable_params"], quantized_bytes=r["quantized_bytes"],
+                   trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
+                   quantized_bytes=r["quantized_bytes"],
                    bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"])
     if fabric.global_rank != 0:
         return

@@ -52,7 +52,16 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
-@torch.compiler.disable  # under GPT.compile_blocks the backward's length test would make a second compilation
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for q, k, v [B, H, T, hs] of the same length."""
     return _CausalAttention.apply(q, k, v, scale)
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Make `causal_attention` a graph break for torch.compile (GPT.compile_blocks calls this): traced, the
+    backward's length test would make a second compilation. Applied only when compiling, because
+    `torch.compiler.disable` imports torch._dynamo, 2.5 s of every script's start otherwise."""
+    global causal_attention
+    if not getattr(causal_attention, "_kept_out", False):
+        causal_attention = torch.compiler.disable(causal_attention)
+        causal_attention._kept_out = True

@@ -82,6 +82,7 @@ class GPT(nn.Module):
     def compile_blocks(self) -> None:
         """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
         KV cache never triggers a recompilation). dynamic=True: one compilation serves every batch length."""
+        cpu_attention.keep_out_of_compiled_graphs()
         self.compiled_blocks = [torch.compile(block, dynamic=True) for block in self.transformer.h]
 
     def _mask(self, positions: torch.Tensor, T: int, cached: bool, device: torch.device):

@@ -201,14 +201,15 @@ class MetricsLog:
                     self.tb.add_scalar(k, v, row["iter"])
 
     def _read_rows(self) -> list[dict]:
-        """Whole rows only: the last line of a run killed while appending may be cut short."""
+        """Whole rows only: the last line of a run killed while appending may be cut short. A row holds a training
+        loss, or (iteration 0, the starting point) a validation loss alone."""
         with open(self.path, newline="") as f:
             rows = []
             for r in csv.DictReader(f):
                 if r.get(None) is not None or any(r.get(k) is None for k in self.FIELDS):
                     continue
                 try:
-                    int(r["iter"]), float(r["loss"])
+                    int(r["iter"]), float(r["loss"] or r["val_loss"])
                 except ValueError:
                     continue
                 rows.append(r)

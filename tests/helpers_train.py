@@ -81,8 +81,9 @@ def trained_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return _CACHE["trained"]
 
 
+# LoRA dropout on: a resumed run retraces an uninterrupted one only if the RNG state (the dropout masks) is restored
 RESUME_ARGS = dict(max_iters=24, save_interval=4, keep_checkpoints=0, eval_interval=8, batch_size=4, micro_batch_size=2,
-                   warmup_steps=4, learning_rate=1e-2, precision="32-true", lora_mlp=True)
+                   warmup_steps=4, learning_rate=1e-2, precision="32-true", lora_mlp=True, lora_dropout=0.1)
 
 
 def resume_reference(tmp_path_factory) -> Path:

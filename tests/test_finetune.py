@@ -1,12 +1,16 @@
 """finetune/lora.py end to end, as a real subprocess on a train_setup Llama (no mocks).
 
 What is shown here:
-1. every --quantize value and every --optimizer trains and writes the expected files and figures;
-2. the loss goes down on a learnable task;
-3. a resumed run equals an uninterrupted one (per-iteration losses and final adapters), starting from a folder whose
-   newest checkpoint is torn (the loader falls back to the previous one and says so);
-4. DDP on CPU (gloo, 2 processes) gives the same LoRA weights on both ranks as one process with the same global batch.
-Prompt masking is shown in tests/test_data.py; SIGTERM, SIGKILL and NaN runs in tests/test_reliability.py.
+1. every --quantize value, every --optimizer (its class and its state in the checkpoint) and every *-mixed precision
+   trains and writes the expected files and figures; --quantize_lm_head false keeps the head dense and is recorded;
+   --micro_batch_size auto resolves to the planner's choice and trains;
+2. 16-mixed: the gradient scaler skips an overflowing step and lowers its scale (it is not a divergence);
+3. the loss goes down on a learnable task;
+4. a resumed run (LoRA dropout on, so the RNG state matters) equals an uninterrupted one (per-iteration losses and
+   final adapters), starting from a folder whose newest checkpoint is torn (the loader falls back and says so);
+5. DDP on CPU (gloo, 2 processes) with a quantized base and gradient accumulation gives the same LoRA weights on both
+   ranks as one process with the same global batch, and a resumed DDP run retraces the uninterrupted one.
+Prompt masking is shown in tests/test_prepare.py; SIGTERM, SIGKILL and NaN runs in tests/test_reliability.py.
 """
 from __future__ import annotations
 
@@ -20,21 +24,31 @@ import pytest
 import torch
 
 from lit_qlora.adapter import Adapter
+from lit_qlora.config import Config
+from lit_qlora.precision import parse_precision
 from lit_qlora.training import list_checkpoints
 
 # ---- 1. every --quantize value, every --optimizer ----------------------------------------------
 # Each quantize value once, the five optimizers spread over them (AdamW also trains in every other test here).
 QUANT_OPT = [("none", "AdamW8bit", "32-true"), ("bnb.nf4", "PagedAdamW", "bf16-true"),
-             ("bnb.nf4-dq", "PagedAdamW8bit", "bf16-true"), ("bnb.fp4", "PagedAdamW32bit", "32-true"),
+             ("bnb.nf4-dq", "PagedAdamW8bit", "bf16-mixed"), ("bnb.fp4", "PagedAdamW32bit", "32-true"),
              ("bnb.fp4-dq", "AdamW", "bf16-true"), ("bnb.int8", "AdamW", "32-true")]
+# what the optimizer keeps for the head's lora_B (320 x 16 = 5120 values: bitsandbytes' 8-bit state starts at 4096)
+STATE_DTYPE = {"AdamW": None, "AdamW8bit": torch.uint8, "PagedAdamW": torch.float32, "PagedAdamW8bit": torch.uint8,
+               "PagedAdamW32bit": torch.float32}
 SUMMARY_KEYS = ("peak_memory_gb", "training_time_s", "tokens_per_sec", "final_train_loss", "final_val_loss")
 
 
 @pytest.mark.parametrize("quantize,optimizer,precision", QUANT_OPT)
 def test_quantize_and_optimizer_runs_write_everything(train_setup, tmp_path, quantize, optimizer, precision):
     out = tmp_path / "out"
+    extra = {}
+    if quantize == "bnb.nf4":  # a dense head under a 4-bit base
+        extra["quantize_lm_head"] = False
+    if quantize == "bnb.int8":  # the largest micro batch whose estimated peak fits 0.47 GiB (about 6 here), trained
+        extra.update(micro_batch_size="auto", memory_budget=0.47)
     r = h.train(train_setup, out, max_iters=3, save_interval=2, quantize=quantize, optimizer=optimizer,
-                precision=precision, learning_rate=1e-2)
+                precision=precision, learning_rate=1e-2, lora_r=16, lora_head=True, **extra)
     assert [p.name for p in list_checkpoints(out)] == ["iter-000002.pth", "iter-000003.pth"]
     for name in ("lit_model_lora_finetuned.pth", "hyperparameters.json", "metrics.csv", "metrics.json"):
         assert (out / name).is_file(), name
@@ -51,16 +65,54 @@ def test_quantize_and_optimizer_runs_write_everything(train_setup, tmp_path, qua
     assert re.fullmatch(r"Training time: \d+\.\d+s", err[-2]), err[-2:]
     assert re.fullmatch(r"Memory used: \d+\.\d+ GB", err[-1]), err[-2:]
     # the adapter is a real one: it loads for this base and training moved lora_B away from zero
-    from lit_qlora.config import Config
-
     adapter = Adapter.load(out / "lit_model_lora_finetuned.pth",
                            Config.from_file(train_setup["ckpt"] / "model_config.json"))
     assert adapter.train["quantize"] == (None if quantize == "none" else quantize)
+    assert adapter.train["precision"] == precision
     assert all(torch.isfinite(v).all() for v in adapter.lora.values())
     assert any(v.abs().max() > 0 for k, v in adapter.lora.items() if k.endswith("lora_B"))
+    # the optimizer is the one asked for: its state for the head's lora_B (the last parameter) as saved for resuming
+    state = torch.load(out / "checkpoints/iter-000003.pth", map_location="cpu", weights_only=False)
+    head_b_state = state["resume"]["optimizer"]["state"][len(adapter.lora) - 1]
+    if STATE_DTYPE[optimizer] is None:
+        trainable = parse_precision(precision).trainable_dtype  # torch's AdamW keeps its state in the weights' dtype
+        assert head_b_state["exp_avg"].dtype == trainable and "__bnb_optimizer_quant_state__" not in head_b_state
+    else:
+        assert head_b_state["__bnb_optimizer_quant_state__"]["state1"].dtype == STATE_DTYPE[optimizer]
+    # --quantize_lm_head: what was quantized (the tiny Llama: 2 x 36864 block weights, a 320 x 64 head), and recorded
+    head_quantized = quantize != "none" and extra.get("quantize_lm_head", True)
+    expected = 0 if quantize == "none" else 2 * 36864 + (320 * 64 if head_quantized else 0)
+    assert summary["quantized_params"] == expected
+    assert adapter.train["quantize_lm_head"] is extra.get("quantize_lm_head", True)
+    if quantize == "bnb.int8":  # --micro_batch_size auto: the planner's choice is what trained; the flag as given
+        picked = int(re.search(r"--micro_batch_size auto: (\d+)", r.stderr).group(1))
+        assert 2 <= picked < 64 and summary["micro_batch_size"] == picked and hp["micro_batch_size"] == "auto"
 
 
-# ---- 2. the loss goes down -------------------------------------------------------------------------
+# ---- 2. 16-mixed: the gradient scaler does its own skipping ---------------------------------------------
+@pytest.mark.parametrize("nan_policy", ["stop", "skip"])
+def test_16_mixed_lets_the_gradient_scaler_skip_overflowing_steps(train_setup, tmp_path, nan_policy):
+    """One-letter answers and micro batches of 1: at the scaler's starting scale (2^16) the fp16 gradients overflow in
+    the first steps of a healthy run. The scaler must skip those updates and lower its scale; our NaN handling
+    (either policy) must not see them as a divergence."""
+    data = tmp_path / "data"
+    data.mkdir()
+    words = [w for ws in h.KINDS.values() for w in ws][:25]
+    (data / "one_letter.json").write_text(json.dumps([{"instruction": "kind", "input": w, "output": w[0]}
+                                                      for w in words]))
+    out = tmp_path / "out"
+    r = h.train({**train_setup, "data": data}, out, max_iters=12, precision="16-mixed", micro_batch_size=1,
+                eval_iters=0, nan_policy=nan_policy)
+    assert "the gradient scaler skipped the update and lowered its scale from 65536 to 32768" in r.stderr
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["iterations"] == 12 and summary["fp16_overflow_skips"] >= 1 and summary["skipped_steps"] == 0
+    scaler = torch.load(out / "checkpoints/iter-000012.pth", weights_only=False)["resume"]["scaler"]
+    assert scaler["scale"] < 65536
+    assert all(math.isfinite(float(row["loss"])) for row in h.read_metrics(out))
+    assert any(v.abs().max() > 0 for k, v in h.load_lora(out / "lit_model_lora_finetuned.pth").items() if "lora_B" in k)
+
+
+# ---- 3. the loss goes down -------------------------------------------------------------------------
 def test_loss_decreases_on_a_learnable_task(tmp_path_factory):
     out, _ = h.trained_run(tmp_path_factory)
     rows = h.read_metrics(out)
@@ -76,7 +128,7 @@ def test_loss_decreases_on_a_learnable_task(tmp_path_factory):
     assert summary["final_train_loss"] == pytest.approx(losses[-1])
 
 
-# ---- 3. resume == uninterrupted ----------------------------------------------------------------------
+# ---- 4. resume == uninterrupted ----------------------------------------------------------------------
 RESUME_ARGS = h.RESUME_ARGS
 
 
@@ -104,7 +156,7 @@ def test_resume_from_torn_checkpoint_equals_uninterrupted(train_setup, uninterru
     assert rewritten["resume"]["step"] == 8, "the torn checkpoint was written again"
 
 
-# ---- 4. DDP on CPU -------------------------------------------------------------------------------------
+# ---- 5. DDP on CPU -------------------------------------------------------------------------------------
 def test_ddp_two_processes_equal_one_process(train_setup, tmp_path):
     common = dict(max_iters=4, eval_interval=4, learning_rate=1e-2, precision="32-true", accelerator="cpu",
                   lora_dropout=0.0)

@@ -43,6 +43,7 @@ from lit_qlora.quantize import (
     check_quantize,
     format_memory_report,
     memory_report,
+    resolve_quantize_lm_head,
     validation_mode,
 )
 from lit_qlora.tokenizer import Tokenizer
@@ -260,7 +261,8 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
                          pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
     steps_per_epoch = max(1, -(-len(inputs.train_data) // inputs.batch_size))
     max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
-    train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=run.quantize_lm_head,
+    head_quantized = inputs.quantize is not None and resolve_quantize_lm_head(inputs.config, run.quantize_lm_head)
+    train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
                       template=inputs.data_meta.get("template", args.data.template),
                       max_seq_length=inputs.max_seq_length, mask_inputs=args.data.mask_inputs,
                       checkpoint_dir=str(run.checkpoint_dir), data_dir=str(args.data.data_dir))

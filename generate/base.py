@@ -25,6 +25,7 @@ def main(
     seed: int = 1234,
     num_samples: int = 1,
     quantize: Optional[str] = None,
+    quantize_lm_head: Optional[bool] = None,
     precision: str = "bf16-true",
     devices: int = 1,
     accelerator: str = "auto",
@@ -38,6 +39,8 @@ def main(
         prompt: the text to continue. max_new_tokens: at most this many new tokens.
         temperature: 0 is greedy; higher samples. top_k / top_p: sampling filters.
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8.
+        quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained, else
+            yes for an untied head (a tied head stays shared with the dense embedding).
         precision: 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
         stream: print tokens as they are produced. metrics_file: also write the figures as JSON there.
     """
@@ -46,7 +49,8 @@ def main(
     if devices != 1:
         raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
     device = pick_device(accelerator)
-    model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device)
+    model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
+                                             quantize_lm_head=quantize_lm_head)
     run_prompts(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision)
 

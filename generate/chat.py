@@ -38,6 +38,7 @@ def main(
     top_p: Optional[float] = None,
     seed: int = 1234,
     quantize: Optional[str] = None,
+    quantize_lm_head: Optional[bool] = None,
     precision: str = "bf16-true",
     accelerator: str = "auto",
     template: Optional[str] = None,
@@ -48,7 +49,8 @@ def main(
         default_adapter = Path("out/lora/demo/lit_model_lora_finetuned.pth")
         lora_path = lora_path or (default_adapter if default_adapter.is_file() else None)
     device = pick_device(accelerator)
-    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device)
+    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device,
+                                                   quantize_lm_head=quantize_lm_head)
     gen = torch.Generator(device=device).manual_seed(seed)
     stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     if tokenizer.chat_template:  # the template's end-of-turn token (e.g. <|im_end|>) may not be among the eos ids

@@ -28,6 +28,7 @@ def main(
     seed: int = 1234,
     num_samples: int = 1,
     quantize: Optional[str] = None,
+    quantize_lm_head: Optional[bool] = None,
     precision: str = "bf16-true",
     devices: int = 1,
     accelerator: str = "auto",
@@ -46,6 +47,8 @@ def main(
         temperature: 0 is greedy; higher samples. top_k / top_p: sampling filters.
         num_samples: how many continuations to generate.
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8, whatever the adapter was trained with.
+        quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained, else
+            yes for an untied head (a tied head stays shared with the dense embedding).
         precision: 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
         devices: generation runs on one device; more are refused.
         stream: print tokens as they are produced.
@@ -67,7 +70,7 @@ def main(
         raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
     device = pick_device(accelerator)
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device,
-                                                   merge)
+                                                   merge, quantize_lm_head=quantize_lm_head)
     text = format_prompt(prompt if prompt is not None else "", input, adapter, template)
     run_prompts(model, tokenizer, text, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision)

@@ -30,8 +30,9 @@ class RunArgs:
     """32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table)."""
     quantize: Optional[str] = None
     """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
-    quantize_lm_head: bool = True
-    """With --quantize, quantize the output layer too."""
+    quantize_lm_head: Optional[bool] = None
+    """With --quantize, quantize the output layer too. Default: yes for an untied head; a head tied to the embedding
+    stays dense, shared with the embedding (no second copy)."""
     devices: int = 1
     """Processes (DDP; gloo on CPU)."""
     accelerator: str = "auto"

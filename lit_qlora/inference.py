@@ -35,21 +35,25 @@ def pick_device(accelerator: str) -> torch.device:
 
 
 def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize: Optional[str], precision: str,
-                       device: torch.device, merge: bool = True, fast_cpu_4bit: bool = True):
+                       device: torch.device, merge: bool = True, fast_cpu_4bit: bool = True,
+                       quantize_lm_head: Optional[bool] = None):
     """(model, tokenizer, adapter or None). The adapter is added to the full-precision weights as they load
-    (`merge`), so a quantized model rounds once; `merge=False` keeps separate LoRA layers."""
+    (`merge`), so a quantized model rounds once; `merge=False` keeps separate LoRA layers. `quantize_lm_head` None:
+    as the adapter was trained (its file records it), else the loader's default."""
     quantize = None if quantize in (None, "none", "None") else quantize
     check_quantize(quantize, precision, device)
     config = ensure_converted(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     adapter = Adapter.load(Path(lora_path), config) if lora_path else None
+    if quantize_lm_head is None and adapter is not None and adapter.train.get("quantize"):
+        quantize_lm_head = adapter.train.get("quantize_lm_head")
     t0 = time.perf_counter()
     if adapter is not None and not merge:
         model = load_model_with_adapter(checkpoint_dir, adapter, precision=precision, quantize=quantize, device=device,
-                                        config=config)
+                                        config=config, quantize_lm_head=quantize_lm_head)
     else:
         model = load_model(checkpoint_dir, precision=precision, quantize=quantize, device=device, config=config,
-                           merge_adapter=adapter)
+                           merge_adapter=adapter, quantize_lm_head=quantize_lm_head)
     model.eval()
     if quantize and device.type == "cpu" and fast_cpu_4bit:
         # This model is never trained: let bitsandbytes use its packed CPU layout (fast batch-1 decode)

@@ -22,7 +22,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.lora import LoRAConfig, LoRALinear, meta_model
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
-from lit_qlora.quantize import check_quantize, is_quantized, quantize_into, swap_linears
+from lit_qlora.quantize import check_quantize, is_quantized, quantize_into, resolve_quantize_lm_head, swap_linears
 from lit_qlora.utils import UserError
 
 
@@ -35,7 +35,8 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
 
 
 def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Optional[str] = None,
-               lora: Optional[LoRAConfig] = None, device: torch.device | str = "cpu", quantize_lm_head: bool = True,
+               lora: Optional[LoRAConfig] = None, device: torch.device | str = "cpu",
+               quantize_lm_head: Optional[bool] = None,
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
                merge_adapter: Optional[Adapter] = None,
                tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> GPT:
@@ -58,7 +59,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         weights = Path("<the given tensors>")  # only named in error messages
     model = meta_model(config, lora)
     if quantize:
-        swap_linears(model, quantize, prec.dtype, quantize_lm_head)
+        swap_linears(model, quantize, prec.dtype, resolve_quantize_lm_head(config, quantize_lm_head))
 
     for key, t in tensors:
         if merge_adapter is not None:

@@ -42,7 +42,7 @@ from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.precision import Precision, parse_precision
-from lit_qlora.quantize import QUANTIZE_MODES
+from lit_qlora.quantize import QUANTIZE_MODES, resolve_quantize_lm_head
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -83,10 +83,11 @@ def _dtype_bytes(dtype) -> int:
 
 
 def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
-                 quantize_lm_head: bool = True) -> dict:
+                 quantize_lm_head: Optional[bool] = None) -> dict:
     """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes."""
     prec = parse_precision(precision)
     model = meta_model(config, lora)
+    quantize_lm_head = resolve_quantize_lm_head(config, quantize_lm_head)
     linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
     quant, quant_params, dense, lora_numels = 0, 0, 0, []
     quantized_shapes: list[tuple[str, int, int]] = []
@@ -299,7 +300,7 @@ def estimate_training_memory(
     micro_batch_size: int = 1,
     seq_length: Optional[int] = None,
     activation_checkpointing: bool = False,
-    quantize_lm_head: bool = True,
+    quantize_lm_head: Optional[bool] = None,
     device_type: str = "cpu",
     validation: bool = True,
 ) -> Estimate:
@@ -321,6 +322,7 @@ def estimate_training_memory(
     d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
               lora_dropout=lora.dropout > 0)
 
+    quantize_lm_head = resolve_quantize_lm_head(c, quantize_lm_head)
     w = weight_bytes(c, lora, precision, quantize, quantize_lm_head)
     static = _static_terms(w, prec, quantize, optimizer, device_type)
     act = _saved_activations(c, lora, quantize if quantize_lm_head else None, quantize, d, prec,

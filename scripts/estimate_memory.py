@@ -37,7 +37,7 @@ def main(
     lora_projection: bool = False,
     lora_mlp: bool = False,
     lora_head: bool = False,
-    quantize_lm_head: bool = True,
+    quantize_lm_head: Optional[bool] = None,
     device: str = "cpu",
     memory_budget: Optional[float] = None,
     sweep: bool = False,

@@ -9,7 +9,6 @@ from helpers import adapter_of, converted_tiny, lora_cfg, random_tokens, run_scr
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
 from lit_qlora.convert import write_random_checkpoint
-from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.quantize import QUANTIZE_MODES
@@ -45,6 +44,10 @@ def test_adapter_for_another_base_is_refused(lora_llama, override, tmp_path_fact
 
 
 QUANTS = [None, *QUANTIZE_MODES]
+# how far the adapter's effect on a quantized base may stray from its effect on the dense one, relative to its size:
+# the LoRA branch sees the quantized model's activations. Measured on this model: 0.12-0.15 for the 4-bit modes, 0.01
+# for int8; an adapter that is not applied gives 1.0
+TOLERANCE = {"bnb.nf4": 0.3, "bnb.nf4-dq": 0.3, "bnb.fp4": 0.3, "bnb.fp4-dq": 0.3, "bnb.int8": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +75,26 @@ def cross_trained_adapters(lora_llama, tmp_path_factory):
 
 
 @pytest.mark.parametrize("train_q", QUANTS, ids=lambda q: f"trained-{q or 'none'}")
+@torch.no_grad()
 def test_adapter_cross_loads_under_every_quantization(lora_llama, cross_trained_adapters, train_q, capfd):
+    """An adapter trained under any --quantize is applied under every other: what it adds to the logits of the
+    quantized base equals what it adds to the dense base, up to the quantization's own error (an adapter silently not
+    applied adds nothing and fails); loaded dense, the model equals the one that trained it exactly."""
     path, _ = cross_trained_adapters[train_q]
-    prompt = random_tokens(6, seed=10)
+    idx = random_tokens(2, 10, seed=10)
+    adapter = Adapter.load(path, lora_llama.config)
+    assert adapter.train["quantize"] == train_q
+    dense_base = load_model(lora_llama.folder, precision="32-true")(idx)
+    expected = load_model_with_adapter(lora_llama.folder, adapter, precision="32-true")(idx) - dense_base
+    assert expected.abs().max() > 0.05 * dense_base.abs().max()  # the adapter changes the model visibly
     for q in QUANTS:
-        model = load_model_with_adapter(lora_llama.folder, Adapter.load(path, lora_llama.config), precision="32-true",
-                                        quantize=q)
-        out = generate(model, prompt, max_new_tokens=4)
-        assert out.shape == (10,)
+        base = load_model(lora_llama.folder, precision="32-true", quantize=q)(idx)
+        model = load_model_with_adapter(lora_llama.folder, adapter, precision="32-true", quantize=q)
+        got = model(idx) - base
+        err = float((got - expected).abs().max() / expected.abs().max())
+        assert err <= (1e-6 if q is None else TOLERANCE[q]), (q, err)
         if train_q is None and q is None:
-            reference = cross_trained_adapters[None][1]
-            assert out.tolist() == generate(reference, prompt, max_new_tokens=4).tolist()
-            with torch.no_grad():
-                assert torch.equal(model(prompt[None]), reference(prompt[None]))
+            assert torch.equal(model(idx), cross_trained_adapters[None][1](idx))
     captured = capfd.readouterr()
     assert "Unexpected key" not in captured.out + captured.err
 

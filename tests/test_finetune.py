@@ -14,6 +14,7 @@ Prompt masking is shown in tests/test_prepare.py; SIGTERM, SIGKILL and NaN runs 
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -154,20 +155,37 @@ def test_resume_from_torn_checkpoint_equals_uninterrupted(train_setup, uninterru
     assert not list((b / "checkpoints").glob("*.tmp")), "the stale temp file of the killed write is cleaned up"
     rewritten = torch.load(b / "checkpoints/iter-000008.pth", map_location="cpu", weights_only=False)
     assert rewritten["resume"]["step"] == 8, "the torn checkpoint was written again"
+    with open(b / "metrics.csv", newline="") as f:  # the starting validation (iteration 0) survives the resume
+        first = next(csv.DictReader(f))
+    assert first["iter"] == "0" and first["loss"] == "" and float(first["val_loss"]) > 0
 
 
 # ---- 5. DDP on CPU -------------------------------------------------------------------------------------
-def test_ddp_two_processes_equal_one_process(train_setup, tmp_path):
+def test_ddp_with_quantization_and_accumulation_equals_one_process_and_resumes(train_setup, tmp_path):
+    """A 4-bit base, 2 processes x micro batch 2 x 2 accumulation steps against one process x micro batch 4 x 2 over
+    the same global batches: the same losses and LoRA weights. Then a run resumed from the DDP run's iteration-2
+    checkpoint retraces it (the data position, optimizer and RNG of a DDP run are restored)."""
     common = dict(max_iters=4, eval_interval=4, learning_rate=1e-2, precision="32-true", accelerator="cpu",
-                  lora_dropout=0.0)
+                  lora_dropout=0.0, quantize="bnb.nf4-dq", batch_size=8, save_interval=2, keep_checkpoints=0)
     one = tmp_path / "one"
     h.train(train_setup, one, devices=1, micro_batch_size=4, **common)
     two = tmp_path / "two"
     r = h.train(train_setup, two, devices=2, micro_batch_size=2, **common)
+    assert "(micro 2 x 2 devices x 2 accumulation)" in r.stderr, r.stderr
     m = re.search(r"ranks agree: max diff (\S+)", r.stderr)
     assert m and float(m.group(1)) <= 1e-6, r.stderr
-    assert h.max_abs_diff(h.load_lora(one / "lit_model_lora_finetuned.pth"),
-                          h.load_lora(two / "lit_model_lora_finetuned.pth")) < 1e-5
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(one / final), h.load_lora(two / final)) < 1e-5
     l1, l2 = h.losses_by_iter(one), h.losses_by_iter(two)
-    assert l1.keys() == l2.keys() and all(abs(l1[i] - l2[i]) < 1e-5 for i in l1), (l1, l2)
+    assert l1.keys() == l2.keys() == {1, 2, 3, 4} and all(abs(l1[i] - l2[i]) < 1e-5 for i in l1), (l1, l2)
     assert json.loads((two / "metrics.json").read_text())["devices"] == 2
+    assert [p.name for p in list_checkpoints(two)] == ["iter-000002.pth", "iter-000004.pth"]  # written once
+
+    resumed = tmp_path / "resumed"  # the DDP run as it was at iteration 2
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(two / "checkpoints/iter-000002.pth", resumed / "checkpoints/iter-000002.pth")
+    r = h.train(train_setup, resumed, devices=2, micro_batch_size=2, resume="true", **common)
+    assert "Resuming from" in r.stderr and "at iteration 2" in r.stderr
+    assert h.max_abs_diff(h.load_lora(two / final), h.load_lora(resumed / final)) < 1e-6
+    l3 = h.losses_by_iter(resumed)
+    assert all(abs(l3[i] - l2[i]) < 1e-6 for i in (3, 4)), (l2, l3)

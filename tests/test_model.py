@@ -9,9 +9,11 @@ import shutil
 
 import pytest
 import torch
-from helpers import VOCAB, random_tokens
+from helpers import VOCAB, random_tokens, randomize_lora
 
 from lit_qlora.generation import generate
+from lit_qlora.loader import load_model
+from lit_qlora.lora import LoRAConfig
 from lit_qlora.model import GPT
 
 
@@ -24,6 +26,27 @@ def test_logits_match_transformers(family_ckpt):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+def _embedding_grads(family_ckpt, idx: torch.Tensor, dtype: torch.dtype, hf: bool = False,
+                     compiled: bool = False) -> torch.Tensor:
+    """The embedding's gradient of sum(logsumexp(logits)) through transformers' model or ours."""
+    model = copy.deepcopy(family_ckpt.hf if hf else family_ckpt.ours).to(dtype)
+    if compiled:
+        model.train()  # compiled blocks serve training steps only
+        model.compile_blocks()
+    logits = model(idx)
+    getattr(logits, "logits", logits).float().logsumexp(-1).sum().backward()
+    wte = model.transformer.wte if isinstance(model, GPT) else model.get_input_embeddings()
+    return wte.weight.grad.float()
+
+
+def _grad_tokens(family_ckpt) -> torch.Tensor:
+    idx = random_tokens(2, 24, seed=3)
+    pad = family_ckpt.hf.config.pad_token_id
+    if pad is not None:  # HF's embedding gives its padding row no gradient; ours (always frozen in LoRA) does
+        idx[idx == pad] = (pad + 1) % VOCAB
+    return idx
+
+
 def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     """Backward through our model equals transformers' in fp32, and in bf16 (where it goes through cpu_attention's
     backward) it is as close to the fp32 gradient as transformers' own bf16 backward is."""
@@ -31,36 +54,29 @@ def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     calls = []
     fast = cpu_attention.causal_attention
     monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(1) or fast(*a))
-    idx = random_tokens(2, 24, seed=3)
-    pad = family_ckpt.hf.config.pad_token_id
-    if pad is not None:  # HF's embedding gives its padding row no gradient; ours (always frozen in LoRA) does
-        idx[idx == pad] = (pad + 1) % VOCAB
-
-    def embedding_grad(model: torch.nn.Module, dtype: torch.dtype, compiled: bool = False) -> torch.Tensor:
-        model = copy.deepcopy(model).to(dtype)
-        if compiled:
-            model.train()  # compiled blocks serve training steps only
-            model.compile_blocks()
-        logits = model(idx)
-        getattr(logits, "logits", logits).float().logsumexp(-1).sum().backward()
-        wte = model.transformer.wte if isinstance(model, GPT) else model.get_input_embeddings()
-        return wte.weight.grad.float()
-
-    expected = embedding_grad(family_ckpt.hf, torch.float32)
-    torch.testing.assert_close(embedding_grad(family_ckpt.ours, torch.float32), expected, atol=1e-4, rtol=1e-4)
+    idx = _grad_tokens(family_ckpt)
+    expected = _embedding_grads(family_ckpt, idx, torch.float32, hf=True)
+    torch.testing.assert_close(_embedding_grads(family_ckpt, idx, torch.float32), expected, atol=1e-4, rtol=1e-4)
     assert not calls  # fp32 keeps PyTorch's flash backward
-    err_ours = (embedding_grad(family_ckpt.ours, torch.bfloat16) - expected).abs().max()
-    err_hf = (embedding_grad(family_ckpt.hf, torch.bfloat16) - expected).abs().max()
+    err_ours = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
+    err_hf = (_embedding_grads(family_ckpt, idx, torch.bfloat16, hf=True) - expected).abs().max()
     assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     sliding = family_ckpt.ours.config.sliding_window_size is not None  # a window needs a mask: SDPA with attn_mask
     assert bool(calls) == (not sliding)
-    has_cxx = shutil.which("g++") or shutil.which("clang++")  # torch.compile's CPU kernels are built with one
-    # finetune --compile: the same check through compiled blocks
-    if family_ckpt.kind in ("llama", "gpt_neox") and has_cxx:
-        torch.testing.assert_close(embedding_grad(family_ckpt.ours, torch.float32, compiled=True), expected, atol=1e-4,
-                                   rtol=1e-4)
-        err_compiled = (embedding_grad(family_ckpt.ours, torch.bfloat16, compiled=True) - expected).abs().max()
-        assert err_compiled <= 1.5 * err_hf + 1e-3 * expected.abs().max()
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
+                    reason="torch.compile builds its CPU kernels with a C++ compiler (g++ or clang++): none found")
+@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox"], indirect=True)
+def test_compiled_blocks_gradients_match_transformers(family_ckpt):
+    """finetune --compile: the same check through torch.compile'd blocks."""
+    idx = _grad_tokens(family_ckpt)
+    expected = _embedding_grads(family_ckpt, idx, torch.float32, hf=True)
+    got = _embedding_grads(family_ckpt, idx, torch.float32, compiled=True)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    err_hf = (_embedding_grads(family_ckpt, idx, torch.bfloat16, hf=True) - expected).abs().max()
+    err_compiled = (_embedding_grads(family_ckpt, idx, torch.bfloat16, compiled=True) - expected).abs().max()
+    assert err_compiled <= 1.5 * err_hf + 1e-3 * expected.abs().max()
 
 
 @pytest.mark.parametrize("T", [7, 100, 200])  # 200: at or above RECOMPUTE_BELOW, ATen's flash backward
@@ -111,3 +127,31 @@ def test_greedy_generation_matches_transformers(family_ckpt):
     assert family_ckpt.ours.kv_caches is None
 
 
+
+
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
+def test_activation_checkpointing_gives_the_same_gradients(lora_llama, quantize):
+    """--activation_checkpointing recomputes each block in backward: the LoRA gradients equal those without it (LoRA
+    dropout on: the recomputation must draw the same masks), while far fewer tensors are kept for backward."""
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.1, query=True, key=True, value=True, projection=True, mlp=True)
+    model = load_model(lora_llama.folder, precision="32-true", quantize=quantize, lora=lora, seed=0).train()
+    randomize_lora(model, seed=1)
+    idx = random_tokens(2, 12, seed=5)
+
+    def step(checkpointing: bool) -> tuple[dict, int]:
+        model.activation_checkpointing = checkpointing
+        saved = []
+        torch.manual_seed(7)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = model(idx).float().logsumexp(-1).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return grads, sum(saved)
+
+    plain, saved_plain = step(False)
+    checkpointed, saved_ckpt = step(True)
+    assert saved_ckpt < 0.5 * saved_plain, (saved_ckpt, saved_plain)
+    for name, g in plain.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(checkpointed[name], g, atol=1e-6, rtol=1e-5)

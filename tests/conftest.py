@@ -2,8 +2,8 @@
 
 - family_ckpt: a tiny random HF model of each supported family (parametrized), converted, with transformers' model and
   ours loaded (test_model, test_convert)
-- lora_llama / lora_neox / lora_tied: converted tiny checkpoints for LoRA, PEFT and merge tests; lora_ckpt runs a test
-  on each of the three
+- lora_llama / lora_neox / lora_tied / lora_falcon7b / lora_falcon40b: converted tiny checkpoints for LoRA, PEFT and
+  merge tests; lora_ckpt runs a test on each of the first three
 - train_setup: a tiny Llama with a byte-level BPE tokenizer and a learnable data set, for the scripts' tests
 - trained_run: (out_dir, result) of one finetune/lora.py run on train_setup that learns the task
 """
@@ -41,6 +41,16 @@ def lora_neox(tmp_path_factory):  # one fused query_key_value Linear in transfor
 @pytest.fixture(scope="session")
 def lora_tied(tmp_path_factory):  # tied embeddings + GQA with one kv head: the head LoRA must untie on merge
     return converted_tiny(tmp_path_factory, "llama3", "tiny-llama3")
+
+
+@pytest.fixture(scope="session")
+def lora_falcon7b(tmp_path_factory):  # one fused multi-query query_key_value, tied head
+    return converted_tiny(tmp_path_factory, "falcon7b", "tiny-falcon7b")
+
+
+@pytest.fixture(scope="session")
+def lora_falcon40b(tmp_path_factory):  # one fused query_key_value grouped per kv head, tied head
+    return converted_tiny(tmp_path_factory, "falcon40b", "tiny-falcon40b")
 
 
 @pytest.fixture(params=["lora_llama", "lora_neox", "lora_tied"])

@@ -16,13 +16,18 @@ PEFT_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
     # transformers 5 calls GPT-NeoX's head lm_head (embed_out before): name both so either version adapts it
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "embed_out", "lm_head"],
+    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"],
 }
 
 
-@pytest.mark.parametrize("which,targets",
-                         [("lora_llama", ALL), ("lora_neox", ALL), ("lora_llama", dict(query=True, value=True)),
-                                           ("lora_neox", dict(query=True, value=True))],
-                         ids=["llama-all", "neox-all", "llama-qv", "neox-qv"])
+QV = dict(query=True, value=True)
+
+
+@pytest.mark.parametrize("which,targets", [
+    ("lora_llama", ALL), ("lora_neox", ALL), ("lora_llama", QV), ("lora_neox", QV), ("lora_tied", ALL),
+    ("lora_falcon7b", ALL), ("lora_falcon7b", QV), ("lora_falcon40b", ALL), ("lora_falcon40b", QV)],
+    ids=["llama-all", "neox-all", "llama-qv", "neox-qv", "tied-all", "falcon7b-all", "falcon7b-qv", "falcon40b-all",
+         "falcon40b-qv"])
 @torch.no_grad()
 def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     from peft import PeftModel
@@ -50,8 +55,10 @@ def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     ("lora_llama", PEFT_TARGETS["llama"], False), ("lora_neox", PEFT_TARGETS["gpt_neox"], False),
     ("lora_llama", ["q_proj", "v_proj"], False),
     ("lora_llama", ["o_proj", "down_proj"], False), ("lora_llama", PEFT_TARGETS["llama"], True),
-    ("lora_neox", "all-linear", False)],
-    ids=["llama-all", "neox-all", "llama-qv", "llama-partial-mlp", "llama-rslora", "neox-all-linear"])
+    ("lora_neox", "all-linear", False), ("lora_tied", PEFT_TARGETS["llama"], False),
+    ("lora_falcon7b", PEFT_TARGETS["falcon"], False), ("lora_falcon40b", PEFT_TARGETS["falcon"], False)],
+    ids=["llama-all", "neox-all", "llama-qv", "llama-partial-mlp", "llama-rslora", "neox-all-linear", "tied-all",
+         "falcon7b-all", "falcon40b-all"])
 @torch.no_grad()
 def test_peft_made_adapter_imports_exactly(which, peft_targets, rslora, request, tmp_path):
     from peft import LoraConfig, get_peft_model

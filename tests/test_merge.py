@@ -1,10 +1,19 @@
-"""Merging: the merged checkpoint and the HF export compute what the model with its adapter computes."""
+"""Merging: the merged checkpoint and the HF export compute what the model with its adapter computes; a bf16
+checkpoint is merged by the exact rule."""
+import shutil
+
 import pytest
 import torch
 from helpers import hf_model, lora_cfg, random_tokens, randomize_lora, run_script_here
+from safetensors.torch import load_file
 
 from lit_qlora.adapter import Adapter
+from lit_qlora.checkpoint import LIT_WEIGHTS
+from lit_qlora.config import Config
+from lit_qlora.convert import convert_hf_checkpoint
 from lit_qlora.loader import load_model
+from lit_qlora.lora import LoRAConfig
+from lit_qlora.merge import merge_checkpoint
 
 
 @pytest.mark.parametrize("which", ["lora_llama", "lora_tied"])
@@ -21,3 +30,31 @@ def test_hf_export_of_merged_model_matches(which, request, tmp_path):
                            "--out_dir", tmp_path / "hf") == 0
     assert not any(p.name.startswith(".merged") for p in (tmp_path / "hf").iterdir())
     assert (hf_model(tmp_path / "hf")(idx).logits - expected).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_merging_into_a_bf16_checkpoint_rounds_once_to_bf16(lora_tied, tmp_path):
+    """A checkpoint stored in bf16 (tied head): every adapted weight becomes bf16(bf16 base + scale * B @ A computed in
+    fp32), by hand from the adapter's tensors; every other tensor is copied bit for bit; the tied head gets its own
+    merged copy of the embedding."""
+    base = tmp_path / "bf16"
+    shutil.copytree(lora_tied.folder, base, ignore=shutil.ignore_patterns("lit_model.safetensors", "model_config.json"))
+    convert_hf_checkpoint(base, dtype=torch.bfloat16)
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=False, value=False, projection=True, mlp=True, head=True)
+    model = load_model(base, precision="32-true", lora=lora, seed=0)
+    randomize_lora(model, seed=3)
+    adapter = Adapter.of_model(model, lora)
+    merge_checkpoint(base, adapter, tmp_path / "merged")
+
+    stored, merged = load_file(base / LIT_WEIGHTS), load_file(tmp_path / "merged" / LIT_WEIGHTS)
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    assert set(merged) == set(stored) | {"lm_head.weight"}  # the tied head is stored once in the base
+    for key, t in merged.items():
+        module = key.removesuffix(".weight")
+        if module + ".lora_A" in adapter.lora:
+            A, B = adapter.lora[module + ".lora_A"], adapter.lora[module + ".lora_B"]
+            w = stored["transformer.wte.weight" if module == "lm_head" else key]
+            assert torch.equal(t, (w.float() + 2.0 * B @ A).to(torch.bfloat16)), key
+        else:
+            assert torch.equal(t, stored[key]), key
+    assert Config.from_file(tmp_path / "merged" / "model_config.json").tie_embeddings is False

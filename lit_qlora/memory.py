@@ -349,7 +349,8 @@ def estimate_training_memory(
     settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
                     lora_targets=lora.targets())
-    extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.log_probs),
+    extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.log_probs), logits=sum(act.logits),
+                 optimizer_state=static["optimizer state"],
                  live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max)
     return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
 

@@ -185,3 +185,43 @@ def test_estimate_memory_script(tmp_path):
     est = json.loads(res.stdout)
     assert est["settings"]["micro_batch_size"] == 2 and est["device_type"] == "cuda"
     assert est["total_gb"] == pytest.approx(sum(est["parts_gb"].values()))
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit"])
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_optimizer_state_matches_the_real_optimizer(memory_ckpts, optimizer, precision):
+    """The planner's optimizer term against the state the optimizer really allocates after a step (8-bit state for
+    the large LoRA tensors, fp32 for the small ones; torch's AdamW in the weights' dtype)."""
+    from lit_qlora.loader import load_model
+    from lit_qlora.training import make_optimizer
+
+    folder, config = memory_ckpts["llama"]
+    lora = LoRAConfig(r=16, alpha=16, dropout=0.0, key=True, projection=True, mlp=True, head=True)
+    model = load_model(folder, precision=precision, lora=lora, config=config, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params, 1e-3, 0.0, "cpu")
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for state in opt.state.values()
+                for t in state.values() if torch.is_tensor(t) and t.numel() > 1}  # (bitsandbytes shares its qmaps)
+    real = sum(storages.values())
+    est = estimate_training_memory(config, lora, precision, None, optimizer=optimizer, micro_batch_size=1,
+                                   seq_length=16)
+    assert est.extra["optimizer_state"] == pytest.approx(real, rel=0.02, abs=4096)
+
+
+@pytest.mark.parametrize("arch", ["llama", "neox"])
+def test_logits_term_matches_what_the_loop_holds(memory_ckpts, arch):
+    """The logits the training loop holds through backward: the chunks GPT(lm_head_chunk=...) returns."""
+    from lit_qlora.loader import load_model
+    from lit_qlora.training import head_chunk
+
+    folder, config = memory_ckpts[arch]
+    model = load_model(folder, precision="bf16-true", lora=QV, config=config, seed=0).train()
+    B, T = 3, 40
+    idx = torch.randint(0, config.vocab_size, (B, T))
+    out = model(idx, lm_head_chunk=head_chunk(config))
+    held = sum(t.numel() * t.element_size() for t in (out if isinstance(out, list) else [out]))
+    est = estimate_training_memory(config, QV, "bf16-true", None, micro_batch_size=B, seq_length=T)
+    assert est.extra["logits"] == held

@@ -2,6 +2,7 @@
 finished cells skipped on a re-run, an interrupted cell finished by the re-run."""
 import csv
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -70,15 +71,46 @@ def test_every_cell_is_in_the_report(matrix):
     with open(out / "report.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["status"] for r in table] == ["ok", "ok", "ok", "failed"]
-    for r in table[:3]:
-        assert int(r["iterations"]) == 2 and float(r["peak_memory_gb"]) > 0 and float(r["inference_tokens_per_sec"]) > 0
-        assert float(r["final_train_loss"]) > 0
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in first.stderr
-    else:
-        assert all((out / f).stat().st_size > 1000 for f in ("loss.png", "memory.png", "time.png"))
+    for r, slug in zip(table[:3], SLUGS[:3]):  # every figure is the cell's own, as its runs wrote it
+        train = json.loads((cells / slug / "metrics.json").read_text())
+        gen = json.loads((cells / slug / "generate_metrics.json").read_text())
+        assert int(r["iterations"]) == train["iterations"] == 2
+        assert float(r["peak_memory_gb"]) == pytest.approx(train["peak_memory_gb"])
+        assert float(r["training_time_s"]) == pytest.approx(train["training_time_s"])
+        assert float(r["final_train_loss"]) == pytest.approx(train["final_train_loss"])
+        assert float(r["inference_tokens_per_sec"]) == pytest.approx(gen["tokens_per_sec"])
+    row_cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows[:3]]
+    for c, slug in zip(row_cells, SLUGS[:3]):
+        train = json.loads((cells / slug / "metrics.json").read_text())
+        assert c[7] == f"{train['final_train_loss']:.3f} (val {train['final_val_loss']:.3f})"
+        assert c[5] == f"{train['peak_memory_gb']:.2f} GB"
+    for f in ("loss.png", "memory.png", "time.png"):  # PNG files (what they show: test_plots_draw_the_cells_figures)
+        assert (out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f
+
+
+def test_plots_draw_the_cells_figures(matrix, tmp_path, monkeypatch):
+    """The plots hold each cell's numbers: the loss curve of its metrics.csv, its peak memory and training time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    _, _, _, out, _ = matrix
+    report = runpy.run_path(str(ROOT / "scripts" / "report.py"))
+    drawn = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.__setitem__(Path(path).name, fig.axes[0]))
+    cells = report["collect"](out)
+    written = report["plots"](cells, tmp_path)
+    assert [p.name for p in written] == ["loss.png", "memory.png", "time.png"] == sorted(drawn, key=list(drawn).index)
+    ok = [c for c in cells if c["status"] == "ok"]
+    curves = [list(line.get_ydata()) for line in drawn["loss.png"].lines]
+    for c in ok:
+        with open(Path(c["cell_dir"]) / "metrics.csv") as f:
+            losses = [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+        assert losses in curves, (c["cell_dir"], losses, curves)
+    for name, key in (("memory.png", "peak_memory_gb"), ("time.png", "training_time_s")):
+        heights = [bar.get_height() for bar in drawn[name].patches]
+        assert heights == [c[key] if isinstance(c[key], (int, float)) else 0.0 for c in cells]
 
 
 def test_rerun_skips_done_cells_and_finishes_interrupted_ones(matrix):

@@ -265,16 +265,26 @@ def test_out_dir_under_a_regular_file(train_setup, tmp_path, capfd):
     h.assert_one_line_error(r, "cannot write to --out_dir", str(tmp_path / "afile" / "out"))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 555 folder anyway")
-def test_out_dir_not_writable(train_setup, tmp_path, capfd):
+def test_out_dir_not_writable(train_setup, tmp_path, capfd, monkeypatch):
+    """A read-only folder. Root writes into a chmod 555 folder anyway (CI runs as root), so there the file system's
+    refusal is simulated where the probe file is created: the same PermissionError a user gets."""
     out = tmp_path / "ro"
     out.mkdir()
     out.chmod(0o555)
+    if os.geteuid() == 0:
+        write_text = Path.write_text
+
+        def refuse(path: Path, *args, **kwargs):
+            if path.parent == out:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return write_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", refuse)
     try:
         r = run_inprocess(h.train_args(train_setup, out), capfd)
     finally:
         out.chmod(0o755)
-    h.assert_one_line_error(r, "cannot write to --out_dir", str(out))
+    h.assert_one_line_error(r, "cannot write to --out_dir", str(out), "Permission denied")
 
 
 def test_resume_true_without_checkpoint(train_setup, prev_run, capfd):
@@ -475,4 +485,23 @@ def test_exploding_learning_rate_stops_with_nan_message(train_setup, tmp_path):
     assert m.group(4) == f"the last good checkpoint is {ckpts[-1]}"
     adapter = Adapter.load(ckpts[-1], Config.from_file(train_setup["ckpt"] / "model_config.json"))
     assert all(torch.isfinite(v).all() for v in adapter.lora.values())
+    assert not (out / "lit_model_lora_finetuned.pth").exists()
+
+
+def test_nan_policy_skip_skips_steps_then_gives_up(train_setup, tmp_path):
+    """--nan_policy skip: a step with a non-finite loss changes nothing and training goes on; ten of them end the run
+    (exit 2, one line) with the checkpoints written before intact."""
+    out = tmp_path / "out"
+    r = h.train(train_setup, out, check=False, max_iters=30, precision="16-true", learning_rate=30.0, save_interval=1,
+                eval_interval=100, nan_policy="skip")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    skipped = re.findall(r"warning: non-finite loss at iteration (\d+); step skipped \((\d+) so far\)", r.stderr)
+    assert [int(n) for _, n in skipped] == list(range(1, 11)), skipped
+    assert re.fullmatch(r"error: 10 non-finite losses, the last at iteration (\d+); .+", h.last_line(r.stderr))
+    steps = [int(i) for i, _ in skipped]
+    ckpts = [int(p.stem.split("-")[1]) for p in list_checkpoints(out)]
+    assert ckpts and not set(ckpts) & set(steps) and max(ckpts) < steps[0]  # skipped steps write no checkpoint
+    for path in list_checkpoints(out)[-1:]:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        assert all(torch.isfinite(v).all() for v in state["lora"].values())
     assert not (out / "lit_model_lora_finetuned.pth").exists()

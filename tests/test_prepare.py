@@ -16,25 +16,58 @@ from lit_qlora.prepare import DataSettings, ensure_prepared, load_prepared, prep
 from lit_qlora.templates import get_template
 from lit_qlora.utils import UserError
 
+MASKING_RECORDS = [
+    {"instruction": "Reverse the word.", "input": "cat", "output": "tac"},
+    {"instruction": "Translate to German.", "input": "the quick brown fox", "output": "der schnelle braune Fuchs"},
+    {"instruction": "Write a function.", "input": "", "output": "def add(a, b):\n    return a + b"},
+    {"instruction": "Say hello in Japanese.", "output": "こんにちは、世界。 😀"},
+    {"instruction": "Count.", "input": "1 to 3", "output": " 1 2 3"},  # a response that starts with a space
+]
 
+
+@pytest.fixture(scope="module")
+def masking_tokenizers(tmp_path_factory) -> dict:
+    """A byte-level BPE (Llama 3 style) and a sentencepiece model (Llama 2 style), each with transformers' own
+    tokenizer for the same folder: the reference the masks are checked against."""
+    import transformers
+    from helpers_tokenizer import make_hf_bpe_tokenizer, make_sentencepiece_tokenizer
+
+    from lit_qlora.tokenizer import Tokenizer
+
+    out = {}
+    for kind, make in (("bpe", make_hf_bpe_tokenizer), ("sentencepiece", make_sentencepiece_tokenizer)):
+        folder = make(tmp_path_factory.mktemp(kind))
+        out[kind] = (Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
 @pytest.mark.parametrize("template", ["alpaca", "plain"])
-def test_prompt_masking(template):
-    tok = CharTokenizer()
-    samples, n_trunc = samples_of(RECORDS, tok, template, max_seq_length=1000)
-    assert n_trunc == 0 and len(samples) == len(RECORDS)
-    for rec, s in zip(RECORDS, samples):
+def test_prompt_masking_against_transformers(masking_tokenizers, kind, template):
+    """The trained (unmasked) tokens are exactly the response followed by eos, and the masked ones exactly the prompt,
+    as transformers' tokenizer reads them back; the ids are what transformers gives for prompt + response. The
+    reference never calls our code, so a mask that is off by a token, or a boundary merge that moves response text
+    into the masked part, fails."""
+    ours, ref = masking_tokenizers[kind]
+    samples, n_trunc = samples_of(MASKING_RECORDS, ours, template, max_seq_length=10_000)
+    assert n_trunc == 0 and len(samples) == len(MASKING_RECORDS)
+    for rec, s in zip(MASKING_RECORDS, samples):
         prompt = get_template(template).format(rec["instruction"], rec.get("input", ""))
-        n_prompt = len(tok.encode(prompt))  # encoded independently of prepare_samples
-        ids, labels = s["input_ids"], s["labels"]
-        assert ids.dtype == labels.dtype == torch.long
-        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-        assert (labels[:n_prompt] == -100).all()
-        assert torch.equal(labels[n_prompt:], ids[n_prompt:])
-        assert tok.decode(ids[n_prompt:]) == rec["output"]
-
-    unmasked, _ = samples_of(RECORDS, tok, template, 1000, mask_inputs=False)
+        ids, labels = s["input_ids"].tolist(), s["labels"]
+        assert ids == ref(prompt + rec["output"])["input_ids"] + [ref.eos_token_id]
+        trained = [i for i, lab in zip(ids, labels.tolist()) if lab != -100]
+        masked = ids[:len(ids) - len(trained)]
+        assert (labels[:len(masked)] == -100).all() and trained == ids[len(masked):]  # one masked prefix
+        assert ref.decode(masked, skip_special_tokens=True) == ref.decode(ref(prompt)["input_ids"],
+                                                                           skip_special_tokens=True)
+        assert ref.decode(trained) == ref.decode(ref(prompt + rec["output"])["input_ids"][len(masked):]) + ref.eos_token
+        response = ref.decode(trained[:-1])
+        if kind == "sentencepiece":  # sentencepiece's decode drops the leading space of what it decodes
+            response = " " * (len(rec["output"]) - len(rec["output"].lstrip(" "))) + response
+        assert response == rec["output"] and trained[-1] == ref.eos_token_id
+    unmasked, _ = samples_of(MASKING_RECORDS, ours, template, 10_000, mask_inputs=False)
     assert all(torch.equal(s["input_ids"], s["labels"]) for s in unmasked)
-    custom, _ = samples_of(RECORDS[:1], tok, template, 1000, ignore_index=-1)
+    custom, _ = samples_of(MASKING_RECORDS[:1], ours, template, 10_000, ignore_index=-1)
     assert custom[0]["labels"][0] == -1
 
 
@@ -162,19 +195,6 @@ def prepare_ckpt(tmp_path_factory) -> Path:
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120, env=env())
-
-
-def test_real_tokenizer_masking(prepare_ckpt):
-    from lit_qlora.tokenizer import Tokenizer
-
-    tok = Tokenizer(prepare_ckpt)
-    recs = json.loads(DEMO.read_text())[:20]
-    samples, _ = samples_of(recs, tok, "alpaca", 10_000)
-    for rec, s in zip(recs, samples):
-        n_prompt = len(tok.encode(get_template("alpaca").format(rec["instruction"], rec["input"])))
-        assert (s["labels"][:n_prompt] == -100).all() and (s["labels"][n_prompt:] != -100).all()
-        assert s["input_ids"][-1] == tok.eos_id
-        assert tok.decode(s["input_ids"][n_prompt:-1]).strip() == rec["output"]
 
 
 def test_prepare_alpaca_script(prepare_ckpt, tmp_path):

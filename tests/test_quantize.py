@@ -445,6 +445,19 @@ def test_cpu_packing_trap_is_real_and_detected(small_ckpt):
     assert dead == set(lora_params(model, "lora_B")) - {"lm_head.lora_B"}
 
 
+def test_layers_that_train_never_repack_and_the_guard_sees_one_that_did(small_ckpt):
+    """On any CPU (the trap itself needs AVX512-BF16, test_cpu_packing_trap_is_real_and_detected): every 4-bit layer
+    of a training model forbids the repacking, and assert_trainable_4bit names a layer whose weight was repacked."""
+    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.nf4-dq", lora=LoRAConfig(**ALL_LORA), seed=0)
+    layers = quantized_layers(model)
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers.values())
+    assert_trainable_4bit(model)
+    name, layer = next(iter(layers.items()))
+    layer.weight.quant_state.packing_format_for_cpu = True  # what bitsandbytes' eval-mode forward leaves behind
+    with pytest.raises(RuntimeError, match=f"{name} was repacked for CPU inference"):
+        assert_trainable_4bit(model)
+
+
 # ---- 6. precision x quantize -----------------------------------------------------------------------
 @pytest.mark.parametrize("quantize", [None, *QUANTIZE_MODES], ids=lambda q: str(q))
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -84,7 +84,7 @@ def test_quantize_and_optimizer_runs_write_everything(train_setup, tmp_path, qua
     head_quantized = quantize != "none" and extra.get("quantize_lm_head", True)
     expected = 0 if quantize == "none" else 2 * 36864 + (320 * 64 if head_quantized else 0)
     assert summary["quantized_params"] == expected
-    assert adapter.train["quantize_lm_head"] is extra.get("quantize_lm_head", True)
+    assert adapter.train["quantize_lm_head"] is head_quantized
     if quantize == "bnb.int8":  # --micro_batch_size auto: the planner's choice is what trained; the flag as given
         picked = int(re.search(r"--micro_batch_size auto: (\d+)", r.stderr).group(1))
         assert 2 <= picked < 64 and summary["micro_batch_size"] == picked and hp["micro_batch_size"] == "auto"

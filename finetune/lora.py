@@ -36,7 +36,7 @@ from lit_qlora.generation import generate
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
-from lit_qlora.precision import parse_precision
+from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.prepare import DataSettings, ensure_prepared
 from lit_qlora.quantize import (
     assert_trainable_4bit,
@@ -83,6 +83,7 @@ class Inputs:
     """What `check_inputs` found and prepared, handed to every process."""
 
     given: dict  # the arguments as given (hyperparameters.json)
+    precision_why: str  # how --precision auto was resolved ("" when given explicitly)
     config: object  # the model's lit_qlora.config.Config
     tokenizer: Tokenizer
     lora: LoRAConfig
@@ -146,6 +147,10 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
     the cache), the resume state and the disk space for checkpoints. None after --estimate_only."""
     run, data, t = args.run, args.data, args.train
     given = args.as_flat_dict()
+    # --precision auto becomes what this machine computes fastest in; from here on run.precision is resolved
+    device_type = "cuda" if run.accelerator == "cuda" or (run.accelerator == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+    run.precision, precision_why = resolve_precision(run.precision, device_type)
     quantize = None if run.quantize in (None, "none", "None") else run.quantize
     lora = args.lora.config()
     micro = check_flags(args, quantize, lora)
@@ -173,8 +178,8 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
     settings = DataSettings(max_seq_length, template=data.template, mask_inputs=data.mask_inputs,
                             ignore_index=IGNORE_INDEX)
     train_data, val_data, data_meta = ensure_prepared(data.data_dir, tokenizer, settings)
-    return Inputs(given, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length, train_data, val_data,
-                  data_meta, resume_path, resume_state)
+    return Inputs(given, precision_why, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length,
+                  train_data, val_data, data_meta, resume_path, resume_state)
 
 
 def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -> Optional[int]:
@@ -231,7 +236,10 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
     s = build_model(fabric, args, inputs)
     restore(s)
     if fabric.global_rank == 0:
-        hparams = {**inputs.given, "lora": asdict(inputs.lora), "max_steps": s.max_steps, "accumulation": s.accum}
+        resolved = dict(precision=args.run.precision, micro_batch_size=inputs.micro_batch_size,
+                        batch_size=inputs.batch_size, quantize_lm_head=s.train_info["quantize_lm_head"],
+                        max_seq_length=inputs.max_seq_length, max_steps=s.max_steps, accumulation=s.accum)
+        hparams = {**inputs.given, "lora": asdict(inputs.lora), "resolved": resolved}
         atomic_write(Path(args.run.out_dir) / "hyperparameters.json",
                      lambda p: p.write_text(json.dumps(hparams, indent=2, default=str)))
     fit(s)
@@ -241,6 +249,9 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
 def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session:
     """Load the (quantized) base with fresh LoRA layers, the optimizer and the batch stream."""
     run, t = args.run, args.train
+    warning = slow_precision_warning(run.precision, fabric.device.type)
+    if warning:
+        fabric.print(warning, file=sys.stderr)
     t0 = time.perf_counter()
     gpt = load_model(run.checkpoint_dir, precision=run.precision, quantize=inputs.quantize, lora=inputs.lora,
                      device=fabric.device, quantize_lm_head=run.quantize_lm_head, config=inputs.config, seed=run.seed)
@@ -250,7 +261,8 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     report = memory_report(gpt)
     rss_after_load = psutil.Process().memory_info().rss / 2**30
     fabric.print(f"Loaded {inputs.config.name} in {time.perf_counter() - t0:.1f}s | "
-                 f"{inputs.quantize or 'no quantization'}, {run.precision} | {format_memory_report(report)}",
+                 f"{inputs.quantize or 'no quantization'}, {run.precision}"
+                 f"{f' ({inputs.precision_why})' if inputs.precision_why else ''} | {format_memory_report(report)}",
                  file=sys.stderr)
     trainable = [p for p in gpt.parameters() if p.requires_grad]
     optimizer = make_optimizer(t.optimizer, trainable, t.learning_rate, t.weight_decay, fabric.device.type)

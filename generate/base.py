@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_qlora import demo
-from lit_qlora.inference import load_for_inference, pick_device, run_prompts
+from lit_qlora.inference import load_for_inference, pick_device, resolve_generation_precision, run_prompts
 from lit_qlora.utils import UserError, run_cli
 
 
@@ -26,7 +26,7 @@ def main(
     num_samples: int = 1,
     quantize: Optional[str] = None,
     quantize_lm_head: Optional[bool] = None,
-    precision: str = "bf16-true",
+    precision: str = "auto",
     devices: int = 1,
     accelerator: str = "auto",
     stream: bool = False,
@@ -41,7 +41,8 @@ def main(
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8.
         quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained, else
             yes for an untied head (a tied head stays shared with the dense embedding).
-        precision: 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
+        precision: auto (bf16 where the device computes it natively, else fp32; 16-mixed on GPUs without bf16),
+            32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
         stream: print tokens as they are produced. metrics_file: also write the figures as JSON there.
     """
     if checkpoint_dir is None:
@@ -49,8 +50,9 @@ def main(
     if devices != 1:
         raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
     device = pick_device(accelerator)
+    precision, precision_why = resolve_generation_precision(precision, device)
     model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
-                                             quantize_lm_head=quantize_lm_head)
+                                             quantize_lm_head=quantize_lm_head, precision_why=precision_why)
     run_prompts(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision)
 

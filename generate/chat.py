@@ -16,7 +16,13 @@ import torch
 from lit_qlora import demo
 from lit_qlora.chat_template import encode_chat, end_of_turn_ids
 from lit_qlora.generation import generate
-from lit_qlora.inference import autocast_for, format_prompt, load_for_inference, pick_device
+from lit_qlora.inference import (
+    autocast_for,
+    format_prompt,
+    load_for_inference,
+    pick_device,
+    resolve_generation_precision,
+)
 from lit_qlora.utils import run_cli
 
 
@@ -39,7 +45,7 @@ def main(
     seed: int = 1234,
     quantize: Optional[str] = None,
     quantize_lm_head: Optional[bool] = None,
-    precision: str = "bf16-true",
+    precision: str = "auto",
     accelerator: str = "auto",
     template: Optional[str] = None,
 ) -> None:
@@ -49,8 +55,9 @@ def main(
         default_adapter = Path("out/lora/demo/lit_model_lora_finetuned.pth")
         lora_path = lora_path or (default_adapter if default_adapter.is_file() else None)
     device = pick_device(accelerator)
+    precision, precision_why = resolve_generation_precision(precision, device)
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device,
-                                                   quantize_lm_head=quantize_lm_head)
+                                                   quantize_lm_head=quantize_lm_head, precision_why=precision_why)
     gen = torch.Generator(device=device).manual_seed(seed)
     stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     if tokenizer.chat_template:  # the template's end-of-turn token (e.g. <|im_end|>) may not be among the eos ids

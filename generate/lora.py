@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 from lit_qlora import demo
-from lit_qlora.inference import format_prompt, load_for_inference, pick_device, run_prompts
+from lit_qlora.inference import (
+    format_prompt,
+    load_for_inference,
+    pick_device,
+    resolve_generation_precision,
+    run_prompts,
+)
 from lit_qlora.utils import UserError, run_cli
 
 
@@ -29,7 +35,7 @@ def main(
     num_samples: int = 1,
     quantize: Optional[str] = None,
     quantize_lm_head: Optional[bool] = None,
-    precision: str = "bf16-true",
+    precision: str = "auto",
     devices: int = 1,
     accelerator: str = "auto",
     stream: bool = False,
@@ -49,7 +55,8 @@ def main(
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8, whatever the adapter was trained with.
         quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained, else
             yes for an untied head (a tied head stays shared with the dense embedding).
-        precision: 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
+        precision: auto (bf16 where the device computes it natively, else fp32; 16-mixed on GPUs without bf16),
+            32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
         devices: generation runs on one device; more are refused.
         stream: print tokens as they are produced.
         merge: add the adapter to the weights before quantizing (fast); false keeps separate LoRA layers.
@@ -69,8 +76,10 @@ def main(
     if devices != 1:
         raise UserError(f"generation runs on one device, got --devices {devices}; use --devices 1")
     device = pick_device(accelerator)
+    precision, precision_why = resolve_generation_precision(precision, device)
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device,
-                                                   merge, quantize_lm_head=quantize_lm_head)
+                                                   merge, quantize_lm_head=quantize_lm_head,
+                                                   precision_why=precision_why)
     text = format_prompt(prompt if prompt is not None else "", input, adapter, template)
     run_prompts(model, tokenizer, text, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision)

@@ -26,8 +26,9 @@ class RunArgs:
     demo preset (lit_qlora/demo/finetune.yaml)."""
     out_dir: Path = Path("out/lora/demo")
     """Where checkpoints, metrics.csv, metrics.json, hyperparameters.json and the final adapter go."""
-    precision: str = "bf16-true"
-    """32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table)."""
+    precision: str = "auto"
+    """auto, 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table). auto: bf16-true on
+    a GPU with bf16 (16-mixed without) and on a CPU with native bf16 (AVX512-BF16/AMX), 32-true on other CPUs."""
     quantize: Optional[str] = None
     """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
     quantize_lm_head: Optional[bool] = None

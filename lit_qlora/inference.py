@@ -15,7 +15,7 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.convert import ensure_converted
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.precision import parse_precision
+from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
 from lit_qlora.templates import get_template
 from lit_qlora.tokenizer import Tokenizer
@@ -34,12 +34,23 @@ def pick_device(accelerator: str) -> torch.device:
     return torch.device(accelerator)
 
 
+def resolve_generation_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """--precision of a generate script: `auto` resolved for this device (with the reason), and a warning printed for
+    a 16-bit precision the CPU has no native support for."""
+    precision, why = resolve_precision(precision, device.type)
+    warning = slow_precision_warning(precision, device.type)
+    if warning:
+        say(warning)
+    return precision, why
+
+
 def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize: Optional[str], precision: str,
                        device: torch.device, merge: bool = True, fast_cpu_4bit: bool = True,
-                       quantize_lm_head: Optional[bool] = None):
+                       quantize_lm_head: Optional[bool] = None, precision_why: str = ""):
     """(model, tokenizer, adapter or None). The adapter is added to the full-precision weights as they load
     (`merge`), so a quantized model rounds once; `merge=False` keeps separate LoRA layers. `quantize_lm_head` None:
-    as the adapter was trained (its file records it), else the loader's default."""
+    as the adapter was trained (its file records it), else the loader's default. `precision` is resolved
+    (`resolve_generation_precision`); `precision_why` says how, in the "Loaded" line."""
     quantize = None if quantize in (None, "none", "None") else quantize
     check_quantize(quantize, precision, device)
     config = ensure_converted(checkpoint_dir)
@@ -58,7 +69,8 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     if quantize and device.type == "cpu" and fast_cpu_4bit:
         # This model is never trained: let bitsandbytes use its packed CPU layout (fast batch-1 decode)
         enable_cpu_inference_packing(model, True)
-    say(f"Loaded {config.name} in {time.perf_counter() - t0:.2f}s ({quantize or 'no quantization'}, {precision}"
+    why = f" ({precision_why})" if precision_why else ""
+    say(f"Loaded {config.name} in {time.perf_counter() - t0:.2f}s ({quantize or 'no quantization'}, {precision}{why}"
         f"{', adapter ' + str(lora_path) + (' merged' if merge else '') if adapter else ''}) | "
         f"{format_memory_report(memory_report(model))}")
     return model, tokenizer, adapter

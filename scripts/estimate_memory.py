@@ -16,13 +16,14 @@ from typing import Optional
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_to_json, estimate_training_memory, pick_micro_batch_size, read_config
+from lit_qlora.precision import resolve_precision
 from lit_qlora.utils import UserError, run_cli
 
 
 def main(
     checkpoint_dir: Optional[Path] = None,
     model_name: Optional[str] = None,
-    precision: str = "bf16-true",
+    precision: str = "auto",
     quantize: Optional[str] = None,
     optimizer: str = "AdamW",
     micro_batch_size: int = 1,
@@ -63,6 +64,7 @@ def main(
     config = read_config(checkpoint_dir) if checkpoint_dir is not None else Config.from_name(model_name)
     lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key,
                       value=lora_value, projection=lora_projection, mlp=lora_mlp, head=lora_head)
+    precision, _ = resolve_precision(precision, device)
     kw = dict(config=config, lora=lora, precision=precision, quantize=quantize, optimizer=optimizer,
               seq_length=seq_length,
               activation_checkpointing=activation_checkpointing, quantize_lm_head=quantize_lm_head, device_type=device)

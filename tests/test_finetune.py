@@ -26,12 +26,12 @@ import torch
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
-from lit_qlora.precision import parse_precision
+from lit_qlora.precision import parse_precision, resolve_precision
 from lit_qlora.training import list_checkpoints
 
 # ---- 1. every --quantize value, every --optimizer ----------------------------------------------
 # Each quantize value once, the five optimizers spread over them (AdamW also trains in every other test here).
-QUANT_OPT = [("none", "AdamW8bit", "32-true"), ("bnb.nf4", "PagedAdamW", "bf16-true"),
+QUANT_OPT = [("none", "AdamW8bit", "auto"), ("bnb.nf4", "PagedAdamW", "bf16-true"),
              ("bnb.nf4-dq", "PagedAdamW8bit", "bf16-mixed"), ("bnb.fp4", "PagedAdamW32bit", "32-true"),
              ("bnb.fp4-dq", "AdamW", "bf16-true"), ("bnb.int8", "AdamW", "32-true")]
 # what the optimizer keeps for the head's lora_B (320 x 16 = 5120 values: bitsandbytes' 8-bit state starts at 4096)
@@ -69,14 +69,17 @@ def test_quantize_and_optimizer_runs_write_everything(train_setup, tmp_path, qua
     adapter = Adapter.load(out / "lit_model_lora_finetuned.pth",
                            Config.from_file(train_setup["ckpt"] / "model_config.json"))
     assert adapter.train["quantize"] == (None if quantize == "none" else quantize)
-    assert adapter.train["precision"] == precision
+    resolved = resolve_precision(precision, "cpu")[0]  # auto: 32-true here unless the CPU has native bf16
+    assert adapter.train["precision"] == resolved == summary["precision"] == hp["resolved"]["precision"]
+    if precision == "auto":
+        assert re.search(rf"Loaded .*{resolved} \(auto: this CPU has ", r.stderr), r.stderr
     assert all(torch.isfinite(v).all() for v in adapter.lora.values())
     assert any(v.abs().max() > 0 for k, v in adapter.lora.items() if k.endswith("lora_B"))
     # the optimizer is the one asked for: its state for the head's lora_B (the last parameter) as saved for resuming
     state = torch.load(out / "checkpoints/iter-000003.pth", map_location="cpu", weights_only=False)
     head_b_state = state["resume"]["optimizer"]["state"][len(adapter.lora) - 1]
     if STATE_DTYPE[optimizer] is None:
-        trainable = parse_precision(precision).trainable_dtype  # torch's AdamW keeps its state in the weights' dtype
+        trainable = parse_precision(resolved).trainable_dtype  # torch's AdamW keeps its state in the weights' dtype
         assert head_b_state["exp_avg"].dtype == trainable and "__bnb_optimizer_quant_state__" not in head_b_state
     else:
         assert head_b_state["__bnb_optimizer_quant_state__"]["state1"].dtype == STATE_DTYPE[optimizer]

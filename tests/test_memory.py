@@ -166,7 +166,8 @@ def test_estimate_only_exits_before_loading(tmp_path):
 
     res = _finetune("--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out",
                     "--quantize", "bnb.nf4-dq", "--micro_batch_size", "auto", "--memory_budget", "12",
-                    "--max_seq_length", "512", "--accelerator", "cpu", "--estimate_only", "true")
+                    "--max_seq_length", "512", "--accelerator", "cpu", "--estimate_only", "true", "--precision",
+                    "bf16-true")
     assert res.returncode == 0, res.stderr
     mbs, _ = pick_micro_batch_size(12 * GiB, config=BIG, lora=LoRAConfig(), quantize="bnb.nf4-dq", seq_length=512)
     assert f"--micro_batch_size auto: {mbs}," in res.stdout and f"micro batch {mbs} x 512 tokens" in res.stdout

@@ -30,7 +30,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lit_qlora import demo
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.batching import BatchStream, collate
+from lit_qlora.batching import BatchStream, collate, pack_rows
 from lit_qlora.convert import ensure_converted
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model
@@ -119,6 +119,7 @@ class Session:
     losses: list = field(default_factory=list)
     iter_times: list = field(default_factory=list)
     iter_tokens: list = field(default_factory=list)
+    computed_tokens: int = 0  # tokens the model ran on, padding included (all devices)
     skipped: int = 0  # steps skipped for a non-finite loss (--nan_policy skip)
     overflow_skips: int = 0  # updates the fp16 GradScaler skipped
     overflows_in_a_row: int = 0
@@ -224,7 +225,7 @@ def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, bat
     """The settings a resumed run must share with its checkpoint."""
     run = args.run
     return dict(lora=asdict(args.lora.config()), precision=run.precision, quantize=quantize, micro_batch_size=micro,
-                batch_size=batch_size, optimizer=args.train.optimizer, seed=run.seed,
+                batch_size=batch_size, optimizer=args.train.optimizer, seed=run.seed, packing=args.data.packing,
                 checkpoint_dir=str(run.checkpoint_dir))
 
 
@@ -270,8 +271,12 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     optimizer = fabric.setup_optimizers(optimizer)
     world = fabric.world_size
     stream = BatchStream(inputs.train_data, batch_size=inputs.micro_batch_size * world, seed=run.seed,
-                         pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
-    steps_per_epoch = max(1, -(-len(inputs.train_data) // inputs.batch_size))
+                         pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX, packing=args.data.packing,
+                         max_seq_length=inputs.max_seq_length)
+    units = len(inputs.train_data)  # samples per epoch, or packed rows
+    if args.data.packing:
+        units = len(pack_rows(inputs.train_data, list(range(units)), 0, units, inputs.max_seq_length)[0])
+    steps_per_epoch = max(1, -(-units // inputs.batch_size))
     max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
     head_quantized = inputs.quantize is not None and resolve_quantize_lm_head(inputs.config, run.quantize_lm_head)
     train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
@@ -304,8 +309,9 @@ def fit(s: Session) -> None:
     fabric, args, world = s.fabric, s.args, s.fabric.world_size
     metrics = MetricsLog(args.run.out_dir, resume_iter=s.step, enabled=fabric.global_rank == 0)
     stop = StopRequest()
+    rows = f" rows of {s.inputs.max_seq_length} packed tokens" if args.data.packing else ""
     fabric.print(f"Training {s.max_steps} iterations: {len(s.inputs.train_data)} samples, batch "
-                 f"{s.inputs.batch_size} (micro {s.inputs.micro_batch_size} x {world} devices x {s.accum} "
+                 f"{s.inputs.batch_size}{rows} (micro {s.inputs.micro_batch_size} x {world} devices x {s.accum} "
                  f"accumulation), lr {args.train.learning_rate}", file=sys.stderr)
     if s.step == 0 and args.eval.eval_iters > 0:  # the starting point, so the curve shows what training changed
         val0 = validate(s)
@@ -356,10 +362,10 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
     loss_sum = torch.zeros((), device=fabric.device)
     for j, (batch, tgt) in enumerate(zip(micro, targets)):
         with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
-            logits = s.model(batch["input_ids"].to(fabric.device), lm_head_chunk=head_chunk(s.inputs.config))
-            loss = chunked_cross_entropy(logits, tgt.to(fabric.device), IGNORE_INDEX)
+            loss = _batch_loss(s, batch, tgt)
             fabric.backward(loss * world / n_tok.clamp(min=1))
         loss_sum += loss.detach()
+        s.computed_tokens += batch["input_ids"].numel() * world
     loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
     step_loss = float(loss_sum / n_tok.clamp(min=1))
     trainable = [p for p in s.gpt.parameters() if p.requires_grad]
@@ -415,6 +421,18 @@ def _note_overflow(s: Session, before: float, after: float) -> None:
                                "a lower --learning_rate")
 
 
+def _batch_loss(s: Session, batch: dict, tgt: torch.Tensor) -> torch.Tensor:
+    """Sum of the token losses of one (micro) batch: the output layer only at positions that have a target; packed
+    rows attend within each sample."""
+    dev = s.fabric.device
+    tgt = tgt.to(dev)
+    has_target = tgt != IGNORE_INDEX
+    packed = {k: batch[k].to(dev) for k in ("positions", "segments") if k in batch}
+    logits = s.model(batch["input_ids"].to(dev), lm_head_chunk=head_chunk(s.inputs.config), output_mask=has_target,
+                     **packed)
+    return chunked_cross_entropy(logits, tgt[has_target], IGNORE_INDEX)
+
+
 def _last_good(s: Session) -> str:
     last = list_checkpoints(s.args.run.out_dir)
     return f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
@@ -433,10 +451,9 @@ def validate(s: Session) -> float:
         if not chunk:
             continue
         batch = collate(chunk, pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
-        tgt = shift_labels(batch["labels"], IGNORE_INDEX).to(fabric.device)
-        logits = s.model(batch["input_ids"].to(fabric.device), lm_head_chunk=head_chunk(inputs.config))
-        total += torch.stack([chunked_cross_entropy(logits, tgt, IGNORE_INDEX).float(),
-                              (tgt != IGNORE_INDEX).sum().float()])
+        tgt = shift_labels(batch["labels"], IGNORE_INDEX)
+        total += torch.stack([_batch_loss(s, batch, tgt).float(),
+                              (tgt != IGNORE_INDEX).sum().float().to(fabric.device)])
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total
     val_loss = float(total[0] / total[1].clamp(min=1))
     if rank == 0 and val_data:
@@ -494,7 +511,8 @@ def summarize(s: Session) -> None:
                    tokens_per_sec=sum(s.iter_tokens) / max(sum(s.iter_times), 1e-9) if s.iter_times else None,
                    peak_memory_gb=mem, memory_kind="cuda max allocated" if fabric.device.type == "cuda" else "peak RSS",
                    final_train_loss=s.losses[-1] if s.losses else None, final_val_loss=s.val_loss,
-                   skipped_steps=s.skipped, fp16_overflow_skips=s.overflow_skips,
+                   skipped_steps=s.skipped, fp16_overflow_skips=s.overflow_skips, packing=s.args.data.packing,
+                   real_token_share=sum(s.iter_tokens) / s.computed_tokens if s.computed_tokens else None,
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
                    trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
                    quantized_bytes=r["quantized_bytes"],

@@ -69,6 +69,9 @@ class DataArgs:
     """Prompt template used when raw data is prepared on the fly (stored with the adapter)."""
     mask_inputs: bool = True
     """Train on the responses only (prompt tokens get no loss)."""
+    packing: bool = False
+    """Pack several samples into each row of --max_seq_length tokens (attention stays inside each sample, positions
+    restart per sample), so almost no computed token is padding; a micro batch is then micro_batch_size such rows."""
 
 
 @dataclass

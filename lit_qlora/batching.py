@@ -1,4 +1,5 @@
-"""Batches for training: right-padded collation and a reproducible, resumable stream of batches, epoch after epoch."""
+"""Batches for training: right-padded collation, packed rows of several samples, and a reproducible, resumable
+stream of batches, epoch after epoch."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -28,6 +29,55 @@ def collate(
     return {"input_ids": input_ids, "labels": labels, "lengths": lengths}
 
 
+def collate_packed(rows: list[list[dict[str, Tensor]]], pad_id: int = 0, ignore_index: int = -100) -> dict[str, Tensor]:
+    """Rows of samples laid end to end, right-padded to the longest row. Besides input_ids, labels and lengths (real
+    tokens per row): `positions`, restarting at 0 with every sample, and `segments`, the sample's number in its row
+    (-1 for padding), which keep attention inside each sample (GPT.forward). Each sample's first label is ignored: the
+    token before it belongs to another sample, so every sample is trained exactly as it would be alone."""
+    L = max(sum(len(s["input_ids"]) for s in row) for row in rows)
+    input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), L), ignore_index, dtype=torch.long)
+    positions = torch.zeros((len(rows), L), dtype=torch.long)
+    segments = torch.full((len(rows), L), -1, dtype=torch.long)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for j, s in enumerate(row):
+            n = len(s["input_ids"])
+            input_ids[r, at:at + n] = s["input_ids"]
+            labels[r, at:at + n] = s["labels"]
+            labels[r, at] = ignore_index
+            positions[r, at:at + n] = torch.arange(n)
+            segments[r, at:at + n] = j
+            at += n
+        lengths[r] = at
+    return {"input_ids": input_ids, "labels": labels, "lengths": lengths, "positions": positions, "segments": segments}
+
+
+def pack_rows(samples: list[dict[str, Tensor]], order: list[int], start: int, n_rows: int,
+              capacity: int) -> tuple[list[list[dict[str, Tensor]]], int]:
+    """Up to `n_rows` rows of at most `capacity` tokens, filled with the samples of `order` from `start` on, in order
+    (a sample that does not fit starts the next row). Returns (rows, the position after the last sample used)."""
+    rows, row, used, i = [], [], 0, start
+    while i < len(order):
+        n = len(samples[order[i]]["input_ids"])
+        if n > capacity:
+            raise UserError(f"sample {order[i]} has {n} tokens, more than --max_seq_length {capacity}, so it cannot be "
+                            "packed; prepare the data with this --max_seq_length or raise --max_seq_length")
+        if used + n > capacity:
+            rows.append(row)
+            row, used = [], 0
+            if len(rows) == n_rows:
+                return rows, i
+            continue
+        row.append(samples[order[i]])
+        used += n
+        i += 1
+    if row:
+        rows.append(row)
+    return rows, i
+
+
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     """Sample order of one epoch, rebuilt from (seed, epoch) alone so a resumed run needs no saved generator state.
     The first epoch's order is the one `DataLoader(shuffle=True, generator=Generator().manual_seed(seed))` gives,
@@ -48,6 +98,8 @@ class BatchStream:
 
     length_grouped: within chunks of 64 batches of the shuffled order, sort samples by length so a
     batch holds similar lengths (less padding); batches stay in an order fixed by the seed.
+    packing (with max_seq_length): a batch is `batch_size` rows of up to max_seq_length tokens, each holding as
+    many consecutive samples as fit (`collate_packed`); the position counts samples, so resuming works the same.
     """
 
     def __init__(
@@ -60,9 +112,14 @@ class BatchStream:
         pad_id: int = 0,
         ignore_index: int = -100,
         pad_multiple_of: int | None = None,
+        packing: bool = False,
+        max_seq_length: int | None = None,
     ) -> None:
         if not samples:
             raise UserError("no samples to train on; check the data folder")
+        if packing and not max_seq_length:
+            raise ValueError("packing needs max_seq_length, the length of a packed row")
+        self.packing, self.max_seq_length = packing, max_seq_length
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
         self.shuffle, self.length_grouped = shuffle, length_grouped
         self.collate_kw = dict(pad_id=pad_id, ignore_index=ignore_index, pad_multiple_of=pad_multiple_of)
@@ -83,11 +140,17 @@ class BatchStream:
     def __next__(self) -> dict[str, Tensor]:
         if self._order is None:
             self._order = self._epoch_order()
-        idx = self._order[self.position:self.position + self.batch_size]
-        self.position += len(idx)
+        if self.packing:
+            rows, self.position = pack_rows(self.samples, self._order, self.position, self.batch_size,
+                                            self.max_seq_length)
+            batch = collate_packed(rows, self.collate_kw["pad_id"], self.collate_kw["ignore_index"])
+        else:
+            idx = self._order[self.position:self.position + self.batch_size]
+            self.position += len(idx)
+            batch = collate([self.samples[i] for i in idx], **self.collate_kw)
         if self.position >= len(self._order):
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        return collate([self.samples[i] for i in idx], **self.collate_kw)
+        return batch
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}

@@ -35,34 +35,40 @@ class GPT(nn.Module):
         self.compiled_blocks: Optional[list] = None  # set by compile_blocks(): used for training steps only
 
     def rope_cache(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]."""
+        """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]
+        for positions [T], [B, T, rope_n_elem] for per-row positions [B, T] (packed samples)."""
         c = self.config
         n = c.rope_n_elem
         inv_freq = 1.0 / (c.rope_base ** (torch.arange(0, n, 2, device=positions.device, dtype=torch.float32) / n))
         if c.rope_scaling:
             inv_freq = llama3_scale_inv_freq(inv_freq, c.rope_scaling)
-        freqs = torch.outer(positions.float(), inv_freq)  # [T, n/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, n]
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., T, n/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, n]
         return emb.cos(), emb.sin()
 
-    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
-                lm_head_chunk: int = 0) -> torch.Tensor | list[torch.Tensor]:
-        """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode)."""
-        B, T = idx.shape
-        if input_pos is None:
-            positions = torch.arange(T, device=idx.device)
-        else:
-            if self.kv_caches is None:
-                raise RuntimeError("call set_kv_cache() before passing input_pos")
-            positions = input_pos
-        cos, sin = self.rope_cache(positions)
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
+                positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
+                output_mask: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
+        """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode).
 
+        Packed samples (training): `segments` [B, T] numbers the sample each token belongs to (-1: padding) and
+        `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `output_mask` [B, T]:
+        only those positions go through the output layer (the ones that have a target), giving logits [N, V]."""
+        B, T = idx.shape
         x = self.transformer.wte(idx)  # [B, T, C]
         if self.config.scale_embeddings:
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        if segments is not None:
+            cos, sin = (t.unsqueeze(1) for t in self.rope_cache(positions))  # [B, 1, T, n]: broadcast over heads
+            mask, kv_len = packed_attention_mask(segments, positions, self.config.sliding_window_size), T
+        else:
+            if input_pos is not None and self.kv_caches is None:
+                raise RuntimeError("call set_kv_cache() before passing input_pos")
+            positions = torch.arange(T, device=idx.device) if input_pos is None else input_pos
+            cos, sin = self.rope_cache(positions)
+            mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
         training = self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             cache = self.kv_caches[i] if input_pos is not None else None
@@ -74,10 +80,16 @@ class GPT(nn.Module):
             else:
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len)
         x = self.transformer.ln_f(x)
+        if output_mask is not None:
+            # Why: prompt and padding positions have no target. Skipping them in the output layer saves its matmuls
+            # and, with a large vocabulary, most of the step's peak memory (the logits and their fp32 softmax).
+            x, dim, lm_head_chunk = x[output_mask], 0, lm_head_chunk * B  # [N, C]
+        else:
+            dim = 1
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
-            return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=1)]
-        return self.lm_head(x)  # [B, T, V]
+            return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=dim)]
+        return self.lm_head(x)  # [B, T, V] (or [N, V])
 
     def compile_blocks(self) -> None:
         """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
@@ -161,6 +173,17 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
+
+
+def packed_attention_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """Boolean [B, 1, T, T] for rows of packed samples: a token sees the earlier tokens of its own sample (and only
+    the last `window` of them). Padding (segment -1) sees the padding before it, so no softmax row is empty."""
+    T = segments.size(1)
+    idx = torch.arange(T, device=segments.device)
+    mask = (segments[:, :, None] == segments[:, None, :]) & (idx[None, :] <= idx[:, None])  # [B, query, key]
+    if window is not None:
+        mask &= positions[:, None, :] > positions[:, :, None] - window
+    return mask.unsqueeze(1)
 
 
 def attention_mask(positions: torch.Tensor, length: int, window: Optional[int], device: torch.device) -> torch.Tensor:

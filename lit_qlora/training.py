@@ -36,13 +36,15 @@ class TrainingDiverged(UserError):
 def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
                           ignore_index: int = -100) -> torch.Tensor:
     """Sum (not mean) of token losses. `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`: the fp32
-    upcast is then made chunk by chunk (autograd still keeps every chunk's fp32 log-probabilities for backward)."""
+    upcast is then made chunk by chunk (autograd still keeps every chunk's fp32 log-probabilities for backward).
+    Logits [B, T, V] go with targets [B, T]; logits of selected positions [N, V] (`GPT(output_mask=...)`) with the
+    targets of those positions [N]."""
     if isinstance(logits, torch.Tensor):
         logits = [logits]
     total, start = None, 0
     for chunk in logits:
-        T = chunk.size(1)
-        t = targets[:, start:start + T]
+        T = chunk.size(1) if chunk.dim() == 3 else chunk.size(0)
+        t = targets[:, start:start + T] if chunk.dim() == 3 else targets[start:start + T]
         start += T
         loss = F.cross_entropy(chunk.reshape(-1, chunk.size(-1)).float(), t.reshape(-1), ignore_index=ignore_index,
                                reduction="sum")
@@ -294,13 +296,13 @@ def check_resume_compatible(state: dict, now: dict) -> None:
 
 # ---- during the loop -------------------------------------------------------------------------------
 def shard_batch(batch: dict, rank: int, world: int) -> dict:
-    """This device's rows of a global micro-batch, trimmed to their own longest sample."""
+    """This device's rows of a global micro-batch, trimmed to their own longest row."""
     if world == 1:
         return batch
     rows = slice(rank, None, world)
     part = {k: v[rows] for k, v in batch.items()}
     T = int(part["lengths"].max()) if len(part["lengths"]) else 1
-    return {"input_ids": part["input_ids"][:, :T], "labels": part["labels"][:, :T], "lengths": part["lengths"]}
+    return {k: v[:, :T] if v.dim() == 2 else v for k, v in part.items()}
 
 
 def all_finite(tensors) -> bool:

@@ -1,9 +1,11 @@
-"""Collation and the reproducible, resumable batch stream."""
+"""Collation, packing and the reproducible, resumable batch stream."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from lit_qlora.batching import BatchStream, collate
+from lit_qlora.batching import BatchStream, collate, epoch_order, pack_rows
+from lit_qlora.utils import UserError
 
 
 def _sample(n: int, start: int = 10) -> dict:
@@ -43,3 +45,51 @@ def test_batch_stream_reproducible_and_resumable():
     grouped = BatchStream(samples, batch_size=5, seed=3, length_grouped=True)
     lengths = [sorted(len(samples[i // 100]["input_ids"]) for i in first(next(grouped))) for _ in range(2)]
     assert min(lengths[0]) >= max(lengths[1])  # longest samples batched together
+
+
+def _samples(lengths: list[int]) -> list[dict]:
+    return [{"input_ids": torch.arange(n) + 10 * i, "labels": torch.arange(n) + 10 * i} for i, n in enumerate(lengths)]
+
+
+def test_packing_fills_rows_in_order_and_uses_every_sample_once():
+    lengths = [5, 9, 3, 7, 2, 8, 6, 4, 1, 10]
+    samples = _samples(lengths)
+    stream = BatchStream(samples, batch_size=2, seed=3, packing=True, max_seq_length=12)
+    order = epoch_order(len(samples), 3, 0)
+    seen = []
+    while stream.epoch == 0:
+        batch = stream.__next__()
+        assert batch["input_ids"].shape[1] <= 12 and batch["input_ids"].shape[0] <= 2
+        for r in range(batch["input_ids"].shape[0]):
+            seg, ids = batch["segments"][r], batch["input_ids"][r]
+            assert int(batch["lengths"][r]) == int((seg >= 0).sum())
+            for j in range(int(seg.max()) + 1):
+                part = ids[seg == j]
+                first = int(part[0]) // 10
+                assert torch.equal(part, samples[first]["input_ids"])  # a sample is whole and contiguous
+                assert torch.equal(batch["positions"][r][seg == j], torch.arange(len(part)))
+                seen.append(first)
+    assert seen == order  # every sample once, in the epoch's order
+    # greedy: a row is closed only when the next sample does not fit
+    rows, _ = pack_rows(samples, order, 0, 100, 12)
+    for row, nxt in zip(rows, rows[1:]):
+        assert sum(len(s["input_ids"]) for s in row) + len(nxt[0]["input_ids"]) > 12
+
+
+def test_packed_stream_resumes_at_the_same_sample():
+    samples = _samples([5, 9, 3, 7, 2, 8, 6, 4, 1, 10, 3, 3])
+    a = BatchStream(samples, batch_size=1, seed=1, packing=True, max_seq_length=10)
+    for _ in range(3):
+        next(a)
+    b = BatchStream(samples, batch_size=1, seed=99, packing=True, max_seq_length=10)
+    b.load_state_dict(a.state_dict())
+    for _ in range(8):  # into the next epoch
+        x, y = next(a), next(b)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_sample_longer_than_a_packed_row_is_refused_in_one_line():
+    stream = BatchStream(_samples([4, 30, 5]), batch_size=2, seed=0, shuffle=False, packing=True, max_seq_length=16)
+    with pytest.raises(UserError) as e:
+        next(stream)
+    assert "\n" not in str(e.value) and "30 tokens, more than --max_seq_length 16" in str(e.value)

@@ -6,8 +6,10 @@
   added (bos is in the text when the template writes it) and special-token strings in the text read as those tokens.
 * `assistant_mask` gives (input_ids, labels) for supervised fine-tuning where only the assistant turns (content and
   the template's end-of-turn token) are trained, for any template: no `{% generation %}` markers are needed.
-* `end_of_turn_ids` finds the token(s) a template ends an assistant turn with, so generation can stop there.
-* `load_conversations` / `normalize_conversation` read OpenAI-style `messages` and ShareGPT `conversations` records.
+* `end_of_turn_ids` finds the token(s) a template ends an assistant turn with; `stop_ids` adds them to the
+  checkpoint's eos ids: what generation stops at.
+* `load_conversations` / `load_conversation_rows` / `normalize_conversation` read OpenAI-style `messages` and
+  ShareGPT `conversations` records; `instruction_messages` turns an instruction record into a conversation.
 
 Nothing here imports transformers; the tests compare every result with it.
 """

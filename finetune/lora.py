@@ -31,6 +31,7 @@ from lit_qlora import demo
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
 from lit_qlora.batching import BatchStream, collate, pack_rows
+from lit_qlora.chat_template import stop_ids
 from lit_qlora.convert import ensure_converted
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model
@@ -46,6 +47,7 @@ from lit_qlora.quantize import (
     resolve_quantize_lm_head,
     validation_mode,
 )
+from lit_qlora.templates import CHAT
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.training import (
     FINAL_ADAPTER,
@@ -279,10 +281,12 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     steps_per_epoch = max(1, -(-units // inputs.batch_size))
     max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
     head_quantized = inputs.quantize is not None and resolve_quantize_lm_head(inputs.config, run.quantize_lm_head)
+    template = inputs.data_meta.get("template", args.data.template)
     train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
-                      template=inputs.data_meta.get("template", args.data.template),
-                      max_seq_length=inputs.max_seq_length, mask_inputs=args.data.mask_inputs,
-                      checkpoint_dir=str(run.checkpoint_dir), data_dir=str(args.data.data_dir))
+                      template=template, max_seq_length=inputs.max_seq_length, mask_inputs=args.data.mask_inputs,
+                      checkpoint_dir=str(run.checkpoint_dir), data_dir=str(args.data.data_dir),
+                      # the text the data was rendered with, so inference renders exactly the same (generate/*.py)
+                      chat_template=inputs.tokenizer.chat_template if template == CHAT else None)
     return Session(fabric, model, gpt, optimizer, stream, args, inputs, max_steps,
                    inputs.batch_size // (inputs.micro_batch_size * world), train_info, report,
                    rss_after_load)
@@ -457,16 +461,19 @@ def validate(s: Session) -> float:
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total
     val_loss = float(total[0] / total[1].clamp(min=1))
     if rank == 0 and val_data:
-        # One sample from the first validation prompt, so progress is visible in words too
+        # One sample from the first validation prompt, so progress is visible in words too. The prompt is everything
+        # before the first trained token (for a conversation: up to its first assistant turn).
         labels = val_data[0]["labels"]
-        n_prompt = int((labels == IGNORE_INDEX).sum()) if s.args.data.mask_inputs else 0
+        trained = (labels != IGNORE_INDEX).nonzero()
+        n_prompt = int(trained[0]) if s.args.data.mask_inputs and len(trained) else 0
         n_prompt = n_prompt or max(1, len(labels) // 2)  # nothing masked: prompt with the first half
         prompt = val_data[0]["input_ids"][:n_prompt]
         tok = inputs.tokenizer
+        chat = s.train_info.get("chat_template")  # the chat template's end-of-turn token ends the reply too
         with fabric.autocast():
             out = generate(s.gpt, prompt,
                            max_new_tokens=min(e.eval_max_new_tokens, inputs.config.block_size - len(prompt)),
-                           eos_ids=tok.stop_ids or [tok.eos_id])
+                           eos_ids=stop_ids(tok, chat))
         text = tok.decode(out[len(prompt):]).strip().replace("\n", " ")
         print(f"validation: loss {val_loss:.4f}, perplexity {float(torch.tensor(val_loss).exp()):.2f} | sample: "
               f"{text[:200]!r}", file=sys.stderr)

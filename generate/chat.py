@@ -1,9 +1,13 @@
 """Chat with a model (and optionally an adapter) in the terminal.
 
-    python generate/chat.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf --quantize bnb.nf4
+    python generate/chat.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --quantize bnb.nf4
 
-Multi-turn with the model's chat template when its tokenizer_config.json has one; otherwise each turn uses the
-adapter's prompt template with the conversation so far. Type `!reset` to start over, `!quit` (or Ctrl-D) to leave.
+Multi-turn in the model's own chat template, rendered as transformers' apply_chat_template does (the real bos/eos
+strings, bos once), when the adapter was trained with it (`--template chat`, recorded in the adapter: its very template
+text is used) or, without an adapter template, when the checkpoint has one; otherwise each turn uses the adapter's
+prompt template with the conversation so far. Replies stop at the checkpoint's eos ids and the chat template's
+end-of-turn token, and are printed while they are generated. Type `!reset` to start over, `!quit` (or Ctrl-D) to
+leave.
 """
 from __future__ import annotations
 
@@ -14,25 +18,45 @@ from typing import Optional
 import torch
 
 from lit_qlora import demo
-from lit_qlora.chat_template import encode_chat, end_of_turn_ids
+from lit_qlora.chat_template import encode_chat, stop_ids
 from lit_qlora.generation import generate
 from lit_qlora.inference import (
+    StreamPrinter,
     autocast_for,
+    chat_template_text,
     format_prompt,
     load_for_inference,
     pick_device,
+    prompt_template,
     resolve_generation_precision,
 )
+from lit_qlora.templates import CHAT
 from lit_qlora.utils import run_cli
 
 
-def encode_prompt(messages: list[dict], tokenizer, adapter: Optional[dict], template: Optional[str]) -> torch.Tensor:
-    """Prompt ids. With a chat template: the ids transformers' apply_chat_template gives (real bos/eos strings in the
-    text, bos once); otherwise the adapter's prompt template over the conversation so far."""
-    if tokenizer.chat_template:
-        return torch.tensor(encode_chat(tokenizer, messages, add_generation_prompt=True), dtype=torch.long)
+def chat_template_for(tokenizer, adapter, template: Optional[str]) -> Optional[str]:
+    """The chat template text the conversation is rendered with, or None for a prompt template: with --template chat,
+    or no --template and an adapter trained with chat, or neither template named and a checkpoint that has one."""
+    name = prompt_template(adapter, template)
+    if name == CHAT or (name is None and tokenizer.chat_template):
+        return chat_template_text(tokenizer, adapter)
+    return None
+
+
+def conversation_ids(messages: list[dict], tokenizer, chat: Optional[str], adapter, template: Optional[str]
+                     ) -> torch.Tensor:
+    """Prompt ids of the conversation so far. With a chat template: the ids transformers' apply_chat_template gives
+    (add_generation_prompt=True); otherwise the adapter's prompt template over the conversation so far."""
+    if chat:
+        return torch.tensor(encode_chat(tokenizer, messages, add_generation_prompt=True, template=chat),
+                            dtype=torch.long)
     history = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
     return tokenizer.encode(history + format_prompt(messages[-1]["content"], "", adapter, template))
+
+
+def encode_prompt(messages: list[dict], tokenizer, adapter, template: Optional[str]) -> torch.Tensor:
+    """`conversation_ids` with the template `chat_template_for` picks."""
+    return conversation_ids(messages, tokenizer, chat_template_for(tokenizer, adapter, template), adapter, template)
 
 
 def main(
@@ -49,7 +73,12 @@ def main(
     accelerator: str = "auto",
     template: Optional[str] = None,
 ) -> None:
-    """Interactive chat. Arguments as in generate/lora.py (lora_path optional)."""
+    """Interactive chat. Arguments as in generate/lora.py (lora_path optional).
+
+    Args:
+        template: alpaca, plain or chat; default: the adapter's (for chat, the template text it was trained with),
+            else chat when the checkpoint has a chat template.
+    """
     if checkpoint_dir is None:
         checkpoint_dir = demo.ensure_demo_checkpoint()
         default_adapter = Path("out/lora/demo/lit_model_lora_finetuned.pth")
@@ -59,9 +88,8 @@ def main(
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), lora_path, quantize, precision, device,
                                                    quantize_lm_head=quantize_lm_head, precision_why=precision_why)
     gen = torch.Generator(device=device).manual_seed(seed)
-    stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-    if tokenizer.chat_template:  # the template's end-of-turn token (e.g. <|im_end|>) may not be among the eos ids
-        stops = list(dict.fromkeys([*stops, *end_of_turn_ids(tokenizer)]))
+    chat = chat_template_for(tokenizer, adapter, template)
+    stops = stop_ids(tokenizer, chat)  # eos ids, and the template's end-of-turn token (e.g. <|im_end|>)
     messages: list[dict] = []
     while True:
         try:
@@ -74,30 +102,21 @@ def main(
             messages = []
             continue
         messages.append({"role": "user", "content": line})
-        ids = encode_prompt(messages, tokenizer, adapter, template)
+        ids = conversation_ids(messages, tokenizer, chat, adapter, template)
         budget = min(max_new_tokens, model.config.block_size - len(ids))
         if budget <= 0:
-            print("(the conversation is longer than the model's context; type !reset)", file=sys.stderr)
+            print(f"(the conversation is {len(ids)} tokens, longer than the model's context of "
+                  f"{model.config.block_size}; type !reset to start over)", file=sys.stderr, flush=True)
             messages.pop()
             continue
         print(">> Model: ", end="", flush=True)
-        printed, new = "", []
-
-        def on_token(tok: int) -> None:
-            nonlocal printed
-            if tok in stops:
-                return
-            new.append(tok)
-            text = tokenizer.decode(new)
-            if text.startswith(printed) and not text.endswith("\ufffd"):
-                print(text[len(printed):], end="", flush=True)
-                printed = text
-
+        printer = StreamPrinter(tokenizer, skip_ids=stops)
         with autocast_for(precision, device):
             generate(model, ids, budget, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
-                     generator=gen, on_token=on_token)
-        print()
-        messages.append({"role": "assistant", "content": tokenizer.decode(new)})
+                     generator=gen, on_token=printer.feed)
+        reply = printer.finish()  # prints what was held back (a character cut off at the end): all of the reply
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Optional
 
 from lit_qlora import demo
 from lit_qlora.inference import (
-    format_prompt,
+    encode_prompt,
     load_for_inference,
     pick_device,
     resolve_generation_precision,
@@ -49,7 +49,8 @@ def main(
         checkpoint_dir: the base model the adapter was trained on (left out: the demo model).
         lora_path: an adapter file written by finetune/lora.py (any checkpoint of it) or a PEFT folder.
         prompt: the instruction. input: optional input for templates that have one.
-        max_new_tokens: tokens to generate at most (stops earlier at the end-of-sequence token).
+        max_new_tokens: tokens to generate at most (stops earlier at an eos id of the checkpoint, or with the chat
+            template at its end-of-turn token).
         temperature: 0 is greedy; higher samples. top_k / top_p: sampling filters.
         num_samples: how many continuations to generate.
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8, whatever the adapter was trained with.
@@ -60,7 +61,8 @@ def main(
         devices: generation runs on one device; more are refused.
         stream: print tokens as they are produced.
         merge: add the adapter to the weights before quantizing (fast); false keeps separate LoRA layers.
-        template: prompt template; default: the one the adapter was trained with.
+        template: alpaca, plain or chat (the model's chat template, one user turn); default: the one the adapter was
+            trained with (for chat, the very template text recorded in it).
         metrics_file: also write tokens/s, time and memory as JSON there.
     """
     if checkpoint_dir is None:
@@ -80,9 +82,9 @@ def main(
     model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), Path(lora_path), quantize, precision, device,
                                                    merge, quantize_lm_head=quantize_lm_head,
                                                    precision_why=precision_why)
-    text = format_prompt(prompt if prompt is not None else "", input, adapter, template)
-    run_prompts(model, tokenizer, text, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
-                metrics_file, precision)
+    ids, stops = encode_prompt(tokenizer, prompt if prompt is not None else "", input, adapter, template)
+    run_prompts(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
+                metrics_file, precision, stops=stops)
 
 
 if __name__ == "__main__":

@@ -65,10 +65,13 @@ class DataArgs:
     """Prepared data (scripts/prepare_alpaca.py) or a folder with train.json + val.json or one .json/.jsonl/.csv."""
     max_seq_length: Optional[int] = None
     """Longest sample in tokens (longer ones are truncated); default: the model's context."""
-    template: str = "alpaca"
-    """Prompt template used when raw data is prepared on the fly (stored with the adapter)."""
+    template: str = "auto"
+    """How raw data is rendered (stored with the adapter): alpaca or plain (prompt templates for instruction records),
+    chat (the model's own chat template, for conversations or instruction records), or auto: chat when the data
+    holds conversations, alpaca otherwise."""
     mask_inputs: bool = True
-    """Train on the responses only (prompt tokens get no loss)."""
+    """Train on the responses only (prompt tokens get no loss; with chat, the assistant turns only, each with its
+    end-of-turn token)."""
     packing: bool = False
     """Pack several samples into each row of --max_seq_length tokens (attention stays inside each sample, positions
     restart per sample), so almost no computed token is padding; a micro batch is then micro_batch_size such rows."""

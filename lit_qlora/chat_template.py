@@ -6,8 +6,10 @@
   added (bos is in the text when the template writes it) and special-token strings in the text read as those tokens.
 * `assistant_mask` gives (input_ids, labels) for supervised fine-tuning where only the assistant turns (content and
   the template's end-of-turn token) are trained, for any template: no `{% generation %}` markers are needed.
-* `end_of_turn_ids` finds the token(s) a template ends an assistant turn with, so generation can stop there.
-* `load_conversations` / `normalize_conversation` read OpenAI-style `messages` and ShareGPT `conversations` records.
+* `end_of_turn_ids` finds the token(s) a template ends an assistant turn with; `stop_ids` adds them to the
+  checkpoint's eos ids: what generation stops at.
+* `load_conversations` / `load_conversation_rows` / `normalize_conversation` read OpenAI-style `messages` and
+  ShareGPT `conversations` records; `instruction_messages` turns an instruction record into a conversation.
 
 Nothing here imports transformers; the tests compare every result with it.
 """
@@ -617,9 +619,9 @@ def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
     return out
 
 
-def load_conversations(path: Path | str) -> list[list[dict]]:
-    """Read conversation records from a .json file (a list of rows) or .jsonl (one row per line) and normalize each;
-    the first bad row is refused in one line (for .jsonl, the row number is the line number)."""
+def load_conversation_rows(path: Path | str) -> list[tuple[int, list[dict]]]:
+    """(row, messages) of each conversation record in a .json file (a list of rows) or .jsonl (one row per line),
+    normalized; the first bad row is refused in one line (for .jsonl, the row number is the line number)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data file {path} does not exist or is not a file; check the path")
@@ -652,4 +654,32 @@ def load_conversations(path: Path | str) -> list[list[dict]]:
                                     "fix that line, each line must be one JSON object") from None
     if not rows:
         raise UserError(f"{path} holds no conversations; add some or pick another file")
-    return [normalize_conversation(rec, row, path) for row, rec in rows]
+    return [(row, normalize_conversation(rec, row, path)) for row, rec in rows]
+
+
+def load_conversations(path: Path | str) -> list[list[dict]]:
+    """The normalized messages of every conversation record in a .json / .jsonl file (see
+    `load_conversation_rows`)."""
+    return [messages for _, messages in load_conversation_rows(path)]
+
+
+def instruction_messages(instruction: str, input: str = "", output: str | None = None) -> list[dict]:
+    """An instruction record as a conversation: one user turn (the instruction, then the input after a blank line
+    when there is one) and, when `output` is given, the assistant's reply. Training (`--template chat` on
+    instruction data) and generate/lora.py build the user turn the same way."""
+    user = instruction if not input.strip() else f"{instruction}\n\n{input}"
+    messages = [{"role": "user", "content": user}]
+    if output is not None:
+        messages.append({"role": "assistant", "content": output})
+    return messages
+
+
+def stop_ids(tokenizer: Any, template: str | None = None) -> list[int]:
+    """The ids generation stops at: every eos id of the checkpoint (tokenizer_config.json's eos token and each id
+    in generation_config.json's / config.json's eos_token_id, `Tokenizer.stop_ids`) and, when rendering with a chat
+    template (`template`, the text), the template's end-of-turn token(s), which an instruct model may end a reply
+    with without listing them as eos (e.g. <|im_end|> with eos <|endoftext|>)."""
+    stops = list(tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else []))
+    if template:
+        stops += end_of_turn_ids(tokenizer, template)
+    return list(dict.fromkeys(stops))

@@ -1,5 +1,7 @@
 """What generate/base.py, generate/lora.py and generate/chat.py share: loading a model for inference (adapter merged
-before quantization) and running prompts with the figures users compare (tokens/s, memory)."""
+before quantization), the prompt as the adapter saw it in training (a prompt template or the chat template, with the
+stop ids that go with it), printing text while it is generated (`StreamPrinter`) and running prompts with the figures
+users compare (tokens/s, memory)."""
 from __future__ import annotations
 
 import json
@@ -7,17 +9,18 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
 from lit_qlora.adapter import Adapter
+from lit_qlora.chat_template import encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.convert import ensure_converted
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
-from lit_qlora.templates import get_template
+from lit_qlora.templates import CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, memory_used_gb
 
@@ -77,11 +80,100 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
 
 
 def format_prompt(prompt: str, input: str, adapter: Optional[Adapter], template: Optional[str]) -> str:
-    """The prompt as the adapter saw it in training: its stored template unless one is given."""
+    """The prompt as the adapter saw it in training with a prompt template (alpaca, plain): its stored template
+    unless one is given; none: the prompt as it is."""
     name = template or (adapter.train.get("template") if adapter is not None else None)
     if not name:
         return prompt if not input else f"{prompt}\n{input}"
     return get_template(name).format(prompt, input)
+
+
+def prompt_template(adapter: Optional[Adapter], template: Optional[str]) -> Optional[str]:
+    """The template prompts are rendered with: `template` (--template) when given, else the one the adapter was
+    trained with (alpaca, plain or chat); None: none recorded."""
+    return check_template_name(template) or (adapter.train.get("template") if adapter is not None else None)
+
+
+def chat_template_text(tokenizer: Tokenizer, adapter: Optional[Adapter]) -> str:
+    """The chat template to render with: the text the adapter was trained with (recorded in it), so the prompt is
+    tokenized exactly as in training, else the checkpoint's (a one-line UserError when there is none)."""
+    recorded = adapter.train.get("chat_template") if adapter is not None else None
+    if recorded and tokenizer.chat_template and recorded != tokenizer.chat_template:
+        say(f"note: the chat template in {tokenizer.checkpoint_dir} differs from the one the adapter was trained "
+            "with; rendering with the adapter's")
+    return recorded or template_of(tokenizer)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, input: str, adapter: Optional[Adapter],
+                  template: Optional[str]) -> tuple[torch.Tensor, list[int]]:
+    """(prompt ids, stop ids) for one instruction, as the adapter saw it in training (see `prompt_template`).
+
+    chat: one user turn (`chat_template.instruction_messages`, as training renders instruction records) and the
+    assistant header, the ids transformers' apply_chat_template(add_generation_prompt=True) gives; generation stops
+    at the template's end-of-turn token as well as at the checkpoint's eos ids. Otherwise the prompt template's text
+    (or the raw prompt) tokenized as in training, stopping at the eos ids.
+    """
+    if prompt_template(adapter, template) == CHAT:
+        chat = chat_template_text(tokenizer, adapter)
+        ids = encode_chat(tokenizer, instruction_messages(prompt, input), add_generation_prompt=True, template=chat)
+        return torch.tensor(ids, dtype=torch.long), stop_ids(tokenizer, chat)
+    return tokenizer.encode(format_prompt(prompt, input, adapter, template)), stop_ids(tokenizer)
+
+
+def _write_stdout(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+class StreamPrinter:
+    """Prints generated text while it is generated, so that what it prints adds up to `tokenizer.decode(ids)`.
+
+    `feed(id)` for each new token: the text is written as soon as the ids so far decode to whole characters (a
+    character split over several byte tokens is held back until its last byte arrives). `finish()` writes what is
+    still held back (e.g. a character cut off by max_new_tokens, which decodes to U+FFFD as in the non-streamed
+    reply) and returns the whole text. Ids in `skip_ids` (stop tokens) are not part of the text. `write` gets each
+    piece (default: stdout, flushed).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_ids: Iterable[int] = (),
+                 write: Optional[Callable[[str], Any]] = None) -> None:
+        self.tokenizer, self.skip = tokenizer, set(skip_ids)
+        self.write = write or _write_stdout
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def feed(self, token_id: int) -> None:
+        """Take one generated id; write the new text if it decodes to whole characters."""
+        if token_id in self.skip:
+            return
+        self.ids.append(int(token_id))
+        # Decoding all ids (not the new one alone) keeps merges across tokens, e.g. a multi-byte character or a
+        # sentencepiece word boundary; a trailing U+FFFD is an incomplete character for now.
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd") and text.startswith(self.printed):
+            self._emit(text)
+
+    def finish(self) -> str:
+        """Write whatever was held back; returns the whole text (what the non-streamed reply would be)."""
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.printed):
+            self._emit(text)
+        else:  # a decoder that rewrote earlier text (none of ours): the rest after what both share
+            self.write(text[_shared_prefix(text, self.printed):])
+            self.printed = text
+        return text
+
+    def _emit(self, text: str) -> None:
+        if len(text) > len(self.printed):
+            self.write(text[len(self.printed):])
+        self.printed = text
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -90,44 +182,34 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=prec.dtype) if prec.mixed else nullcontext()
 
 
-def run_prompts(model, tokenizer, text: str, max_new_tokens: int, temperature: float, top_k: Optional[int],
-                top_p: Optional[float], seed: int, num_samples: int, stream: bool, device: torch.device,
-                metrics_file: Optional[Path] = None, precision: str = "bf16-true") -> list[str]:
-    """Generate `num_samples` continuations of `text`; the generated text alone goes to stdout."""
-    ids = tokenizer.encode(text)
+def run_prompts(model, tokenizer, prompt: Union[str, torch.Tensor], max_new_tokens: int, temperature: float,
+                top_k: Optional[int], top_p: Optional[float], seed: int, num_samples: int, stream: bool,
+                device: torch.device, metrics_file: Optional[Path] = None, precision: str = "bf16-true",
+                stops: Optional[list[int]] = None) -> list[str]:
+    """Generate `num_samples` continuations of `prompt` (text, tokenized with the tokenizer's defaults, or ids); the
+    generated text alone goes to stdout, one line per sample, printed while it is generated with `stream`.
+    Generation stops at `stops` (default: the checkpoint's eos ids), which are not printed."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     max_new_tokens = min(max_new_tokens, model.config.block_size - len(ids))
     if max_new_tokens <= 0:
         raise UserError(f"the prompt has {len(ids)} tokens, the model's context is {model.config.block_size}; shorten "
                         "the prompt")
     gen = torch.Generator(device=device).manual_seed(seed)
     outputs, total_time, total_tokens = [], 0.0, 0
-    stops = tokenizer.stop_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    stops = stop_ids(tokenizer) if stops is None else stops
     for _ in range(num_samples):
-        printed = ""
-        new: list[int] = []
-
-        def on_token(tok: int) -> None:
-            nonlocal printed
-            if not stream:
-                return
-            new.append(tok)
-            text_now = tokenizer.decode([t for t in new if t not in stops])
-            if text_now.startswith(printed) and not text_now.endswith("\ufffd"):  # wait for complete characters
-                sys.stdout.write(text_now[len(printed):])
-                sys.stdout.flush()
-                printed = text_now
-
+        printer = StreamPrinter(tokenizer, skip_ids=stops) if stream else None
         t0 = time.perf_counter()
         with autocast_for(precision, device):
             out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
-                           generator=gen, on_token=on_token)
+                           generator=gen, on_token=printer.feed if printer else None)
         dt = time.perf_counter() - t0
-        new_ids = [t for t in out[len(ids):].tolist() if t not in stops]
-        text_out = tokenizer.decode(new_ids)
-        if stream:
-            sys.stdout.write(text_out[len(printed):] + "\n")
+        text_out = tokenizer.decode([t for t in out[len(ids):].tolist() if t not in stops])
+        if printer is not None:
+            printer.finish()  # the text held back, if any: the printed text is text_out
         else:
-            sys.stdout.write(text_out + "\n")
+            sys.stdout.write(text_out)
+        sys.stdout.write("\n")
         sys.stdout.flush()
         outputs.append(text_out)
         total_time += dt

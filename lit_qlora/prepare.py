@@ -4,6 +4,10 @@ A prepared folder holds `train.pt` and `val.pt` (lists of {"input_ids", "labels"
 `prepare_config.json` (how they were made). The config is written last, so a folder without it is an unfinished
 write and is never trusted. A raw data folder passed to finetune is prepared once into a cache subfolder, reused
 while the cache key (`DataSettings`, the tokenizer's fingerprint and the source files' hashes) matches.
+
+Records are instructions (instruction / input / output, rendered with a prompt template) or conversations
+(`messages` of role/content, or ShareGPT `conversations` of from/value), rendered with the model's own chat
+template (template `chat`) exactly as transformers' apply_chat_template does, with the loss on the assistant turns.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from lit_qlora import chat_template as ct
 from lit_qlora.records import RAW_SUFFIXES, check_records, load_records, split, text_of
-from lit_qlora.templates import get_template
+from lit_qlora.templates import AUTO, CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
@@ -27,6 +32,8 @@ CONFIG_NAME = "prepare_config.json"
 
 
 class TokenizerLike(Protocol):
+    """What preparing needs of a tokenizer (lit_qlora.tokenizer.Tokenizer; tests use stand-ins)."""
+
     bos_id: int | None
     eos_id: int | None
     fingerprint: str
@@ -40,7 +47,7 @@ class DataSettings:
     source files they are the cache key of a prepared folder."""
 
     max_seq_length: int
-    template: str = "alpaca"
+    template: str = AUTO  # alpaca, plain, chat, or auto (resolved by `resolve_template` before it keys a cache)
     mask_inputs: bool = True
     ignore_index: int = -100
     test_split_fraction: float = 0.05  # only when no separate validation file is given
@@ -61,17 +68,77 @@ class DataSettings:
 
 
 # ---- tokenizing --------------------------------------------------------------------------------------
+def resolve_template(name: str | None, holds_conversations: bool, tokenizer: TokenizerLike,
+                     source: object = "the data") -> str:
+    """The template records are prepared with: `name` when given (alpaca, plain, chat); for auto (or None) chat
+    when the data holds conversations, alpaca otherwise. Conversations need chat, and chat needs a tokenizer with a
+    chat template: anything else is a one-line UserError."""
+    name = check_template_name(name, allow_auto=True)
+    if name in (None, AUTO):
+        name = CHAT if holds_conversations else "alpaca"
+    if holds_conversations and name != CHAT:
+        raise UserError(f"{source} holds conversations (\"messages\" / \"conversations\" rows), which the {name} "
+                        "prompt template cannot render; use --template chat (the model's own chat template) or "
+                        "leave --template out")
+    if name == CHAT and not getattr(tokenizer, "chat_template", None):
+        what = "holds conversations" if holds_conversations else "is to be rendered with --template chat"
+        raise UserError(f"{source} {what}, but the tokenizer in {getattr(tokenizer, 'checkpoint_dir', '?')} has no "
+                        "chat template (no chat_template.jinja, no chat_template in tokenizer_config.json); use an "
+                        "instruct/chat model's folder, or instruction records with --template alpaca")
+    return name
+
+
+def file_holds_conversations(path: Path) -> bool:
+    """Whether a raw data file holds conversation records, judged by its first record (a .csv never does)."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        return False
+    # Only the first record is parsed (the file is read in full later, with its one-line errors); a file that does
+    # not parse here is read in full now, so its error comes out the same.
+    try:
+        text = path.read_text(encoding="utf-8-sig").lstrip()
+        start = 1 if text.startswith("[") else 0
+        while start < len(text) and text[start].isspace():
+            start += 1
+        return ct.is_conversation_record(json.JSONDecoder().raw_decode(text, start)[0])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ct.is_conversation_record(load_records(path, required=())[0])
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A checked conversation record: role/content messages and where they came from (named in errors)."""
+
+    messages: list
+    source: str
+
+
+def load_file_records(path: Path, s: DataSettings) -> list:
+    """Every record of a raw data file, checked before anything is tokenized (a bad row is a one-line UserError
+    naming it). With the chat template a conversation file's rows become `Conversation`s; instruction records stay
+    dicts."""
+    if s.template == CHAT and file_holds_conversations(path):
+        return [Conversation(messages, f"row {row} of {path}") for row, messages in ct.load_conversation_rows(path)]
+    return load_records(path, (s.instruction_key, s.output_key))
+
+
 def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings) -> tuple[list[dict], int]:
     """Tokenize records into {"input_ids", "labels"}; returns (samples, number truncated).
 
     With mask_inputs, samples whose response was truncated away entirely are left out (counted as truncated), so
     len(samples) can be less than len(records).
 
-    input_ids = tokenize(prompt + output) with eos. The prompt is tokenized on its own only to know how many leading
-    tokens to mask: tokenizing the joined text keeps the merges the model will see.
+    Prompt templates: input_ids = tokenize(prompt + output) with eos. The prompt is tokenized on its own only to know
+    how many leading tokens to mask: tokenizing the joined text keeps the merges the model will see. The chat
+    template: see `chat_samples`.
     """
     if s.max_seq_length < 1:
         raise UserError(f"max_seq_length must be at least 1, got {s.max_seq_length}; pass a positive number")
+    holds_conversations = bool(records) and (isinstance(records[0], Conversation)
+                                             or ct.is_conversation_record(records[0]))
+    s = replace(s, template=resolve_template(s.template, holds_conversations, tokenizer))
+    if s.template == CHAT:
+        return chat_samples(records, tokenizer, s)
     tmpl = get_template(s.template)
     check_records(records, (s.instruction_key, s.output_key))
     if tokenizer.eos_id is None:
@@ -96,6 +163,41 @@ def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettin
     if not samples:
         raise UserError(f"max_seq_length={s.max_seq_length} leaves no response tokens in any of the {len(records)} "
                         "samples; raise --max_seq_length")
+    return samples, n_truncated
+
+
+def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings) -> tuple[list[dict], int]:
+    """Conversations (or instruction records, as one user turn and the reply) rendered with the tokenizer's chat
+    template: input_ids are transformers' apply_chat_template(tokenize=True) ids (bos only where the template writes
+    it, no eos added: the template ends each turn with its own end-of-turn token); labels keep the assistant turns,
+    each through its end-of-turn token (`chat_template.assistant_mask`), or every token without mask_inputs.
+    Samples longer than max_seq_length are truncated; with mask_inputs those left with no assistant token are
+    dropped (counted as truncated). A conversation the template refuses is a one-line UserError naming its row."""
+    samples, n_truncated = [], 0
+    for i, rec in enumerate(records, start=1):
+        source = f"row {i} of the data"
+        if isinstance(rec, Conversation):  # checked when its file was read
+            messages, source = rec.messages, rec.source
+        elif ct.is_conversation_record(rec) or not isinstance(rec, dict):
+            messages = ct.normalize_conversation(rec, i, "the data")
+        else:
+            check_records([rec], (s.instruction_key, s.output_key), "the data")
+            messages = ct.instruction_messages(text_of(rec[s.instruction_key]), text_of(rec.get(s.input_key)),
+                                               text_of(rec[s.output_key]))
+        try:
+            ids, labels = ct.assistant_mask(tokenizer, None, messages, s.mask_inputs, s.ignore_index)
+        except UserError as e:
+            raise UserError(f"{source}: {e}") from None
+        if len(ids) > s.max_seq_length:
+            ids, labels = ids[:s.max_seq_length], labels[:s.max_seq_length]
+            n_truncated += 1
+            if s.mask_inputs and all(t == s.ignore_index for t in labels):
+                continue  # no assistant token left to learn from (see prepare_samples)
+        samples.append({"input_ids": torch.tensor(ids, dtype=torch.long),
+                        "labels": torch.tensor(labels, dtype=torch.long)})
+    if not samples:
+        raise UserError(f"max_seq_length={s.max_seq_length} leaves no assistant tokens in any of the {len(records)} "
+                        "conversations; raise --max_seq_length")
     return samples, n_truncated
 
 
@@ -153,14 +255,14 @@ def _warn_truncated(n_truncated: int, n_records: int, n_kept: int, max_seq_lengt
 
 def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: TokenizerLike, destination_path: Path,
                   s: DataSettings) -> dict:
-    """Load, split (when no val_file), tokenize and save. Returns the saved meta."""
-    get_template(s.template)  # fail on a bad name before the (slow) tokenizing
-    required = (s.instruction_key, s.output_key)
-    train_recs = load_records(train_file, required)
+    """Load, split (when no val_file), tokenize and save. Returns the saved meta. Every record of both files is
+    checked before anything is tokenized."""
+    s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
+    train_recs = load_file_records(train_file, s)
     if val_file is None:
         train_recs, val_recs = split(train_recs, s.test_split_fraction, s.seed)
     else:
-        val_recs = load_records(val_file, required)
+        val_recs = load_file_records(val_file, s)
     train, n_tr = prepare_samples(train_recs, tokenizer, s)
     val, n_va = prepare_samples(val_recs, tokenizer, s)
     _warn_truncated(n_tr + n_va, len(train_recs) + len(val_recs), len(train) + len(val), s.max_seq_length)
@@ -220,8 +322,8 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
 
     train_file, val_file = raw
     cache = data_dir / f".prepared-{fp}-{s.max_seq_length}"
-    key = replace(s, template=get_template(s.template).name).cache_key(tokenizer, [f for f in raw if f],
-                                                                       val_file is not None)
+    s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
+    key = s.cache_key(tokenizer, [f for f in raw if f], val_file is not None)
     cached = read_prepared_meta(cache)
     if cached is not None and all(cached.get(k) == v for k, v in key.items()):
         print(f"Using data prepared earlier in {cache}", file=sys.stderr)

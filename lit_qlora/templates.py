@@ -1,4 +1,8 @@
-"""Prompt templates: how an instruction record (instruction, optional input) becomes the prompt the model sees."""
+"""Prompt templates: how an instruction record (instruction, optional input) becomes the prompt the model sees.
+
+Besides these, the template `chat` renders conversations with the model's own chat template
+(lit_qlora/chat_template.py); `auto` (the default) picks chat for conversation data and alpaca otherwise.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +43,26 @@ TEMPLATES: dict[str, PromptTemplate] = {
 }
 
 
+CHAT = "chat"  # the model's own chat template
+AUTO = "auto"  # chat for conversation data, alpaca for instruction records
+TEMPLATE_NAMES = (*TEMPLATES, CHAT)
+
+
+def check_template_name(name: str | None, allow_auto: bool = False) -> str | None:
+    """`name` if it names a template (alpaca, plain, chat; auto when `allow_auto`), None for None; else a one-line
+    UserError."""
+    if name is None or name in TEMPLATE_NAMES or (allow_auto and name == AUTO):
+        return name
+    names = (*TEMPLATE_NAMES, AUTO) if allow_auto else TEMPLATE_NAMES
+    raise UserError(f"unknown prompt template {name!r}; use one of: {', '.join(names)}")
+
+
 def get_template(name: str | PromptTemplate) -> PromptTemplate:
+    """The prompt template named `name` (alpaca or plain); chat is rendered by lit_qlora.chat_template instead."""
     if isinstance(name, PromptTemplate):
         return name
     if name not in TEMPLATES:
-        raise UserError(f"unknown prompt template {name!r}; use one of: {', '.join(TEMPLATES)}")
+        check_template_name(name)  # an unknown name: the error lists every name
+        raise UserError(f"the {name} template renders conversations, not a prompt string; this path needs one of: "
+                        f"{', '.join(TEMPLATES)}")
     return TEMPLATES[name]

@@ -28,7 +28,7 @@ def prepare(
         mask_inputs: Train only on the response tokens (the prompt gets no loss).
         test_split_fraction: Share of records held out for validation.
         seed: Seed of the train/validation split.
-        template: Prompt template ("alpaca" or "plain").
+        template: Prompt template: alpaca, plain, or chat (the model's own chat template, one user turn per record).
     """
     settings = DataSettings(max_seq_length or 0, template=template, mask_inputs=mask_inputs,
                             test_split_fraction=test_split_fraction, seed=seed)

@@ -6,6 +6,7 @@
   merge tests; lora_ckpt runs a test on each of the first three
 - train_setup: a tiny Llama with a byte-level BPE tokenizer and a learnable data set, for the scripts' tests
 - trained_run: (out_dir, result) of one finetune/lora.py run on train_setup that learns the task
+- scripted_chat: a tiny Llama 3-style chat checkpoint whose model answers a known reply (helpers_chat)
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import helpers_train
 import pytest
 from helpers import TINY_HF_CONFIGS, converted_tiny, load_ours, make_tiny_hf_model
+from helpers_chat import make_scripted_chat_model
 
 from lit_qlora.convert import convert_hf_checkpoint
 
@@ -66,3 +68,8 @@ def train_setup(tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     return helpers_train.trained_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def scripted_chat(tmp_path_factory):
+    return make_scripted_chat_model(tmp_path_factory.mktemp("scripted_chat") / "chat-model")

@@ -140,3 +140,71 @@ def make_chat_checkpoint(kind: str, folder: Path, template: str) -> Path:
     if kind in ("sp", "sp_legacy"):
         return make_sp_chat_tokenizer(folder, template, legacy=kind == "sp_legacy")
     raise ValueError(kind)
+
+
+# ----------------------------------------------------------------------------------------------
+# A scripted chat model: tiny, but it answers a known reply, so the chat scripts' outputs can be checked exactly.
+
+SCRIPTED_REPLY = "Hi €"  # "€" is three byte tokens: streaming must hold its first two back
+SCRIPTED_FALLBACK = "?"  # what it says after any other prompt (e.g. one rendered with the alpaca template)
+
+
+def make_scripted_chat_model(folder: Path) -> dict:
+    """A converted tiny Llama with a Llama 3 chat tokenizer that answers SCRIPTED_REPLY to any conversation.
+
+    The checkpoint is like a base model made instruct: tokenizer_config.json names eos <|end_of_text|>,
+    generation_config.json lists <|end_of_text|> and <|eom_id|>, and the chat template (in chat_template.jinja, as
+    transformers >= 4.43 saves it) ends assistant turns with <|eot_id|>, which only the template names.
+
+    The model is a bigram machine: attention and MLP outputs are zero, so the logits depend on the last token alone.
+    A newline token, "\\n\\n" (the end of the template's generation prompt) or "\\n" (the end of a training sample's
+    prompt, where the template's "\\n\\n" runs into the reply, and of the alpaca template's prompt), leads to "H",
+    "i", " ", the three bytes of "€", then <|eot_id|>; a model that does not stop there goes on with "X" forever.
+    Every other token leads to SCRIPTED_FALLBACK. Returns {folder, template, reply_ids, eot}.
+    """
+    import torch
+    from helpers import make_tiny_hf_model
+
+    from lit_qlora.convert import ensure_converted
+    from lit_qlora.tokenizer import Tokenizer
+
+    folder = Path(folder)
+    make_bpe_chat_tokenizer(folder, LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|end_of_text|>",
+                            bos_in_post_processor=True)
+    template = load_template("llama3_instruct")
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    tok = Tokenizer(folder)
+    ids = {t: tok.token_to_id(t) for t in LLAMA3_SPECIALS}
+    starts = [tok.token_to_id("ĊĊ"), tok.token_to_id("Ċ")]  # byte-level "\n\n" and "\n"
+    reply = [tok.token_to_id(t) for t in ("H", "i", "Ġ", "â", "Ĥ", "¬")]  # "Hi €" as single-byte tokens
+    eot, loop, fallback = ids["<|eot_id|>"], tok.token_to_id("X"), tok.token_to_id(SCRIPTED_FALLBACK)
+    chain = [*reply, eot, loop]
+    steps = [(starts[0], reply[0]), (starts[1], reply[0]), *zip(chain, [*chain[1:], loop])]
+    tokens = [*starts, *chain, fallback]
+    assert None not in tokens and len(set(tokens)) == len(tokens)
+
+    hf = make_tiny_hf_model("llama", folder, vocab_size=tok.vocab_size, bos_token_id=ids["<|begin_of_text|>"],
+                            eos_token_id=ids["<|end_of_text|>"], max_position_embeddings=128)
+    n_embd = hf.config.hidden_size
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()  # the blocks add nothing: the last token's embedding reaches the head as it is
+            elif "norm" in name:
+                p.fill_(1.0)
+        emb, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+        emb.zero_()
+        emb[:, 0] = 1.0  # every token not in the chain: direction 0, which leads to the fallback
+        head.zero_()
+        head[fallback, 0] = 10.0
+        for d, (token, nxt) in enumerate(steps, start=1):
+            emb[token] = 0.0
+            emb[token, d] = 1.0
+            head[nxt, d] = 10.0  # normed embedding (8 x a unit vector) -> logit 80 for the next token, 0 elsewhere
+        assert len(steps) < n_embd
+    hf.save_pretrained(folder)
+    # after save_pretrained, which writes a generation_config.json of its own
+    _write_json(folder / "generation_config.json", {"bos_token_id": ids["<|begin_of_text|>"],
+                                                    "eos_token_id": [ids["<|end_of_text|>"], ids["<|eom_id|>"]]})
+    ensure_converted(folder, quiet=True)
+    return {"folder": folder, "template": template, "reply_ids": reply, "eot": eot}

@@ -235,3 +235,123 @@ def test_prepare_json_script(prepare_ckpt, tmp_path):
     r = run_script("prepare_json.py", "--data_file", str(tmp_path / "qa.csv"), *common)  # default keys missing
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "'instruction'" in r.stderr, r.stderr
+
+
+# ---- conversations, rendered with the model's chat template ------------------------------------------------------
+CHATS = [
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "Hello, how are you?"},
+                  {"role": "assistant", "content": "I'm fine, thanks! 😀"}]},
+    {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Sure: 4."},
+                  {"role": "user", "content": "And 2 + 3?"}, {"role": "assistant", "content": "5, Grüße!"}]},
+    {"conversations": [{"from": "system", "value": "Answer briefly."}, {"from": "human", "value": "Tell me a joke"},
+                       {"from": "gpt", "value": "Why did the robot cross the road?"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    """(our Tokenizer, transformers' tokenizer) of a ChatML checkpoint whose template marks the assistant turns with
+    {% generation %}, so transformers' return_assistant_tokens_mask gives the reference labels."""
+    transformers = pytest.importorskip("transformers")
+    from helpers_chat import load_template, make_chat_checkpoint
+
+    from lit_qlora.tokenizer import Tokenizer
+
+    folder = make_chat_checkpoint("chatml_smollm", tmp_path_factory.mktemp("chatml"),
+                                  load_template("chatml_generation"))
+    return Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def ref_sample(ref, messages) -> tuple[list[int], list[int]]:
+    """transformers' ids of a conversation, and labels that keep the tokens it marks as the assistant's."""
+    out = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return out["input_ids"], [i if m else -100 for i, m in zip(out["input_ids"], out["assistant_masks"])]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_conversations_are_prepared_as_transformers_renders_them(chatml, tmp_path):
+    from lit_qlora.chat_template import load_conversations
+
+    tok, ref = chatml
+    write_jsonl(tmp_path / "train.jsonl", CHATS)
+    write_json(tmp_path / "val.json", CHATS[1:2])
+    train, val, meta = prepared(tmp_path, tok, 512)  # --template left as auto: the data holds conversations
+    assert meta["template"] == "chat" and (len(train), len(val)) == (3, 1)
+    for sample, messages in zip(train + val, load_conversations(tmp_path / "train.jsonl") + [CHATS[1]["messages"]]):
+        ids, labels = ref_sample(ref, messages)
+        assert sample["input_ids"].tolist() == ids and sample["labels"].tolist() == labels
+        assert ref.convert_tokens_to_ids("<|im_end|>") in sample["labels"].tolist()  # the end of turn is learned
+    everything, _, meta = prepared(tmp_path, tok, 512, mask_inputs=False)
+    assert meta["mask_inputs"] is False and all(torch.equal(s["input_ids"], s["labels"]) for s in everything)
+
+
+def test_instruction_records_in_the_chat_template(chatml):
+    tok, ref = chatml
+    samples, _ = samples_of(RECORDS, tok, "chat", 512)
+    for rec, s in zip(RECORDS, samples):
+        user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
+        ids, labels = ref_sample(ref, [{"role": "user", "content": user}, {"role": "assistant", "content":
+                                                                            rec["output"]}])
+        assert s["input_ids"].tolist() == ids and s["labels"].tolist() == labels
+
+
+def test_conversation_truncation(chatml):
+    tok, ref = chatml
+    ids, labels = ref_sample(ref, CHATS[1]["messages"])
+    first_trained = next(i for i, t in enumerate(labels) if t != -100)
+    samples, n_trunc = samples_of(CHATS[1:2] * 2 + CHATS[:1], tok, "auto", first_trained + 2)
+    assert n_trunc == 3 and len(samples) == 2  # CHATS[0] has a longer prompt: no assistant token left, left out
+    assert all(s["labels"].tolist() == labels[:first_trained + 2] for s in samples)
+    with pytest.raises(UserError) as e:
+        samples_of(CHATS[1:2], tok, "chat", first_trained)
+    assert_one_line_error(e, f"max_seq_length={first_trained}", "raise --max_seq_length")
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}]}, "turn 2 has role='robot'"),
+    ({"conversations": [{"from": "human", "value": "Hi"}]}, "has no assistant turn"),
+    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]},
+     "turn 1 (user) has empty content"),
+])
+def test_bad_conversation_rows_are_refused_before_tokenizing(chatml, tmp_path, row, message):
+    tok, _ = chatml
+    write_jsonl(tmp_path / "train.jsonl", CHATS)
+    write_jsonl(tmp_path / "val.jsonl", [CHATS[0], row])  # the second file too, before anything is tokenized
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, tok, 512)
+    assert_one_line_error(e, f"row 2 of {tmp_path / 'val.jsonl'}", message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl", "val.jsonl"]  # nothing written
+
+
+def test_template_choice_errors(chatml, tmp_path):
+    tok, _ = chatml
+    write_json(tmp_path / "chats.json", CHATS)
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, tok, 512, template="alpaca")
+    assert_one_line_error(e, "holds conversations", "--template chat")
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, CharTokenizer(), 512)  # a tokenizer without a chat template
+    assert_one_line_error(e, "has no chat template")
+    with pytest.raises(UserError) as e:
+        prepared(tmp_path, tok, 512, template="vicuna")
+    assert_one_line_error(e, "unknown prompt template 'vicuna'", "chat", "auto")
+    write_json(tmp_path / "chats.json", RECORDS)
+    assert prepared(tmp_path, tok, 512)[2]["template"] == "alpaca"  # instruction records: alpaca unless told
+
+
+def test_prepare_dataset_with_conversations(chatml, tmp_path):
+    from lit_qlora.chat_template import load_conversations
+    from lit_qlora.prepare import prepare_dataset
+
+    tok, ref = chatml
+    data = write_jsonl(tmp_path / "chats.jsonl", CHATS * 4)
+    meta = prepare_dataset(data, tok.checkpoint_dir, tmp_path / "out", DataSettings(0, test_split_fraction=0.25))
+    assert meta["template"] == "chat" and (meta["n_train"], meta["n_val"]) == (9, 3)
+    train, val, _ = load_prepared(tmp_path / "out")
+    want = {tuple(ref_sample(ref, m)[0]) for m in load_conversations(data)}
+    assert len(want) == 3 and {tuple(s["input_ids"].tolist()) for s in train + val} == want

@@ -141,7 +141,8 @@ class _Dims:
     T: int
     a: int  # bytes of a matmul output (the compute dtype)
     r: int  # bytes of the residual stream and norm outputs (fp32 under *-mixed: embeddings stay fp32)
-    mask: int  # bytes per element of a dropout mask: 1 on CUDA (bool), 0 on CPU (the input's dtype)
+    mask: int  # bytes per element of nn.Dropout's mask: 1 on CUDA (bool), 0 on CPU (the input's dtype)
+    cpu_attention: bool  # lit_qlora.cpu_attention's path (CPU, bf16-true training)
     mixed: bool
     lora_dropout: bool
 
@@ -178,10 +179,16 @@ def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, 
         return s, grad_in
     parts = targets[name]
     n_parts = len(parts) if parts else 1
-    if d.lora_dropout:
+    if d.lora_dropout and not d.mixed:
+        # lora._DropoutMatmul: the input itself (unless kept already) and a one-byte mask
+        s.append(N * in_f)
+        if input_name not in saved_inputs:
+            s.append(N * in_f * in_bytes)
+            saved_inputs.add(input_name)
+    elif d.lora_dropout:  # under autocast the plain ops: nn.Dropout's mask and autocast's low-precision dropped input
         if grad_in:
             s.append(N * in_f * (d.mask or in_bytes))  # the dropout mask (CPU: in the input's dtype; CUDA: bool)
-        s.append(N * in_f * d.a)  # the dropped-out input of x @ A (autocast's low-precision copy under *-mixed)
+        s.append(N * in_f * d.a)
     elif in_bytes != d.a:
         s.append(N * in_f * d.a)  # autocast's low-precision copy of the (fp32) input
     elif input_name not in saved_inputs:
@@ -202,10 +209,13 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
     s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
-        # scaled_dot_product_attention keeps q and k (rotated; k repeated to every head with GQA), v, its output
-        # and the fp32 log-sum-exp. Without GQA v is a view of the qkv output, which then stays alive whole.
-        s += [N * H * hs * d.a, N * H * hs * d.a, N * H * hs * d.a, d.B * H * d.T * 4]
-        s.append(N * H * hs * d.a if G != H else N * sum(c.qkv_sizes) * d.a)
+        # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
+        # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
+        # path repeats k and v to every head first, so with GQA v is its own tensor there.
+        repeated = G != H and d.cpu_attention
+        kv = N * (H if repeated else G) * hs * d.a
+        s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
+        s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
         seen.add("y")  # the projection's input is a view of the attention output saved here
     s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
@@ -222,11 +232,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         s1, g1 = _linear_saved(p + "mlp.fc_1", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s += s1 + s2
-        if g1:
-            s.append(N * F * d.a)  # the activation's input
-            s.append(N * F * d.a)  # fc_2's output, for the product's gradient wrt act(fc_1)
-        if g2:
-            s.append(N * F * d.a)  # act(fc_1), for the product's gradient wrt fc_2
+        if g1 or g2:  # model._GatedActivation: fc_1's and fc_2's outputs (act(fc_1) is recomputed in backward)
+            s += [N * F * d.a, N * F * d.a]
         g_hidden = g1 or g2
     else:
         s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2",
@@ -320,6 +327,7 @@ def estimate_training_memory(
         raise UserError(f"the micro batch size and the sequence length must be positive, got {B} and {T}")
     a = _dtype_bytes(prec.dtype)
     d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
+              cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
               lora_dropout=lora.dropout > 0)
 
     quantize_lm_head = resolve_quantize_lm_head(c, quantize_lm_head)
@@ -396,6 +404,8 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[str]
         tail.append(n_lora * d.a)  # autocast's low-precision copies of the LoRA weights
     # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see
     # training.head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
+    # Counted for every position: an upper bound, as training runs the output layer only where a target exists
+    # (GPT(output_mask=...)), which prompt masking and packing make a fraction of the positions.
     V = c.vocab_size
     chunk_T = min(256 if V >= 32000 else d.T, d.T)
     n_chunks = -(-d.T // chunk_T)

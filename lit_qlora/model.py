@@ -162,15 +162,18 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # [B, G, max_seq_length, hs]
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]  # [B, G, L, hs]: only positions written so far
-        if c.n_query_groups != c.n_head:
-            # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
-            rep = c.n_head // c.n_query_groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, L, hs]
+        # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
+        gqa = c.n_query_groups != c.n_head
         scale = 1.0 / math.sqrt(c.head_size)
         if mask is None and cache is None and T > 1 and cpu_attention.usable(q, k, v):
+            if gqa:
+                rep = c.n_head // c.n_query_groups
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, L, hs]
             y = cpu_attention.causal_attention(q, k, v, scale)  # same result, faster backward on CPU
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale)
+            # enable_gqa: the keys and values stay at G heads, not copied to H: less to save for backward, faster
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                               enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
 
@@ -204,7 +207,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = rot.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     rot = rot * cos + rotated * sin
-    return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
+    if not rest.numel():
+        return rot
+    # Partial rotary: reassembled in x's memory layout (q and k are transposed views of the qkv output), as the full
+    # rotary's elementwise ops keep it. Attention then returns its output in that layout too, so the projection's input
+    # is a view of what attention saves for backward rather than a copy of it.
+    out = torch.empty_like(x)
+    out[..., :n] = rot
+    out[..., n:] = rest
+    return out
 
 
 def llama3_scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -241,13 +252,42 @@ class LLaMAMLP(nn.Module):
         self.activation = config.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(activate(self.fc_1(x), self.activation) * self.fc_2(x))
+        return self.proj(gated_activation(self.fc_1(x), self.fc_2(x), self.activation))
 
 
 def activate(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "silu":
         return F.silu(x)
     return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+class _GatedActivation(torch.autograd.Function):
+    """act(a) * b that keeps only a and b for backward and recomputes act(a) there. Plain autograd would also keep
+    act(a): a third [B, T, intermediate] tensor per block, the largest thing training saves (a quarter of a small
+    model's activations). The gradients are the same ops autograd runs."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.kind = kind
+        return activate(a, kind) * b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        with torch.enable_grad():
+            a_ = a.detach().requires_grad_()
+            act = activate(a_, ctx.kind)
+        grad_a = torch.autograd.grad(act, a_, grad * b)[0] if ctx.needs_input_grad[0] else None
+        grad_b = grad * act.detach() if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None
+
+
+def gated_activation(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
+    """act(a) * b (LLaMA's gated MLP), saving less for backward when training."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _GatedActivation.apply(a, b, kind)
+    return activate(a, kind) * b
 
 
 class RMSNorm(nn.Module):

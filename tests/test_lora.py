@@ -17,12 +17,14 @@
 
 
 
+import pytest
 import torch
 from helpers import VOCAB, lora_cfg, random_tokens, randomize_lora, run_script_here
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.loader import load_model
-from lit_qlora.lora import lora_modules
+from lit_qlora.lora import _DropoutMatmul, lora_modules
+from lit_qlora.model import activate, gated_activation
 
 
 @torch.no_grad()
@@ -51,3 +53,38 @@ def test_zero_b_is_the_base_model_and_merging_is_exact(lora_ckpt, tmp_path):
     assert merged.config.tie_embeddings is False
     assert (merged(idx) - unmerged).abs().max().item() <= 1e-5
     assert load_model(out, precision="32-true", quantize="bnb.nf4")(idx).shape == (2, 12, VOCAB)  # re-quantizes
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_lora_dropout_function_equals_autograd_with_the_same_mask(p):
+    """LoRALinear's dropout-and-matmul (it saves x and a one-byte mask) against plain autograd ops given the same mask
+    (the same draws from torch's generator): output and both gradients."""
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    A = torch.randn(6, 16, requires_grad=True)
+    torch.manual_seed(3)
+    y = _DropoutMatmul.apply(x, A, p)
+    torch.manual_seed(3)
+    keep = torch.rand(x.shape) >= p
+    x2, A2 = x.detach().clone().requires_grad_(), A.detach().clone().requires_grad_()
+    y2 = (x2 * keep / (1 - p)) @ A2.T
+    torch.testing.assert_close(y, y2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(A.grad, A2.grad)
+    assert abs(float(keep.float().mean()) - (1 - p)) < 0.1
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
+def test_gated_activation_function_equals_autograd(kind):
+    """The gated MLP's act(a) * b, which recomputes act(a) in backward, against plain autograd."""
+    a, b = torch.randn(3, 5, 12, requires_grad=True), torch.randn(3, 5, 12, requires_grad=True)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y, y2 = gated_activation(a, b, kind), activate(a2, kind) * b2
+    torch.testing.assert_close(y, y2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)

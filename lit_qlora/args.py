@@ -33,11 +33,15 @@ class RunArgs:
     quantize_lm_head: bool = True
     """With --quantize, quantize the output layer too."""
     devices: int = 1
-    """Processes (DDP; gloo on CPU)."""
+    """Processes per machine (DDP; gloo on CPU)."""
+    num_nodes: int = 1
+    """Machines. Above 1, a launcher starts this command on every machine (torchrun --nnodes, SLURM's srun/sbatch;
+    README, "Several machines"); every process trains on its share of each batch."""
     accelerator: str = "auto"
     """auto, cpu or cuda."""
     strategy: str = "auto"
-    """auto, ddp or fsdp (GPUs)."""
+    """auto (ddp with several processes), ddp, or fsdp: every process holds only its shard of the (4-bit) base, of
+    the LoRA weights and of the AdamW state (torch's fully_shard; CPU and CUDA)."""
     seed: int = 1337
     """Seed of the LoRA initialization, dropout and the data order."""
     compile: bool = False

@@ -14,7 +14,7 @@ import yaml
 from lit_qlora import demo
 from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
 
-FLAG_COUNT = 45  # the flags finetune/lora.py has had since before the groups: none renamed, none lost
+FLAG_COUNT = 46  # the flags finetune/lora.py has had since before the groups (none renamed, none lost) + --num_nodes
 
 
 def test_flags_are_flat_and_unchanged():

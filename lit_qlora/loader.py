@@ -155,6 +155,7 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     if quantize:
         swap_linears(model, quantize, prec.dtype, quantize_lm_head)
         prepare_4bit_for_sharding(model, storage)
+    _set_meta_dtypes(model, prec)  # the shards get storage in these dtypes: the ones load_model gives each tensor
     shard(model)
     model.to_empty(device=device)
     filled: set[str] = set()
@@ -191,6 +192,29 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     if missing:
         raise UserError(f"{weights} has no tensor for {missing[0]}; the checkpoint is incomplete: convert it again")
     return model
+
+
+def _set_meta_dtypes(model: nn.Module, prec) -> None:
+    """Give every (meta) parameter the dtype `load_model` stores it in: LoRA in the trainable dtype, frozen Linear
+    weights and biases in the compute dtype, embeddings and norms in theirs; the packed 4-bit bytes stay as they are.
+    A tied parameter keeps one dtype, its first owner's (the embedding), and stays one parameter."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    for group in owners.values():
+        m, name = group[0]
+        p = m._parameters[name]
+        if "lora_" in name:
+            dtype = prec.trainable_dtype
+        elif is_quantized(m) and name == "weight":
+            continue
+        else:
+            dtype = prec.frozen_linear_dtype if isinstance(m, nn.Linear) else prec.frozen_other_dtype
+        new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+        for owner, owner_name in group:
+            owner._parameters[owner_name] = new
 
 
 def _init_lora_sharded(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: Optional[int],

@@ -117,12 +117,14 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Opt
             continue
         base_name = name[:-len(".base")] if name.endswith(".base") else name
         for pname, p in m._parameters.items():
-            if p is None or id(p) in seen:
+            if p is None:
                 continue
-            seen.add(id(p))
             is_linear = type(m) is nn.Linear
             quantized = (quantize is not None and is_linear and pname == "weight"
                          and (quantize_lm_head or base_name.split(".")[0] != "lm_head"))
+            if id(p) in seen and not quantized:  # a tied head that is quantized is its own tensor (the loader's)
+                continue
+            seen.add(id(p))
             if quantized:
                 out_f, in_f = p.shape
                 layer = quantized_layer_bytes(out_f, in_f, quantize)
@@ -378,6 +380,10 @@ def estimate_training_memory(
         phase, temp_note = "loading", "reading + converting the largest tensor"
     notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
                    device_type)
+    if shard_world > 1:
+        for k in ("quantized weights", "dense weights", "LoRA weights + grads", "optimizer state"):
+            notes[k] = f"this rank's 1/{shard_world}" + (f" of {notes[k]}" if notes[k] else "") + (
+                " (block scales whole)" if k == "quantized weights" and w["quantized_params"] else "")
     settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
                     lora_targets=lora.targets(), shard_world=shard_world)

@@ -18,7 +18,9 @@ per-rank estimate in tests/test_memory.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 
 import helpers_distributed as hd
@@ -133,14 +135,15 @@ def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tu
              for r in range(nnodes)]
     args = [h.train_args(setup, f.pop("out_dir", out), **f) for f in flags]
     procs = [subprocess.Popen(hd.torchrun_node(r, nnodes, port, h.FINETUNE, args[r]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=h.env(), cwd=h.ROOT) for r in range(nnodes)]
+                              stderr=subprocess.PIPE, text=True, env=h.env(), cwd=h.ROOT, start_new_session=True)
+             for r in range(nnodes)]
     results = []
     for p in procs:
         try:
             stdout, stderr = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # e.g. processes out of step in a collective: end them all, workers too
             for q in procs:
-                q.kill()
+                os.killpg(q.pid, signal.SIGKILL)
             raise
         results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     for i, r in enumerate(results):

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import helpers_distributed as hd
 import helpers_train as h
@@ -202,16 +203,30 @@ def test_two_machines_resume_sharded(train_setup, one_process, two_nodes, tmp_pa
 
 def test_machines_that_found_different_checkpoints_refuse_to_start(train_setup, two_nodes, tmp_path):
     """No shared storage: machine 0 finds a checkpoint at iteration 5 in its --out_dir, machine 1 none in its own.
-    Both stop with one line before loading anything, instead of training out of step."""
+    Both stop with one line before loading anything, instead of training out of step (which hangs). Launched by
+    hand this time, Fabric's own way: the same command on each machine with NODE_RANK and MASTER_ADDR set."""
     a, _ = two_nodes
     (tmp_path / "m0/checkpoints").mkdir(parents=True)
     shutil.copy(a / "checkpoints/iter-000005.pth", tmp_path / "m0/checkpoints/iter-000005.pth")
-    nodes = run_nodes(train_setup, None, check=False, resume="auto",
-                      node_kw=({"out_dir": tmp_path / "m0"}, {"out_dir": tmp_path / "m1"}))
-    for r in nodes:
-        assert r.returncode != 0
-        assert "error: the processes of this run would start at different iterations (0 to 5)" in r.stderr, r.stderr
-        assert "Loaded" not in r.stderr
+    port = hd.free_port()
+    procs = [subprocess.Popen([str(x) for x in [sys.executable, h.FINETUNE, *h.train_args(
+        train_setup, tmp_path / f"m{r}", **{**COMMON, "devices": 1, "num_nodes": 2, "micro_batch_size": 2,
+                                           "resume": "auto"})]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**h.env(), "NODE_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        cwd=h.ROOT, start_new_session=True) for r in range(2)]
+    for p in procs:
+        try:
+            _, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise
+        lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+        assert p.returncode == 2 and lines == [
+            "error: the processes of this run would start at different iterations (0 to 5): each machine found "
+            "another checkpoint in --out_dir; put --out_dir on storage every machine sees, or pass the same --resume "
+            "path everywhere"], stderr
+        assert "Loaded" not in stderr and "Traceback" not in stderr
     assert not (tmp_path / "m1/checkpoints").exists()
 
 

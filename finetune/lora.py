@@ -415,29 +415,35 @@ def validate(s: Session) -> float:
     world, rank = fabric.world_size, fabric.global_rank
     total = torch.zeros(2, device=fabric.device)  # loss sum, token count
     mb, val_data = inputs.micro_batch_size, inputs.val_data
+    sharded = is_sharded(fabric)
     for i in range(min(e.eval_iters, -(-len(val_data) // (mb * world)))):
         chunk = val_data[(i * world + rank) * mb:(i * world + rank + 1) * mb]
-        if not chunk:
+        if not chunk and not sharded:
             continue
-        batch = collate(chunk, pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
+        counted = float(bool(chunk))  # FSDP: every rank takes part in every forward; an empty share counts nothing
+        batch = collate(chunk or val_data[:1], pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
         tgt = shift_labels(batch["labels"], IGNORE_INDEX).to(fabric.device)
         logits = s.model(batch["input_ids"].to(fabric.device), lm_head_chunk=head_chunk(inputs.config))
         total += torch.stack([chunked_cross_entropy(logits, tgt, IGNORE_INDEX).float(),
-                              (tgt != IGNORE_INDEX).sum().float()])
+                              (tgt != IGNORE_INDEX).sum().float()]) * counted
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total
     val_loss = float(total[0] / total[1].clamp(min=1))
-    if val_data and (rank == 0 or is_sharded(fabric)):  # FSDP: every rank takes part in each forward
+    if val_data and (rank == 0 or sharded):  # FSDP: every rank takes part in each forward
         # One sample from the first validation prompt, so progress is visible in words too
         labels = val_data[0]["labels"]
         n_prompt = int((labels == IGNORE_INDEX).sum()) if s.args.data.mask_inputs else 0
         n_prompt = n_prompt or max(1, len(labels) // 2)  # nothing masked: prompt with the first half
         prompt = val_data[0]["input_ids"][:n_prompt]
         tok = inputs.tokenizer
+        stop = tok.stop_ids or [tok.eos_id]
         with fabric.autocast():
+            # FSDP: no rank may stop on its own (the others would wait in a gather): all generate the full length
             out = generate(s.gpt, prompt,
                            max_new_tokens=min(e.eval_max_new_tokens, inputs.config.block_size - len(prompt)),
-                           eos_ids=tok.stop_ids or [tok.eos_id])
-        text = tok.decode(out[len(prompt):]).strip().replace("\n", " ")
+                           eos_ids=() if sharded else stop)
+        new = out[len(prompt):]
+        ends = [j for j, t in enumerate(new.tolist()) if t in stop] if sharded else []
+        text = tok.decode(new[:ends[0] + 1] if ends else new).strip().replace("\n", " ")
         fabric.print(f"validation: loss {val_loss:.4f}, perplexity {float(torch.tensor(val_loss).exp()):.2f} | "
                      f"sample: {text[:200]!r}", file=sys.stderr)
     s.model.train()

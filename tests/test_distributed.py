@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
+from lit_qlora.records import split
 from lit_qlora.training import list_checkpoints
 
 # ---- 1. the sharded loader ---------------------------------------------------------------------------------------
@@ -185,13 +186,19 @@ def test_two_machines_equal_one_process(one_process, two_nodes):
 
 def test_two_machines_resume_sharded(train_setup, one_process, two_nodes, tmp_path):
     """Continue the two-machine DDP run from its iteration-5 checkpoint, now with --strategy fsdp: both machines
-    resume at 5 and the run ends where the uninterrupted one did."""
+    resume at 5 and the run ends where the uninterrupted one did. The same training samples, but one validation
+    sample: the second machine's share of it is empty, and under FSDP it must still take part in every forward."""
     a, _ = two_nodes
     b = tmp_path / "resumed"
     (b / "checkpoints").mkdir(parents=True)
     shutil.copy(a / "checkpoints/iter-000005.pth", b / "checkpoints/iter-000005.pth")
     shutil.copy(a / "metrics.csv", b / "metrics.csv")
-    node0, node1 = run_nodes(train_setup, b, resume="true", strategy="fsdp")
+    train, val = split(h.make_records(), 0.05, 42)  # what the runs on tasks.json train and validate on
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text(json.dumps(train))
+    (data / "val.json").write_text(json.dumps(val[:1]))
+    node0, node1 = run_nodes(dict(train_setup, data=data), b, resume="true", strategy="fsdp")
     for r in (node0, node1):
         assert f"Resuming from {b / 'checkpoints/iter-000005.pth'} at iteration 5" in r.stderr, r.stderr
     la, lb = h.losses_by_iter(a), h.losses_by_iter(b)

@@ -18,14 +18,13 @@ per-rank estimate in tests/test_memory.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import helpers_distributed as hd
 import helpers_train as h
+import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -127,6 +126,13 @@ COMMON = dict(quantize="bnb.nf4-dq", precision="32-true", accelerator="cpu", lea
               max_iters=10)  # min_lr == learning_rate: a constant rate, so a resumed run may extend --max_iters
 
 
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for q in procs:
+        for child in psutil.Process(q.pid).children(recursive=True):
+            child.kill()
+        q.kill()
+
+
 def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tuple = (), **kw
               ) -> list[subprocess.CompletedProcess]:
     """finetune/lora.py on `nnodes` localhost 'machines' through torchrun, one process each (`node_kw`: flags that
@@ -137,15 +143,14 @@ def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tu
              for r in range(nnodes)]
     args = [h.train_args(setup, f.pop("out_dir", out), **f) for f in flags]
     procs = [subprocess.Popen(hd.torchrun_node(r, nnodes, port, h.FINETUNE, args[r]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=h.env(), cwd=h.ROOT, start_new_session=True)
+                              stderr=subprocess.PIPE, text=True, env=h.env(), cwd=h.ROOT)
              for r in range(nnodes)]
     results = []
     for p in procs:
         try:
             stdout, stderr = p.communicate(timeout=240)
         except subprocess.TimeoutExpired:  # e.g. processes out of step in a collective: end them all, workers too
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+            _kill_all(procs)  # (torchrun starts its workers in sessions of their own)
             raise
         results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     for i, r in enumerate(results):
@@ -220,13 +225,12 @@ def test_machines_that_found_different_checkpoints_refuse_to_start(train_setup, 
         train_setup, tmp_path / f"m{r}", **{**COMMON, "devices": 1, "num_nodes": 2, "micro_batch_size": 2,
                                            "resume": "auto"})]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**h.env(), "NODE_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-        cwd=h.ROOT, start_new_session=True) for r in range(2)]
+        cwd=h.ROOT) for r in range(2)]
     for p in procs:
         try:
             _, stderr = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+            _kill_all(procs)
             raise
         lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
         assert p.returncode == 2 and lines == [

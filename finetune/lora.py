@@ -33,8 +33,20 @@ from lit_qlora.args import FinetuneArgs, parse_finetune_args
 from lit_qlora.batching import BatchStream, collate, pack_rows
 from lit_qlora.chat_template import stop_ids
 from lit_qlora.convert import ensure_converted
+from lit_qlora.distributed import (
+    check_same_start,
+    check_strategy,
+    check_world,
+    full_lora_state_dict,
+    fully_shard_gpt,
+    is_sharded,
+    load_optimizer_state,
+    make_strategy,
+    optimizer_state_to_save,
+    shard_mesh,
+)
 from lit_qlora.generation import generate
-from lit_qlora.loader import load_model
+from lit_qlora.loader import load_model, load_model_sharded
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
 from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
@@ -75,7 +87,7 @@ from lit_qlora.training import (
     shift_labels,
     show_progress,
 )
-from lit_qlora.utils import UserError, atomic_write, memory_used_gb, run_main, tune_cpu_allocator
+from lit_qlora.utils import UserError, atomic_write, memory_used_gb, peak_rss_gb, run_main, tune_cpu_allocator
 
 IGNORE_INDEX = -100
 
@@ -116,6 +128,8 @@ class Session:
     train_info: dict  # recorded in every adapter file: how it was trained
     report: dict  # the loaded model's memory report (lit_qlora.quantize.memory_report)
     rss_after_load: float  # GiB
+    rss_before_load: float = 0.0  # GiB
+    load_peak_rss: float = 0.0  # GiB, the process's peak RSS once the model is loaded (loading included)
     step: int = 0
     train_time: float = 0.0
     losses: list = field(default_factory=list)
@@ -139,8 +153,9 @@ def setup(args: FinetuneArgs) -> None:
     # *-true: we place weights in the right dtype ourselves (Fabric's half-precision plugin would cast the packed
     # 4-bit weights too). *-mixed: Fabric's autocast, with a grad scaler for fp16.
     plugin = MixedPrecision(run.precision, device=acc) if prec.mixed else FabricPrecision()
-    strategy = "ddp" if run.strategy == "auto" and run.devices > 1 else run.strategy
-    fabric = L.Fabric(accelerator=acc, devices=run.devices, strategy=strategy, plugins=[plugin])
+    strategy = make_strategy(run.strategy, run.devices * run.num_nodes)
+    fabric = L.Fabric(accelerator=acc, devices=run.devices, num_nodes=run.num_nodes, strategy=strategy,
+                      plugins=[plugin])
     fabric.launch(main, args, inputs)
 
 
@@ -159,11 +174,12 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
     micro = check_flags(args, quantize, lora)
     if micro is None:
         return None
-    batch_size = t.batch_size or micro * run.devices
-    if batch_size % (micro * run.devices):
-        n = micro * run.devices
+    world = run.devices * run.num_nodes
+    batch_size = t.batch_size or micro * world
+    if batch_size % (micro * world):
+        n, nodes = micro * world, f" x nodes {run.num_nodes}" if run.num_nodes > 1 else ""
         raise UserError(f"--batch_size {batch_size} is not a multiple of --micro_batch_size {micro} x devices "
-                        f"{run.devices}; use e.g. --batch_size {n * max(1, batch_size // n)}")
+                        f"{run.devices}{nodes}; use e.g. --batch_size {n * max(1, batch_size // n)}")
     out_dir = Path(run.out_dir)
     check_out_dir(out_dir, run.resume)
     config = ensure_converted(run.checkpoint_dir, verify=True)
@@ -204,10 +220,13 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
                         "install one, or leave --compile off")
     if t.nan_policy not in ("stop", "skip"):
         raise UserError(f"unknown --nan_policy {t.nan_policy!r}; choose stop or skip")
+    check_world(run.devices, run.num_nodes)
+    check_strategy(run.strategy, quantize, run.precision, t.optimizer, run.compile)
     micro = t.micro_batch_size
     if run.estimate_only or micro == "auto":  # before anything is loaded
         micro = plan_micro_batch_size(
-            run.checkpoint_dir, micro, run.memory_budget, run.estimate_only, run.accelerator, run.devices, lora,
+            run.checkpoint_dir, micro, run.memory_budget, run.estimate_only, run.accelerator,
+            run.devices * run.num_nodes, lora, shard_world=run.devices * run.num_nodes if run.strategy == "fsdp" else 1,
             precision=run.precision, quantize=quantize, optimizer=t.optimizer, seq_length=args.data.max_seq_length,
             activation_checkpointing=run.activation_checkpointing, quantize_lm_head=run.quantize_lm_head,
             validation=e.eval_iters > 0)
@@ -234,6 +253,8 @@ def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, bat
 def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
     """One process: build the model, restore a checkpoint if resuming, train, write the results."""
     fabric.seed_everything(args.run.seed)
+    if fabric.world_size > 1:  # several machines: each read out_dir on its own
+        check_same_start(fabric, inputs.resume_state["resume"]["step"] if inputs.resume_state else 0)
     if fabric.device.type == "cpu":
         tune_cpu_allocator()  # freed step temporaries go back to the OS instead of fragmenting the heap
     s = build_model(fabric, args, inputs)
@@ -256,8 +277,14 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     if warning:
         fabric.print(warning, file=sys.stderr)
     t0 = time.perf_counter()
-    gpt = load_model(run.checkpoint_dir, precision=run.precision, quantize=inputs.quantize, lora=inputs.lora,
-                     device=fabric.device, quantize_lm_head=run.quantize_lm_head, config=inputs.config, seed=run.seed)
+    rss_before_load = psutil.Process().memory_info().rss / 2**30
+    kw = dict(precision=run.precision, quantize=inputs.quantize, lora=inputs.lora, device=fabric.device,
+              quantize_lm_head=run.quantize_lm_head, config=inputs.config, seed=run.seed)
+    if is_sharded(fabric):  # FSDP: this process keeps only its shard of every weight (lit_qlora/distributed.py)
+        gpt = load_model_sharded(run.checkpoint_dir, lambda m: fully_shard_gpt(m, shard_mesh(fabric)), **kw)
+    else:
+        gpt = load_model(run.checkpoint_dir, **kw)
+    load_peak_rss = peak_rss_gb()
     gpt.activation_checkpointing = run.activation_checkpointing
     if run.compile:
         gpt.compile_blocks()
@@ -289,7 +316,7 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
                       chat_template=inputs.tokenizer.chat_template if template == CHAT else None)
     return Session(fabric, model, gpt, optimizer, stream, args, inputs, max_steps,
                    inputs.batch_size // (inputs.micro_batch_size * world), train_info, report,
-                   rss_after_load)
+                   rss_after_load, rss_before_load, load_peak_rss)
 
 
 def restore(s: Session) -> None:
@@ -297,8 +324,9 @@ def restore(s: Session) -> None:
     state = s.inputs.resume_state
     if state is None:
         return
-    load_lora_weights(s.gpt, state["lora"])
-    s.optimizer.load_state_dict(state["resume"]["optimizer"])
+    load_lora_weights(s.gpt, state["lora"])  # a sharded model takes its shard of each tensor
+    load_optimizer_state(s.gpt, getattr(s.optimizer, "optimizer", s.optimizer), state["resume"]["optimizer"],
+                         is_sharded(s.fabric))
     scaler = getattr(s.fabric.strategy.precision, "scaler", None)
     if scaler is not None and state["resume"].get("scaler"):
         scaler.load_state_dict(state["resume"]["scaler"])
@@ -450,17 +478,19 @@ def validate(s: Session) -> float:
     world, rank = fabric.world_size, fabric.global_rank
     total = torch.zeros(2, device=fabric.device)  # loss sum, token count
     mb, val_data = inputs.micro_batch_size, inputs.val_data
+    sharded = is_sharded(fabric)
     for i in range(min(e.eval_iters, -(-len(val_data) // (mb * world)))):
         chunk = val_data[(i * world + rank) * mb:(i * world + rank + 1) * mb]
-        if not chunk:
+        if not chunk and not sharded:
             continue
-        batch = collate(chunk, pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
+        counted = float(bool(chunk))  # FSDP: every rank takes part in every forward; an empty share counts nothing
+        batch = collate(chunk or val_data[:1], pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
         tgt = shift_labels(batch["labels"], IGNORE_INDEX)
         total += torch.stack([_batch_loss(s, batch, tgt).float(),
-                              (tgt != IGNORE_INDEX).sum().float().to(fabric.device)])
+                              (tgt != IGNORE_INDEX).sum().float().to(fabric.device)]) * counted
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total
     val_loss = float(total[0] / total[1].clamp(min=1))
-    if rank == 0 and val_data:
+    if val_data and (rank == 0 or sharded):  # FSDP: every rank takes part in each forward
         # One sample from the first validation prompt, so progress is visible in words too. The prompt is everything
         # before the first trained token (for a conversation: up to its first assistant turn).
         labels = val_data[0]["labels"]
@@ -469,14 +499,17 @@ def validate(s: Session) -> float:
         n_prompt = n_prompt or max(1, len(labels) // 2)  # nothing masked: prompt with the first half
         prompt = val_data[0]["input_ids"][:n_prompt]
         tok = inputs.tokenizer
-        chat = s.train_info.get("chat_template")  # the chat template's end-of-turn token ends the reply too
+        stop = stop_ids(tok, s.train_info.get("chat_template"))  # with the chat template's end-of-turn token
         with fabric.autocast():
+            # FSDP: no rank may stop on its own (the others would wait in a gather): all generate the full length
             out = generate(s.gpt, prompt,
                            max_new_tokens=min(e.eval_max_new_tokens, inputs.config.block_size - len(prompt)),
-                           eos_ids=stop_ids(tok, chat))
-        text = tok.decode(out[len(prompt):]).strip().replace("\n", " ")
-        print(f"validation: loss {val_loss:.4f}, perplexity {float(torch.tensor(val_loss).exp()):.2f} | sample: "
-              f"{text[:200]!r}", file=sys.stderr)
+                           eos_ids=() if sharded else stop)
+        new = out[len(prompt):]
+        ends = [j for j, t in enumerate(new.tolist()) if t in stop] if sharded else []
+        text = tok.decode(new[:ends[0] + 1] if ends else new).strip().replace("\n", " ")
+        fabric.print(f"validation: loss {val_loss:.4f}, perplexity {float(torch.tensor(val_loss).exp()):.2f} | "
+                     f"sample: {text[:200]!r}", file=sys.stderr)
     s.model.train()
     return val_loss
 
@@ -484,10 +517,14 @@ def validate(s: Session) -> float:
 def save(s: Session, reason: str) -> Path:
     """A resumable checkpoint of this iteration (also a valid adapter file), written atomically by rank 0."""
     out_dir, path = Path(s.args.run.out_dir), checkpoint_path(s.args.run.out_dir, s.step)
+    # FSDP: the LoRA weights and the optimizer state are gathered from every rank's shards first (all ranks call)
+    sharded = is_sharded(s.fabric)
+    lora = full_lora_state_dict(s.gpt) if sharded else None
+    optimizer_state = optimizer_state_to_save(s.gpt, getattr(s.optimizer, "optimizer", s.optimizer), sharded)
     if s.fabric.global_rank == 0:
-        adapter = Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step})
+        adapter = Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step}, tensors=lora)
         scaler = getattr(s.fabric.strategy.precision, "scaler", None)
-        resume = {"step": s.step, "optimizer": s.optimizer.state_dict(), "data": s.stream.state_dict(),
+        resume = {"step": s.step, "optimizer": optimizer_state, "data": s.stream.state_dict(),
                   "rng": rng_state(), "train_time": s.train_time,
                   "scaler": scaler.state_dict() if scaler is not None else None,
                   "settings": resume_settings(s.args, s.inputs.quantize, s.inputs.micro_batch_size,
@@ -504,14 +541,18 @@ def summarize(s: Session) -> None:
     fabric, run, out_dir = s.fabric, s.args.run, Path(s.args.run.out_dir)
     if s.inputs.quantize:
         assert_trainable_4bit(s.gpt)
-    if fabric.world_size > 1:
+    sharded = is_sharded(fabric)
+    if fabric.world_size > 1 and not sharded:  # FSDP ranks hold different shards of one model
         check_ranks_agree(fabric, s.gpt)
     save(s, "end of training")
+    lora = full_lora_state_dict(s.gpt) if sharded else lora_state_dict(s.gpt)  # every rank, before rank 0 goes on
+    per_rank = rank_figures(s)
     mem = memory_used_gb(fabric.device)
     r = s.report
     summary = dict(model=s.inputs.config.name, precision=run.precision, quantize=s.inputs.quantize or "none",
                    optimizer=s.args.train.optimizer, micro_batch_size=s.inputs.micro_batch_size,
-                   batch_size=s.inputs.batch_size, devices=fabric.world_size, iterations=s.step,
+                   batch_size=s.inputs.batch_size, devices=fabric.world_size, num_nodes=run.num_nodes,
+                   strategy="fsdp" if sharded else "ddp" if fabric.world_size > 1 else "single", iterations=s.step,
                    max_seq_length=s.inputs.max_seq_length, lora=asdict(s.inputs.lora),
                    activation_checkpointing=run.activation_checkpointing, compile=run.compile,
                    training_time_s=s.train_time,
@@ -523,13 +564,15 @@ def summarize(s: Session) -> None:
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
                    trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
                    quantized_bytes=r["quantized_bytes"],
-                   bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"])
+                   bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"],
+                   ranks=per_rank)
     if fabric.global_rank != 0:
         return
-    Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step}).save(out_dir / FINAL_ADAPTER)
+    Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step}, tensors=lora).save(
+        out_dir / FINAL_ADAPTER)
     atomic_write(out_dir / "metrics.json", lambda p: p.write_text(json.dumps(summary, indent=2)))
     if run.bench_json:
-        b_moved = all(bool(v.abs().sum() > 0) for k, v in lora_state_dict(s.gpt).items() if "lora_B" in k)
+        b_moved = all(bool(v.abs().sum() > 0) for k, v in lora.items() if "lora_B" in k)
         qkv = s.gpt.transformer.h[0].attn.qkv
         print("BENCH_JSON " + json.dumps(dict(iter_times=s.iter_times, iter_tokens=s.iter_tokens, losses=s.losses,
                                               rss_after_load_gb=s.rss_after_load, lora_grads_flowed=b_moved,
@@ -537,6 +580,18 @@ def summarize(s: Session) -> None:
     print(f"Saved the adapter to {out_dir / FINAL_ADAPTER}", file=sys.stderr)
     print(f"Training time: {s.train_time:.2f}s", file=sys.stderr)
     print(f"Memory used: {mem:.2f} GB", file=sys.stderr)
+
+
+def rank_figures(s: Session) -> list[dict]:
+    """Every rank's memory figures (all ranks call): RSS before and after loading, the peak RSS once loaded (loading
+    included), and the bytes of weights it holds (its shards under FSDP)."""
+    fabric = s.fabric
+    rows = torch.zeros(fabric.world_size, 4, dtype=torch.float64, device=fabric.device)
+    rows[fabric.global_rank] = torch.tensor([s.rss_before_load, s.load_peak_rss, s.rss_after_load,
+                                             float(s.report["rank_bytes"])], dtype=torch.float64)
+    rows = fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows
+    return [dict(rank=i, rss_before_load_gb=float(a), load_peak_rss_gb=float(b), rss_after_load_gb=float(c),
+                 weight_bytes=int(d)) for i, (a, b, c, d) in enumerate(rows.tolist())]
 
 
 def cli() -> None:

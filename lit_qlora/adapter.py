@@ -45,9 +45,11 @@ class Adapter:
 
     # ---- making, saving, loading ---------------------------------------------------------------------
     @classmethod
-    def of_model(cls, model: nn.Module, lora: LoRAConfig, train: Optional[dict] = None) -> "Adapter":
-        """The LoRA weights of `model` (copied to fp32 on CPU) with their settings."""
-        tensors = {k: v.float().cpu().clone() for k, v in lora_state_dict(model).items()}
+    def of_model(cls, model: nn.Module, lora: LoRAConfig, train: Optional[dict] = None,
+                 tensors: Optional[dict[str, torch.Tensor]] = None) -> "Adapter":
+        """The LoRA weights of `model` (copied to fp32 on CPU) with their settings. `tensors`: the LoRA weights when the
+        model holds only shards of them (FSDP), gathered whole (lit_qlora.distributed.full_lora_state_dict)."""
+        tensors = {k: v.float().cpu().clone() for k, v in (tensors or lora_state_dict(model)).items()}
         return cls(tensors, lora, model.config.to_dict(), dict(train or {}))
 
     def payload(self) -> dict:

@@ -35,11 +35,15 @@ class RunArgs:
     """With --quantize, quantize the output layer too. Default: yes for an untied head; a head tied to the embedding
     stays dense, shared with the embedding (no second copy)."""
     devices: int = 1
-    """Processes (DDP; gloo on CPU)."""
+    """Processes per machine (DDP; gloo on CPU)."""
+    num_nodes: int = 1
+    """Machines. Above 1, a launcher starts this command on every machine (torchrun --nnodes, SLURM's srun/sbatch;
+    README, "Several machines"); every process trains on its share of each batch."""
     accelerator: str = "auto"
     """auto, cpu or cuda."""
     strategy: str = "auto"
-    """auto, ddp or fsdp (GPUs)."""
+    """auto (ddp with several processes), ddp, or fsdp: every process holds only its shard of the (4-bit) base, of
+    the LoRA weights and of the AdamW state (torch's fully_shard; CPU and CUDA)."""
     seed: int = 1337
     """Seed of the LoRA initialization, dropout and the data order."""
     compile: bool = False

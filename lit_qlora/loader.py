@@ -10,7 +10,7 @@ process's resident set once touched, which would make the whole checkpoint count
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -19,10 +19,18 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
-from lit_qlora.lora import LoRAConfig, LoRALinear, meta_model
+from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, meta_model
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
-from lit_qlora.quantize import check_quantize, is_quantized, quantize_into, resolve_quantize_lm_head, swap_linears
+from lit_qlora.quantize import (
+    check_quantize,
+    is_quantized,
+    prepare_4bit_for_sharding,
+    quantize_4bit_tensor,
+    quantize_into,
+    resolve_quantize_lm_head,
+    swap_linears,
+)
 from lit_qlora.utils import UserError
 
 
@@ -124,3 +132,107 @@ def load_model_with_adapter(checkpoint_dir: Path, adapter: Adapter, precision: s
     model = load_model(checkpoint_dir, precision=precision, quantize=quantize, lora=adapter.config, device=device, **kw)
     adapter.load_into(model)
     return model
+
+
+def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], precision: str = "bf16-true",
+                       quantize: Optional[str] = None, lora: Optional[LoRAConfig] = None,
+                       device: torch.device | str = "cpu", quantize_lm_head: Optional[bool] = None,
+                       config: Optional[Config] = None, seed: Optional[int] = None,
+                       storage: torch.dtype = torch.uint8) -> GPT:
+    """`load_model` for FSDP: this process keeps only its shard of every weight, the 4-bit ones included.
+
+    The model is built on meta with the 4-bit layers' weights in their packed shape (`prepare_4bit_for_sharding`),
+    `shard(model)` (torch's `fully_shard`, see lit_qlora/distributed.py) turns every parameter into a meta DTensor
+    shard, and the shards get storage on `device`. Then each tensor is read from disk on its own, cast or quantized
+    whole (the same bytes `load_model` stores) and only this rank's part of it is kept (`copy_into_param`: DTensor
+    places it). Peak: the shards + the largest single tensor being quantized. The 4-bit layers' block scales are
+    kept whole on every rank. LoRA weights are initialized whole from `seed`, like `load_model`, then sharded: the
+    same values as an unsharded run."""
+    device = torch.device(device)
+    prec = parse_precision(precision)
+    check_quantize(quantize, precision, device)
+    config = config or ensure_converted(checkpoint_dir)
+    weights = Path(checkpoint_dir) / LIT_WEIGHTS
+    model = meta_model(config, lora)
+    if quantize:
+        swap_linears(model, quantize, prec.dtype, resolve_quantize_lm_head(config, quantize_lm_head))
+        prepare_4bit_for_sharding(model, storage)
+    _set_meta_dtypes(model, prec)  # the shards get storage in these dtypes: the ones load_model gives each tensor
+    shard(model)
+    model.to_empty(device=device)
+    filled: set[str] = set()
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def place(module: nn.Module, param: str, t: torch.Tensor) -> None:
+        target = module._parameters[param]
+        if is_quantized(module) and param == "weight":
+            packed, state = quantize_4bit_tensor(module, t.to(prec.dtype), device)
+            module.quant_state = state  # whole on every rank, on `device` (where it was quantized)
+            t = packed
+        else:
+            dtype = prec.frozen_linear_dtype if isinstance(module, nn.Linear) else prec.frozen_other_dtype
+            t = t.to(dtype)
+        with torch.no_grad():
+            copy_into_param(target, t)
+        filled.add(names[id(target)])
+
+    for key, t in read_safetensors(weights):
+        try:
+            module, param = _owner(model, key)
+        except AttributeError:
+            raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
+                            f"model_config.json: convert the checkpoint again")
+        place(module, param, t)
+        if key == "transformer.wte.weight" and config.tie_embeddings:
+            head, _ = _owner(model, "lm_head.weight")
+            if is_quantized(head):  # the quantized head is its own tensor (an unquantized one is wte itself)
+                place(head, "weight", t)
+        del t
+    if lora is not None:
+        _init_lora_sharded(model, prec.trainable_dtype, device, seed, filled, names)
+    missing = [n for n in names.values() if n not in filled]
+    if missing:
+        raise UserError(f"{weights} has no tensor for {missing[0]}; the checkpoint is incomplete: convert it again")
+    return model
+
+
+def _set_meta_dtypes(model: nn.Module, prec) -> None:
+    """Give every (meta) parameter the dtype `load_model` stores it in: LoRA in the trainable dtype, frozen Linear
+    weights and biases in the compute dtype, embeddings and norms in theirs; the packed 4-bit bytes stay as they are.
+    A tied parameter keeps one dtype, its first owner's (the embedding), and stays one parameter."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    for group in owners.values():
+        m, name = group[0]
+        p = m._parameters[name]
+        if "lora_" in name:
+            dtype = prec.trainable_dtype
+        elif is_quantized(m) and name == "weight":
+            continue
+        else:
+            dtype = prec.frozen_linear_dtype if isinstance(m, nn.Linear) else prec.frozen_other_dtype
+        new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+        for owner, owner_name in group:
+            owner._parameters[owner_name] = new
+
+
+def _init_lora_sharded(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: Optional[int],
+                       filled: set[str], names: dict[int, str]) -> None:
+    """`_init_lora` on whole tensors (the same random draws, in the same order), each then sharded."""
+    gen_state = torch.random.get_rng_state()
+    if seed is not None:
+        torch.manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            A = torch.empty(m.lora_A.shape, device=device, dtype=dtype)
+            B = torch.empty(m.lora_B.shape, device=device, dtype=dtype)
+            init_lora_(A, B, len(m.parts), m.r)
+            with torch.no_grad():
+                copy_into_param(m.lora_A, A)
+                copy_into_param(m.lora_B, B)
+            filled.update((names[id(m.lora_A)], names[id(m.lora_B)]))
+    if seed is not None:
+        torch.random.set_rng_state(gen_state)

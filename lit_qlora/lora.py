@@ -58,10 +58,7 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def reset_lora_parameters(self) -> None:
-        # As in the LoRA paper and PEFT: A random, B zero, so training starts from the base model exactly
-        for i in range(len(self.parts)):
-            nn.init.kaiming_uniform_(self.lora_A.data[i * self.r:(i + 1) * self.r], a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B)
+        init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -109,6 +106,14 @@ class _DropoutMatmul(torch.autograd.Function):
             dropped = (x * keep).mul_(ctx.scale).to(A.dtype)
             grad_a = grad.reshape(-1, grad.size(-1)).T @ dropped.reshape(-1, dropped.size(-1))
         return grad_x, grad_a, None
+
+
+def init_lora_(A: torch.Tensor, B: torch.Tensor, n_parts: int, r: int) -> None:
+    """As in the LoRA paper and PEFT: A random (each part's r rows on their own), B zero, so training starts from the
+    base model exactly. On whole tensors: the sharded loader initializes them like this, then keeps its shard."""
+    for i in range(n_parts):
+        nn.init.kaiming_uniform_(A[i * r:(i + 1) * r], a=math.sqrt(5))
+    nn.init.zeros_(B)
 
 
 def lora_delta(A: torch.Tensor, B: torch.Tensor, parts: list[tuple[int, int]], r: int, scaling: float,
@@ -182,7 +187,20 @@ def load_lora_weights(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> Non
                             f"{tuple(params[k].shape)}; "
                             "use the base model the adapter was trained on")
         with torch.no_grad():
-            params[k].copy_(v.to(params[k].dtype))
+            copy_into_param(params[k], v)
+
+
+def copy_into_param(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole tensor `full` into `param` (any dtype or device); a DTensor parameter (FSDP) takes its own shard
+    of it, placed by DTensor itself."""
+    if hasattr(param, "device_mesh"):  # DTensor
+        from torch.distributed.tensor import distribute_tensor
+
+        full = full.to(device=param.device, dtype=param.dtype)
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(param.dtype))
 
 
 def meta_model(config: Config, lora: Optional[LoRAConfig] = None) -> GPT:

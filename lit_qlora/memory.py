@@ -24,6 +24,13 @@ two measured terms come on top (scripts/bench_estimator.py): the runtime (interp
 bitsandbytes, thread pools) and glibc's heap slack (`_allocator_slack`). Not modelled: oneDNN's per-shape
 caches, which grow the CPU resident size over the first iterations when batches come in many different
 lengths (up to a few hundred MB), so variable-length data on CPU can peak above the estimate.
+
+Sharded (`--strategy fsdp`, `shard_world` ranks): the figures are per rank. Every parameter is split along its first
+dimension into `shard_world` equal pieces (the last one padded, as FSDP2 allocates them), the 4-bit layers' packed
+bytes included; their block scales stay whole on every rank (lit_qlora/distributed.py). LoRA gradients and optimizer
+state are sharded alike. On top comes what FSDP gathers for compute ("gathered weights (fsdp)"): the root unit
+(embeddings, final norm, head), which stays gathered through the step, plus two transformer blocks at once (the one
+computing and the next one being gathered; also the gather buffer of one block).
 """
 from __future__ import annotations
 
@@ -78,42 +85,66 @@ def quantized_layer_bytes(out_features: int, in_features: int, mode: str) -> int
     return size + 4 * blocks
 
 
+def _shard_rows(rows: int, world: int) -> int:
+    """Rows of one rank's shard of a tensor split along dim 0 over `world` ranks (FSDP2 pads every rank to this)."""
+    return -(-rows // world)
+
+
 def _dtype_bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
 def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
-                 quantize_lm_head: Optional[bool] = None) -> dict:
-    """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes."""
+                 quantize_lm_head: Optional[bool] = None, shard_world: int = 1) -> dict:
+    """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes; with
+    `shard_world` > 1 also what one rank holds of them under FSDP ("*_rank": rank 0's shard, the largest)."""
     prec = parse_precision(precision)
     model = meta_model(config, lora)
     quantize_lm_head = resolve_quantize_lm_head(config, quantize_lm_head)
     linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
     quant, quant_params, dense, lora_numels = 0, 0, 0, []
+    quant_rank, dense_rank, lora_rank_numels = 0, 0, []
+    unit_bytes: dict[str, int] = {}  # FSDP unit ("root" or block index) -> bytes of its gathered parameters
     quantized_shapes: list[tuple[str, int, int]] = []
     seen: set[int] = set()
     for name, m in model.named_modules():
         parent_is_lora = isinstance(m, LoRALinear)
+        unit = name.split(".")[2] if name.startswith("transformer.h.") else "root"
         if parent_is_lora:
             lora_numels += [m.lora_A.numel(), m.lora_B.numel()]
+            lora_rank_numels += [_shard_rows(p.shape[0], shard_world) * p.shape[1] for p in (m.lora_A, m.lora_B)]
+            unit_bytes[unit] = unit_bytes.get(unit, 0) + (m.lora_A.numel() + m.lora_B.numel()) * _dtype_bytes(
+                prec.trainable_dtype)
             continue
         base_name = name[:-len(".base")] if name.endswith(".base") else name
         for pname, p in m._parameters.items():
-            if p is None or id(p) in seen:
+            if p is None:
                 continue
-            seen.add(id(p))
             is_linear = type(m) is nn.Linear
             quantized = (quantize is not None and is_linear and pname == "weight"
                          and (quantize_lm_head or base_name.split(".")[0] != "lm_head"))
+            if id(p) in seen and not quantized:  # a tied head that is quantized is its own tensor (the loader's)
+                continue
+            seen.add(id(p))
             if quantized:
                 out_f, in_f = p.shape
-                quant += quantized_layer_bytes(out_f, in_f, quantize)
+                layer = quantized_layer_bytes(out_f, in_f, quantize)
+                packed = -(-p.numel() // 2) if quantize != "bnb.int8" else p.numel()  # the sharded part
+                quant += layer
+                quant_rank += layer - packed + _shard_rows(packed, shard_world)
                 quant_params += p.numel()
                 quantized_shapes.append((base_name, out_f, in_f))
+                unit_bytes[unit] = unit_bytes.get(unit, 0) + packed
             else:
-                dense += p.numel() * (linear_b if is_linear else other_b)
+                size = linear_b if is_linear else other_b
+                dense += p.numel() * size
+                dense_rank += _shard_rows(p.shape[0], shard_world) * (p.numel() // p.shape[0]) * size
+                unit_bytes[unit] = unit_bytes.get(unit, 0) + p.numel() * size
+    blocks = [v for k, v in unit_bytes.items() if k != "root"]
     return dict(quantized=quant, quantized_params=quant_params, dense=dense, lora_numels=lora_numels,
-                quantized_shapes=quantized_shapes)
+                quantized_shapes=quantized_shapes, quantized_rank=quant_rank, dense_rank=dense_rank,
+                lora_rank_numels=lora_rank_numels, root_unit=unit_bytes.get("root", 0),
+                block_unit=max(blocks, default=0))
 
 
 def optimizer_state_bytes(optimizer: str, numels: list[int], param_bytes: int, device_type: str = "cpu") -> int:
@@ -285,7 +316,8 @@ class Estimate:
                 f"{s['quantize'] or 'none'}, "
                 f"{s['optimizer']}, micro batch {s['micro_batch_size']} x {s['seq_length']} tokens"
                 f"{', activation checkpointing' if s['activation_checkpointing'] else ''}, LoRA r={s['lora_r']} on "
-                f"{','.join(s['lora_targets'])}")
+                f"{','.join(s['lora_targets'])}"
+                + (f"; per rank, sharded over {s['shard_world']} ranks (fsdp)" if s.get("shard_world", 1) > 1 else ""))
         rows = [(k, f"{v / GiB:.3f}", self.notes.get(k, "")) for k, v in self.parts.items()]
         rows.append(("Total", f"{self.total_gb:.3f}", f"peak at: {self.peak_phase}"))
         w0, w1 = max(len(r[0]) for r in rows + [("Component", "")]), max(len(r[1]) for r in rows + [("", "GiB")])
@@ -310,11 +342,13 @@ def estimate_training_memory(
     quantize_lm_head: Optional[bool] = None,
     device_type: str = "cpu",
     validation: bool = True,
+    shard_world: int = 1,
 ) -> Estimate:
     """Peak memory of one training process of finetune/lora.py with these settings (see the module docstring).
 
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
-    `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8."""
+    `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
+    `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
     lora = lora or LoRAConfig()
     quantize = None if quantize in (None, "none", "None") else quantize
     if quantize is not None and quantize not in QUANTIZE_MODES:
@@ -331,8 +365,9 @@ def estimate_training_memory(
               lora_dropout=lora.dropout > 0)
 
     quantize_lm_head = resolve_quantize_lm_head(c, quantize_lm_head)
-    w = weight_bytes(c, lora, precision, quantize, quantize_lm_head)
-    static = _static_terms(w, prec, quantize, optimizer, device_type)
+    shard_world = max(1, int(shard_world))
+    w = weight_bytes(c, lora, precision, quantize, quantize_lm_head, shard_world)
+    static = _static_terms(w, prec, quantize, optimizer, device_type, shard_world)
     act = _saved_activations(c, lora, quantize if quantize_lm_head else None, quantize, d, prec,
                              sum(w["lora_numels"]), activation_checkpointing)
     phases = _step_phases(c, d, prec, quantize, w, act, activation_checkpointing, validation, device_type)
@@ -348,32 +383,46 @@ def estimate_training_memory(
         parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
-    load_peak = static["runtime"] + w["quantized"] + w["dense"] + _load_temp(c, quantize, prec, device_type)
+    load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
+                 + _load_temp(c, quantize, prec, device_type))
     if load_peak > sum(parts.values()):
         parts["temporaries"] += load_peak - sum(parts.values())
         phase, temp_note = "loading", "reading + converting the largest tensor"
     notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
                    device_type)
+    if shard_world > 1:
+        for k in ("quantized weights", "dense weights", "LoRA weights + grads", "optimizer state"):
+            notes[k] = f"this rank's 1/{shard_world}" + (f" of {notes[k]}" if notes[k] else "") + (
+                " (block scales whole)" if k == "quantized weights" and w["quantized_params"] else "")
     settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
-                    lora_targets=lora.targets())
+                    lora_targets=lora.targets(), shard_world=shard_world)
     extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.log_probs), logits=sum(act.logits),
                  optimizer_state=static["optimizer state"],
-                 live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max)
+                 live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max,
+                 rank_weight_bytes=static["quantized weights"] + static["dense weights"]
+                 + sum(w["lora_rank_numels"]) * _dtype_bytes(prec.trainable_dtype))
     return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
 
 
-def _static_terms(w: dict, prec: Precision, quantize: Optional[str], optimizer: str, device_type: str) -> dict:
+def _static_terms(w: dict, prec: Precision, quantize: Optional[str], optimizer: str, device_type: str,
+                  shard_world: int = 1) -> dict:
     """What exists for the whole run: the runtime, frozen weights, LoRA weights with their gradients, optimizer
-    state."""
+    state; sharded over `shard_world` ranks, one rank's part of each plus what FSDP gathers for compute."""
     t_bytes = _dtype_bytes(prec.trainable_dtype)
-    n_lora = sum(w["lora_numels"])
     runtime = CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES
     if device_type == "cpu" and (quantize or optimizer != "AdamW"):
         runtime += CPU_RUNTIME_BNB_BYTES
-    return {"runtime": runtime, "quantized weights": w["quantized"], "dense weights": w["dense"],
+    if shard_world == 1:
+        n_lora = sum(w["lora_numels"])
+        return {"runtime": runtime, "quantized weights": w["quantized"], "dense weights": w["dense"],
+                "LoRA weights + grads": 2 * n_lora * t_bytes,
+                "optimizer state": optimizer_state_bytes(optimizer, w["lora_numels"], t_bytes, device_type)}
+    n_lora = sum(w["lora_rank_numels"])
+    return {"runtime": runtime, "quantized weights": w["quantized_rank"], "dense weights": w["dense_rank"],
             "LoRA weights + grads": 2 * n_lora * t_bytes,
-            "optimizer state": optimizer_state_bytes(optimizer, w["lora_numels"], t_bytes, device_type)}
+            "optimizer state": optimizer_state_bytes(optimizer, w["lora_rank_numels"], t_bytes, device_type),
+            "gathered weights (fsdp)": w["root_unit"] + 2 * w["block_unit"]}
 
 
 @dataclass
@@ -497,6 +546,7 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
         "logits (+ grads/log-probs)": f"[{d.B}, {d.T}, {c.vocab_size}] held by the loop" + held_extra,
         "temporaries": temp_note,
         "allocator slack": "glibc heap growth, ~ the small tensors of the peak",
+        "gathered weights (fsdp)": "root unit (embeddings, norm, head) + two blocks, gathered for compute",
     }
 
 
@@ -563,7 +613,8 @@ def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, mem
                           estimate_only: bool, accelerator: str, devices: int, lora: LoRAConfig, **settings) -> int:
     """What finetune/lora.py calls before loading anything: resolves `--micro_batch_size auto` to the largest
     micro batch whose estimate fits `--memory_budget` (GB, default: the memory free now) and prints the estimate
-    (to stdout with --estimate_only, else to stderr)."""
+    (to stdout with --estimate_only, else to stderr). `devices`: processes of the run (all machines); `settings`
+    may hold `shard_world` (--strategy fsdp): the estimate is then per rank."""
     out = sys.stdout if estimate_only else sys.stderr
     device_type = "cuda" if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
     kw = dict(config=read_config(checkpoint_dir), lora=lora, device_type=device_type, **settings)

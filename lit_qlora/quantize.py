@@ -112,31 +112,86 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
         release_freed_memory()  # quantizing leaves freed buffers in heap holes
         return
     w = module.weight  # the meta Params4bit carries the settings
+    packed, state = _quantize_4bit_cpu(F, weight, four_bit_settings(module))
+    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=w.blocksize,
+                                      compress_statistics=w.compress_statistics, quant_type=w.quant_type,
+                                      quant_storage=w.quant_storage, module=module, bnb_quantized=True)
+    module.quant_state = state
+    release_freed_memory()  # quantizing leaves freed buffers in heap holes
+
+
+def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict) -> tuple[torch.Tensor, object]:
+    """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`, in
+    chunks (see _CPU_CHUNK)."""
     flat = weight.contiguous().reshape(-1)
-    n, bs = flat.numel(), w.blocksize
+    n, bs, quant_type = flat.numel(), settings["blocksize"], settings["quant_type"]
     step = max(1, _CPU_CHUNK // bs) * bs
     packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
     absmax = torch.empty(-(n // -bs), dtype=torch.float32)
     for start in range(0, n, step):
         q, state = F.quantize_4bit(flat[start:start + step], blocksize=bs, compress_statistics=False,
-                                   quant_type=w.quant_type, quant_storage=torch.uint8)
+                                   quant_type=quant_type, quant_storage=torch.uint8)
         packed[start // 2:start // 2 + q.shape[0]] = q
         absmax[start // bs:start // bs + state.absmax.numel()] = state.absmax
         del q
-    if w.quant_storage != torch.uint8:
-        packed = packed.view(-1).view(w.quant_storage).unsqueeze(1)
-    kw = dict(shape=weight.shape, dtype=weight.dtype, blocksize=bs, code=state.code, quant_type=w.quant_type)
-    if w.compress_statistics:  # as bitsandbytes.functional.quantize_4bit does it
+    if settings["quant_storage"] != torch.uint8:
+        packed = packed.view(-1).view(settings["quant_storage"]).unsqueeze(1)
+    kw = dict(shape=weight.shape, dtype=weight.dtype, blocksize=bs, code=state.code, quant_type=quant_type)
+    if settings["compress_statistics"]:  # as bitsandbytes.functional.quantize_4bit does it
         offset = absmax.mean()
         qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-        state = F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **kw)
-    else:
-        state = F.QuantState(absmax=absmax, **kw)
-    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=bs,
-                                      compress_statistics=w.compress_statistics, quant_type=w.quant_type,
-                                      quant_storage=w.quant_storage, module=module, bnb_quantized=True)
-    module.quant_state = state
-    release_freed_memory()  # quantizing leaves freed buffers in heap holes
+        return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **kw)
+    return packed, F.QuantState(absmax=absmax, **kw)
+
+
+def four_bit_settings(module: nn.Module) -> dict:
+    """How a bitsandbytes 4-bit layer quantizes: read from its (meta) Params4bit, or kept on the module once the
+    weight became a plain sharded parameter (`prepare_4bit_for_sharding`)."""
+    kept = getattr(module, "four_bit_settings", None)
+    if kept is not None:
+        return kept
+    w = module.weight
+    return dict(blocksize=w.blocksize, quant_type=w.quant_type, compress_statistics=w.compress_statistics,
+                quant_storage=w.quant_storage)
+
+
+def quantize_4bit_tensor(module: nn.Module, weight: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
+    """(packed weight, QuantState) of the full-precision `weight` for the 4-bit layer `module`, on `device`, without
+    touching the layer: what the sharded loader keeps a shard of. Bit-identical to what `quantize_into` stores."""
+    F = _bnb().functional
+    settings = four_bit_settings(module)
+    if device.type == "cpu":
+        packed, state = _quantize_4bit_cpu(F, weight, settings)
+        release_freed_memory()
+        return packed, state
+    return F.quantize_4bit(weight.to(device), blocksize=settings["blocksize"],
+                           compress_statistics=settings["compress_statistics"], quant_type=settings["quant_type"],
+                           quant_storage=settings["quant_storage"])
+
+
+def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uint8) -> int:
+    """Before FSDP shards a model built on meta: every 4-bit layer's weight becomes a plain meta parameter of its
+    packed shape ([n/2 bytes, 1] viewed as `storage`), the shape FSDP shards along dim 0, and the layer keeps its
+    quantization settings (FSDP replaces the Params4bit by a plain parameter). The QuantState (block scales) stays
+    whole on every rank as `module.quant_state`, from which bitsandbytes' forward rebuilds the Params4bit around the
+    gathered bytes. Returns the number of layers prepared."""
+    bnb = _bnb()
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear8bitLt):
+            raise UserError("--quantize bnb.int8 cannot be sharded (its row scales live on the weight object, which "
+                            "FSDP replaces); use --quantize bnb.nf4-dq or --strategy ddp")
+        if not isinstance(m, bnb.nn.Linear4bit):
+            continue
+        m.four_bit_settings = {**four_bit_settings(m), "quant_storage": storage}
+        n_bytes = (m.in_features * m.out_features + 1) // 2
+        size = torch.empty((), dtype=storage).element_size()
+        if n_bytes % size:
+            raise ValueError(f"{n_bytes} packed bytes do not fill whole {storage} elements")
+        m.weight = nn.Parameter(torch.empty((n_bytes // size, 1), dtype=storage, device="meta"), requires_grad=False)
+        m.quant_state = None
+        n += 1
+    return n
 
 
 def resolve_quantize_lm_head(config, requested: Optional[bool]) -> bool:
@@ -203,7 +258,10 @@ def assert_trainable_4bit(model: nn.Module) -> None:
     if bnb is None:
         return
     for name, m in model.named_modules():
-        if isinstance(m, bnb.nn.Linear4bit) and getattr(m.weight.quant_state, "packing_format_for_cpu", False):
+        if not isinstance(m, bnb.nn.Linear4bit):
+            continue
+        state = getattr(m.weight, "quant_state", None) or m.quant_state  # sharded: the plain weight has none
+        if getattr(state, "packing_format_for_cpu", False):
             raise RuntimeError(f"{name} was repacked for CPU inference and can no longer pass gradients; "
                                "keep support_avx512bf16_for_cpu=False on layers that train")
 
@@ -215,8 +273,10 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def memory_report(model: nn.Module) -> dict:
     """Bytes of quantized weights (with their quantization statistics), bits per quantized parameter,
-    bytes of dense weights and trainable parameter count, measured from the tensors themselves."""
-    q_bytes, q_params, dense_bytes, trainable = 0, 0, 0, 0
+    bytes of dense weights and trainable parameter count, measured from the tensors themselves. The figures are of the
+    whole model, also when FSDP shards it; `rank_bytes` is what this process holds: its shards plus the block scales
+    of the 4-bit layers, which every rank keeps whole."""
+    q_bytes, q_params, dense_bytes, trainable, rank_bytes = 0, 0, 0, 0, 0
     seen: set[int] = set()
     bnb = _bnb() if _bnb_loaded() else None
     for m in model.modules():
@@ -227,8 +287,12 @@ def memory_report(model: nn.Module) -> dict:
             seen.add(id(p))
             if p.requires_grad:
                 trainable += p.numel()
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: FSDP's shard of this rank
+            rank_bytes += _tensor_bytes(local)
             if quantized and pname == "weight":
-                q_bytes += _tensor_bytes(p) + _quant_state_bytes(p, m)
+                stats = _quant_state_bytes(p, m)
+                q_bytes += _tensor_bytes(p) + stats
+                rank_bytes += stats
                 q_params += m.in_features * m.out_features
             else:
                 dense_bytes += _tensor_bytes(p)
@@ -236,13 +300,14 @@ def memory_report(model: nn.Module) -> dict:
             if b is not None and id(b) not in seen:
                 seen.add(id(b))
                 dense_bytes += _tensor_bytes(b)
+                rank_bytes += _tensor_bytes(b)
     return dict(quantized_bytes=q_bytes, quantized_params=q_params,
                 bits_per_quantized_param=(8 * q_bytes / q_params) if q_params else 0.0,
-                dense_bytes=dense_bytes, trainable_params=trainable)
+                dense_bytes=dense_bytes, trainable_params=trainable, rank_bytes=rank_bytes)
 
 
 def _quant_state_bytes(p: torch.Tensor, module: nn.Module) -> int:
-    qs = getattr(p, "quant_state", None)
+    qs = getattr(p, "quant_state", None) or getattr(module, "quant_state", None)
     if qs is not None:  # 4-bit: absmax per block (+ its own quantization state when nested) and the code table
         # bitsandbytes gives every layer its own copy of the code tables (16 + 256 fp32), so they count per layer
         n = _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
@@ -259,7 +324,9 @@ def _quant_state_bytes(p: torch.Tensor, module: nn.Module) -> int:
 def format_memory_report(r: dict) -> str:
     return (f"Quantized weights: {r['quantized_bytes'] / 2**20:.1f} MiB for {r['quantized_params'] / 1e6:.1f}M params "
             f"({r['bits_per_quantized_param']:.2f} bits/param) | dense weights: {r['dense_bytes'] / 2**20:.1f} MiB | "
-            f"trainable params: {r['trainable_params']:,}")
+            f"trainable params: {r['trainable_params']:,}"
+            + (f" | this rank holds {r['rank_bytes'] / 2**20:.1f} MiB of them (sharded)"
+               if r.get("rank_bytes", 0) < r["quantized_bytes"] + r["dense_bytes"] else ""))
 
 
 def quiet_bnb_import() -> None:

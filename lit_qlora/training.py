@@ -253,7 +253,7 @@ def check_out_dir(out_dir: Path, resume: Optional[str]) -> None:
     """Refuse to start over a previous run (it would be overwritten) unless resuming it."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-test"
+        probe = out_dir / f".write-test-{os.getpid()}"  # several processes may check at once (torchrun)
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -306,9 +306,21 @@ def shard_batch(batch: dict, rank: int, world: int) -> dict:
 
 
 def all_finite(tensors) -> bool:
-    """True when no element of the tensors (None entries skipped) is NaN or inf; one device sync in all."""
-    peaks = [t.detach().abs().amax().float() for t in tensors if t is not None and t.numel()]
-    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
+    """True when no element of the tensors (None entries skipped) is NaN or inf; one device sync in all. Sharded
+    tensors (FSDP's DTensors) are checked shard by shard and the ranks agree on the answer (every rank must call)."""
+    peaks, sharded, device = [], False, None
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):  # a DTensor: this rank's shard (maybe empty)
+            sharded, device, t = True, t.device, t.to_local()
+        if t.numel():
+            peaks.append(t.detach().abs().amax().float())
+    ok = torch.isfinite(torch.stack(peaks)).all() if peaks else torch.tensor(True, device=device)
+    if sharded:
+        ok = ok.to(device=device, dtype=torch.float32)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok)
 
 
 def check_ranks_agree(fabric, model: torch.nn.Module) -> float:

@@ -226,3 +226,50 @@ def test_logits_term_matches_what_the_loop_holds(memory_ckpts, arch):
     held = sum(t.numel() * t.element_size() for t in (out if isinstance(out, list) else [out]))
     est = estimate_training_memory(config, QV, "bf16-true", None, micro_batch_size=B, seq_length=T)
     assert est.extra["logits"] == held
+
+
+# ---- sharded (--strategy fsdp): per-rank figures -------------------------------------------------------------------
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq"])
+def test_sharded_estimate_is_per_rank(quantize):
+    """Each rank holds 1/world of every sharded term (the 4-bit block scales stay whole), plus what FSDP gathers for
+    compute; the micro-batch's own tensors do not shrink. (Rank 0's weight bytes are checked against a real sharded
+    load, to the byte, in tests/test_distributed.py.)"""
+    kw = dict(config=BIG, lora=ALL, precision="bf16-true", quantize=quantize, micro_batch_size=2, seq_length=512,
+              device_type="cuda", activation_checkpointing=True)
+    one = estimate_training_memory(**kw)
+    w = weight_bytes(BIG, ALL, "bf16-true", quantize)
+    packed = sum(-(-o * i // 2) for _, o, i in w["quantized_shapes"])
+    for world in (2, 4):
+        est = estimate_training_memory(shard_world=world, **kw)
+        p, p1 = est.parts, one.parts
+        assert p["quantized weights"] == pytest.approx(p1["quantized weights"] - packed + packed / world, rel=1e-4)
+        for k in ("dense weights", "LoRA weights + grads", "optimizer state"):
+            assert p[k] == pytest.approx(p1[k] / world, rel=1e-3), k
+        assert 0 < p["gathered weights (fsdp)"] < p1["quantized weights"] + p1["dense weights"]
+        assert est.extra["live_dynamic"] == one.extra["live_dynamic"]
+        assert est.total < one.total and f"sharded over {world} ranks" in est.table()
+
+
+def test_sharded_70b_fits_two_24gb_cards():
+    """The case FSDP-QLoRA was made for (Answer.AI): Llama 2 70B in nf4-dq does not fit one 24 GB card, sharded over
+    two it does (micro batch 1 x 512 tokens, activation checkpointing)."""
+    kw = dict(config=Config.from_name("Llama-2-70b-hf"), lora=QV, precision="bf16-true", quantize="bnb.nf4-dq",
+              micro_batch_size=1, seq_length=512, device_type="cuda", activation_checkpointing=True)
+    assert estimate_training_memory(**kw).total > 24e9
+    assert estimate_training_memory(shard_world=2, **kw).total < 22 * GiB
+
+
+def test_estimate_only_with_fsdp_is_per_rank(tmp_path):
+    folder = tmp_path / "model-without-weights"
+    folder.mkdir()
+    BIG.save(folder / "model_config.json")
+    args = ["--checkpoint_dir", folder, "--data_dir", tmp_path / "no-data", "--out_dir", tmp_path / "out", "--quantize",
+            "bnb.nf4-dq", "--micro_batch_size", "2", "--max_seq_length", "512", "--accelerator", "cpu",
+            "--devices", "2", "--strategy", "fsdp", "--estimate_only", "true", "--precision", "bf16-true"]
+    res = _finetune(*args)
+    assert res.returncode == 0, res.stderr
+    assert "per rank, sharded over 2 ranks (fsdp)" in res.stdout and "gathered weights (fsdp)" in res.stdout
+    expected = estimate_training_memory(BIG, LoRAConfig(), "bf16-true", "bnb.nf4-dq", micro_batch_size=2,
+                                        seq_length=512, shard_world=2)
+    assert f"| Total                      | {expected.total_gb:.3f} |" in res.stdout, res.stdout
+    assert not (tmp_path / "out").exists()

@@ -2,7 +2,8 @@
 
 What is shown here:
 1. every bad input is refused up front (before Lightning or the model load) with exit code 2 and one `error: ...` line
-   naming the cause, and no file of the previous run in --out_dir is modified;
+   naming the cause, and no file of the previous run in --out_dir is modified (also what --strategy fsdp cannot
+   shard, --num_nodes without a launcher, and flags that disagree with the world torchrun or SLURM made);
 2. a sample longer than --max_seq_length is truncated with a warning that counts them (the run goes on);
 3. an adapter made for another base model is refused by generate/lora.py;
 4. not enough disk space is found before training and a failed checkpoint write keeps the previous checkpoint;
@@ -226,6 +227,31 @@ def _interval_zero(t, p):
     return dict(eval_interval=0), ["--eval_interval must be at least 1, got 0"]
 
 
+def _strategy_unknown(t, p):
+    return dict(strategy="zero3"), ["unknown --strategy 'zero3'", "auto, ddp, fsdp"]
+
+
+def _fsdp_8bit_optimizer(t, p):  # bitsandbytes' optimizers have no rule for sharded (DTensor) parameters
+    return dict(strategy="fsdp", optimizer="AdamW8bit"), ["--optimizer AdamW8bit", "FSDP cannot shard",
+                                                          "bitsandbytes#89", "--optimizer AdamW"]
+
+
+def _fsdp_int8(t, p):
+    return dict(strategy="fsdp", quantize="bnb.int8"), ["--quantize bnb.int8 cannot be sharded", "bnb.nf4-dq"]
+
+
+def _fsdp_fp16_mixed(t, p):
+    return dict(strategy="fsdp", precision="16-mixed"), ["--precision 16-mixed", "--strategy fsdp", "bf16-mixed"]
+
+
+def _num_nodes_without_launcher(t, p):
+    return dict(num_nodes=2), ["--num_nodes 2 needs a launcher", "torchrun --nnodes", "SLURM", "Several machines"]
+
+
+def _num_nodes_zero(t, p):
+    return dict(num_nodes=0), ["--num_nodes must be at least 1, got 0"]
+
+
 def _resume_other_settings(t, p):
     return dict(lora_r=4), ["the checkpoint was made with lora=", "'r': 8", "'r': 4"]
 
@@ -239,7 +265,8 @@ CASES = {f.__name__[1:]: f for f in (
     _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_empty, _batch_size, _batch_size_devices, _quantize,
-    _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file)}
+    _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
+    _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero)}
 SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "optimizer"}  # also through a fresh interpreter
 
 
@@ -257,6 +284,33 @@ def test_bad_input_is_refused_up_front(case, train_setup, prev_run, tmp_path, ca
         r2 = h.run_script(h.FINETUNE, args)
         assert h.assert_one_line_error(r2, *expect) == line
         assert h.snapshot(prev_run) == before
+
+
+# Launched by torchrun or SLURM on several machines: the flags must describe the world the launcher made, and that
+# world must divide the batch (torchrun and SLURM are recognized from their environment variables, as Fabric does)
+TORCHRUN = dict(TORCHELASTIC_RUN_ID="test", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+SLURM = dict(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NAME="train")
+LAUNCHED = {
+    "batch_not_divided_by_the_world": (TORCHRUN, dict(devices=2, num_nodes=2, batch_size=12),
+                                       ["--batch_size 12 is not a multiple of --micro_batch_size 4 x devices 2 x "
+                                        "nodes 2", "--batch_size 16"]),
+    "torchrun_world_differs": (dict(TORCHRUN, WORLD_SIZE="2", LOCAL_WORLD_SIZE="1"), dict(devices=2, num_nodes=1),
+                               ["torchrun starts 2 processes, 1 per machine", "pass --devices 1 --num_nodes 2"]),
+    "slurm_nodes_differ": (SLURM, dict(devices=2, num_nodes=1), ["SLURM gave the job 2 nodes", "--num_nodes 2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHED))
+def test_bad_world_under_a_launcher_is_refused_up_front(case, train_setup, prev_run, capfd, monkeypatch):
+    monkeypatch.delenv("LIT_QLORA_DEBUG", raising=False)
+    env, overrides, expect = LAUNCHED[case]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    before = h.snapshot(prev_run)
+    r = run_inprocess(h.train_args(train_setup, prev_run, **{**h.LEARN_ARGS, "resume": "auto", **overrides}), capfd)
+    h.assert_one_line_error(r, *expect)
+    assert "Loaded" not in r.stderr and "Seed set" not in r.stderr and h.snapshot(prev_run) == before
 
 
 def test_out_dir_under_a_regular_file(train_setup, tmp_path, capfd):

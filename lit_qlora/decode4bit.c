@@ -163,7 +163,28 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
 #endif
         acc.s[m] = 0.0f;
     }
-    if (k % bs == 0) { /* the common case: the row is whole blocks, with no per-block bookkeeping */
+#if Q4_ISA == 512
+    if (bs == 64 && k % 64 == 0) { /* bitsandbytes' default block: one 32-byte step per block, nothing else */
+        const int64_t nblk = k / 64, b0 = o * nblk;
+        const uint8_t *wp = L->w + o * (k / 2);
+        const __m512 code = _mm512_loadu_ps(L->code);
+        for (int64_t i = 0; i < nblk; i++, wp += 32) {
+            const __m512 t = _mm512_mul_ps(code, _mm512_set1_ps(block_scale(L, b0 + i, b2_shift)));
+            __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wp));
+            __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16)));
+            __m512 hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), lo0 = _mm512_permutexvar_ps(i0, t);
+            __m512 hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), lo1 = _mm512_permutexvar_ps(i1, t);
+            for (int m = 0; m < mt; m++) {
+                const float *xe = xs + (int64_t)m * k + 32 * i, *xo = xe + k / 2;
+                acc.v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc.v[m][0]);
+                acc.v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc.v[m][1]);
+                acc.v[m][2] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc.v[m][2]);
+                acc.v[m][3] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc.v[m][3]);
+            }
+        }
+    } else
+#endif
+    if (k % bs == 0) { /* the row is whole blocks, with no per-block bookkeeping */
         const int64_t nblk = k / bs, nb = bs / 2, b0 = o * nblk;
         const uint8_t *wrow = L->w + o * (k / 2);
         for (int64_t i = 0; i < nblk; i++)

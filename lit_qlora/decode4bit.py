@@ -192,7 +192,7 @@ def supports(module: nn.Module) -> bool:
 
 class _State:
     """What the kernel reads for one layer: the ctypes struct and the tensors its pointers point into (kept
-    alive here). `w_ptr`/`bias_ptr` tell when the layer's tensors were replaced, so the struct is rebuilt."""
+    alive here), and the parameters it was made from, so that it is rebuilt when they are replaced."""
 
     def __init__(self, module: "DecodeLinear4bit", lib: ctypes.CDLL) -> None:
         w = module.weight
@@ -201,9 +201,8 @@ class _State:
         self.w = w.data.reshape(-1).view(torch.uint8)
         self.code = qs.code.detach().float().contiguous()
         self.bias = module.bias.detach().float().contiguous() if module.bias is not None else None
-        self.w_ptr = w.data.data_ptr()
+        self.param, self.qs, self.bias_param = w, qs, module._parameters.get("bias")
         self.weights = module.out_features * module.in_features
-        self.bias_ptr = module.bias.data_ptr() if module.bias is not None else 0
         layer = _Layer(w=self.w.data_ptr(), code=self.code.data_ptr(), n=module.out_features, k=module.in_features,
                        blocksize=qs.blocksize, bias=self.bias.data_ptr() if self.bias is not None else None)
         if qs.nested:  # decoded per block inside the kernel, exactly as bitsandbytes does (no fp32 copy kept)
@@ -220,14 +219,18 @@ class _State:
         self.ref = ctypes.byref(layer)
 
     def current(self, module: nn.Module) -> bool:
-        bias_ptr = module.bias.data_ptr() if module.bias is not None else 0
-        return module.weight.data.data_ptr() == self.w_ptr and bias_ptr == self.bias_ptr
+        """Whether `module` still holds the tensors this state points into. Identity checks, because anything that
+        asks a bitsandbytes Params4bit for its storage goes through torch's subclass dispatch (~4 us per call, a
+        millisecond per token). Loading (quantize_into) and bitsandbytes' repacking replace these objects."""
+        params = module._parameters
+        return (params["weight"] is self.param and self.param.quant_state is self.qs
+                and params.get("bias") is self.bias_param)
 
 
 def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype."""
     x = x.contiguous()
-    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    y = x.new_empty((*x.shape[:-1], out_features))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     threads = 1 if state.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
     if rows and lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads):

@@ -19,10 +19,10 @@ turns the kernel off (bitsandbytes' path everywhere, including its packed layout
 """
 from __future__ import annotations
 
-import copy
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -50,6 +50,8 @@ MAX_KERNEL_ROWS = 16
 # Layers with fewer weights than this run on one thread: waking a second one costs more than it saves (a few us
 # on an idle machine, up to milliseconds when another process holds the other core).
 PARALLEL_MIN_WEIGHTS = 1 << 17
+# The dense path (prefill) dequantizes this many weights at a time: 16 MB of fp32 at most.
+DENSE_CHUNK_WEIGHTS = 1 << 22
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what the C kernel reads and writes natively
 # Builds the tests compile besides the native one (the C file picks its code path from the compiler's macros).
 VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DQ4_PORTABLE"]}
@@ -238,13 +240,52 @@ def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: i
     return y
 
 
-def dequantize_flat(module: nn.Module) -> torch.Tensor:
-    """The [out, in] weight of a 4-bit layer dequantized by bitsandbytes over the flattened tensor, the layout its
-    quantizer uses. (bitsandbytes 0.50's CPU `dequantize_4bit` of the 2-D shape treats blocks as if they never
-    crossed a row, which is wrong when in_features % blocksize != 0, e.g. in_features 96 or 1376.)"""
-    qs = copy.copy(module.weight.quant_state)
-    qs.shape = torch.Size([module.out_features * module.in_features])
-    return bnb.functional.dequantize_4bit(module.weight.data.reshape(-1, 1), qs).view(module.out_features, -1)
+def block_scales(module: nn.Module) -> torch.Tensor:
+    """The fp32 scale of every block of a 4-bit layer: its absmax, or bitsandbytes' decoding of the double-quantized
+    one (dequantize_blockwise, then the offset), as bitsandbytes' own matmul computes it."""
+    qs = module.weight.quant_state
+    if not qs.nested:
+        return qs.absmax.float()
+    return bnb.functional.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+
+
+def dequantize_rows(module: nn.Module, r0: int, r1: int, dtype: torch.dtype,
+                    scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows r0:r1 of a 4-bit layer's weight, dequantized by bitsandbytes' own op. r0 * in_features must fall on a
+    block boundary. Where blocks straddle rows the rows are dequantized as one flat run, the quantizer's layout:
+    bitsandbytes 0.50's CPU dequantize_4bit of a 2-D shape assumes blocks never cross a row, which is wrong when
+    in_features % blocksize != 0 (e.g. 96 or 1376); with whole-block rows the 2-D shape lets it use its threads."""
+    qs = module.weight.quant_state
+    k, bs = module.in_features, qs.blocksize
+    e0, e1 = r0 * k, r1 * k
+    scales = block_scales(module) if scales is None else scales
+    packed = module.weight.data.reshape(-1).view(torch.uint8)[e0 // 2:(e1 + 1) // 2]
+    shape = (r1 - r0, k) if k % bs == 0 else (e1 - e0,)
+    w = torch.ops.bitsandbytes.dequantize_4bit(packed, scales[e0 // bs:-(-e1 // bs)].contiguous(), bs, qs.quant_type,
+                                               shape, dtype)
+    return w.view(r1 - r0, k)
+
+
+def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T (+ bias) by dequantizing W and one dense matmul, as bitsandbytes' Linear4bit does (compute dtype,
+    then back to x's dtype), but DENSE_CHUNK_WEIGHTS weights at a time: a whole 49152 x 576 output layer would be a
+    113 MB fp32 temporary in every prefill (and was slower: 161 against 103 ms for 128 fp32 rows, one thread)."""
+    k, n = module.in_features, module.out_features
+    dtype = module.compute_dtype or x.dtype
+    xin = x.to(dtype)
+    bias = module.bias.to(dtype) if module.bias is not None else None
+    bs = module.weight.quant_state.blocksize
+    align = bs // math.gcd(k, bs)  # chunks start on block boundaries
+    step = max(align, DENSE_CHUNK_WEIGHTS // max(k, 1) // align * align)
+    if step >= n:
+        return F.linear(xin, dequantize_rows(module, 0, n, dtype), bias).to(x.dtype)
+    scales = block_scales(module)
+    y = xin.new_empty((*x.shape[:-1], n))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[..., r0:r1] = F.linear(xin, dequantize_rows(module, r0, r1, dtype, scales),
+                                 bias[r0:r1] if bias is not None else None)
+    return y.to(x.dtype)
 
 
 class DecodeLinear4bit(bnb.nn.Linear4bit):
@@ -269,14 +310,14 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         return run_kernel(lib, self._q4, x, self.out_features)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """bitsandbytes' own forward (dequantize, then a dense matmul): prefill, and anything needing gradients.
-        Layers whose blocks straddle rows are dequantized over the flattened weight instead (see dequantize_flat)."""
-        qs = self.weight.quant_state
-        if self.in_features % qs.blocksize == 0 or x.device.type != "cpu":
+        """Prefill and anything else the kernel does not take: dequantize, then a dense matmul. With a gradient to
+        compute, bitsandbytes' own forward (its autograd function), except where its CPU dequantization is wrong
+        (blocks straddling rows, see dequantize_rows); without, the same computation in bounded chunks."""
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)
+        whole_blocks = self.in_features % self.weight.quant_state.blocksize == 0
+        if x.device.type != "cpu" or not supports(self) or needs_grad and whole_blocks:
             return super().forward(x)
-        dtype = self.compute_dtype or x.dtype
-        bias = self.bias.to(dtype) if self.bias is not None else None
-        return F.linear(x.to(dtype), dequantize_flat(self).to(dtype), bias).to(x.dtype)
+        return dequantized_linear(self, x)
 
 
 def enable_fast_decode(model: nn.Module) -> int:

@@ -20,7 +20,6 @@ is wrong when in_features % 64 == 32 (0.50.2), so the reference dequantizes the 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -183,6 +182,24 @@ def test_converted_layer_dispatch(monkeypatch, mode, dtype):
                 tol = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-3, rtol=2e-2),
                        torch.float16: dict(atol=3e-4, rtol=3e-3)}[dtype]
             torch.testing.assert_close(y.double(), ref, **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(96, 192), (64, 96), (7, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.fp4-dq"])
+def test_dense_path_in_chunks(monkeypatch, mode, shape):
+    """Prefill dequantizes a few rows at a time (chunks start on block boundaries, straddling ones too): the same
+    result as one whole dequantization, against bitsandbytes' weights."""
+    layer = quantized_layer(mode, *shape, bias=True)
+    d.enable_fast_decode(layer)
+    x = torch.randn(2, 20, shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = layer(x)
+        monkeypatch.setattr(d, "DENSE_CHUNK_WEIGHTS", 3 * shape[1])  # 3 rows (rounded up to a block boundary)
+        chunked = layer(x)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)  # only the matmul shapes differ
+    torch.testing.assert_close(whole.double(), reference(layer, x.reshape(-1, shape[1])).view(2, 20, -1),
+                               atol=1e-5, rtol=1e-4)
 
 
 @needs_kernel

@@ -10,7 +10,8 @@ What is shown here:
 4. greedy tokens through the generation path equal those of a dense model built from bitsandbytes' dequantized
    weights, for nf4, nf4-dq and fp4 on every family the generation tests cover (32-true; at bf16-true the logits
    stay as close to that model as a dense bf16 model's do); int8 is left alone and stays within its tolerance;
-5. without a C compiler generation falls back to bitsandbytes' path with one note; compiled kernels are cached.
+5. generate/base.py samples (--num_samples) on the kernel, and greedy text is the same with it and without it;
+6. without a C compiler generation falls back to bitsandbytes' path with one note; compiled kernels are cached.
 
 Reference: `bitsandbytes.functional.dequantize_4bit` of the flattened weight. bitsandbytes quantizes the flattened
 [out, in] weight in blocks of 64; its CPU dequantization of the 2-D shape assumes blocks never cross a row, which
@@ -405,7 +406,32 @@ def test_int8_generation_is_unchanged_and_close_to_its_dequantized_weights(famil
     assert ((got - want).abs().amax(-1) <= bound * want.std(-1)).all()
 
 
-# ---- 5. no compiler, and the cache ----------------------------------------------------------------------
+# ---- 5. the generate script --------------------------------------------------------------------------
+@needs_kernel
+def test_generate_script_samples_on_the_kernel(tmp_path_factory, tmp_path, monkeypatch):
+    """generate/base.py with --quantize: --num_samples 3 with sampling gives three answers and the usual figures;
+    greedy output at 32-true is the same text with the kernel and without it (LIT_QLORA_DECODE_KERNEL=0)."""
+    import json
+
+    import helpers_train as h
+
+    setup = h.tiny_setup(tmp_path_factory)
+    common = ["--checkpoint_dir", setup["ckpt"], "--prompt", "kind\nowl\n", "--max_new_tokens", 6, "--quantize",
+              "bnb.nf4-dq", "--precision", "32-true"]
+    r = h.run_script(h.GENERATE_BASE, common + ["--num_samples", 3, "--temperature", 0.9, "--top_k", 50,
+                                                "--metrics_file", tmp_path / "m.json"])
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Note:" not in r.stderr  # the kernel was built, no fallback note
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert len(metrics["outputs"]) == 3 and r.stdout.count("\n") == 3 and metrics["tokens_per_sec"] > 0
+    greedy = [h.run_script(h.GENERATE_BASE, common + ["--num_samples", 2])]
+    monkeypatch.setenv("LIT_QLORA_DECODE_KERNEL", "0")
+    greedy.append(h.run_script(h.GENERATE_BASE, common + ["--num_samples", 2]))
+    assert all(g.returncode == 0 for g in greedy), [g.stderr for g in greedy]
+    assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.count("\n") == 2
+
+
+# ---- 6. no compiler, and the cache ----------------------------------------------------------------------
 def test_without_a_compiler_generation_falls_back_with_one_note(monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("LIT_QLORA_CACHE", str(tmp_path))
     monkeypatch.setattr(d, "_compilers", lambda: [])

@@ -6,11 +6,12 @@ AVX512-BF16, bitsandbytes dequantizes each whole 4-bit weight to a dense tensor 
 byte per weight, writing and reading back 2-4 more), which made 4-bit decoding 3-6x slower than dense. The kernel
 reads the 0.5 byte (plus the block scales) and nothing else.
 
-Only models loaded for generation use it (`lit_qlora.inference.load_for_inference` calls `enable_fast_decode`):
-their `Linear4bit` layers become `DecodeLinear4bit`, a subclass whose forward runs the kernel for up to
-`MAX_KERNEL_ROWS` activation rows (decoding) and bitsandbytes' own path otherwise (prefill: dequantize once, then
-one dense matmul, which is faster for many rows). Whenever a gradient is needed it also takes bitsandbytes' path,
-so a converted layer never silently stops gradients; training code never converts layers anyway.
+Only models loaded for generation use it (`lit_qlora.inference.load_for_inference` calls `enable_fast_decode`
+through `fast_cpu_4bit_decoding`): their `Linear4bit` layers become `DecodeLinear4bit`, a subclass whose forward
+runs the kernel for up to `MAX_KERNEL_ROWS` activation rows (decoding) and dequantize + dense matmul otherwise
+(prefill: faster for many rows), with bitsandbytes' own dequantization, a few million weights at a time. Whenever
+a gradient is needed it takes bitsandbytes' own forward, so a converted layer never silently stops gradients;
+training code never converts layers anyway.
 
 The compiled library is cached per source hash, compiler, flags and CPU flags under
 `$LIT_QLORA_CACHE` (default `$XDG_CACHE_HOME/lit_qlora` or `~/.cache/lit_qlora`). Without a working C compiler
@@ -66,7 +67,7 @@ class _Layer(ctypes.Structure):
                 ("blocksize", ctypes.c_int64), ("blocksize2", ctypes.c_int64), ("offset", ctypes.c_float)]
 
 
-def say(msg: str) -> None:
+def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -165,8 +166,8 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
         except OSError as e:
             why = f"loading {path} failed ({e})"
     if lib is None:
-        say(f"Note: {why}; 4-bit layers decode through bitsandbytes' dequantize-then-multiply path, which is "
-            "several times slower on CPU. Install gcc or clang for the fast path.")
+        _say(f"Note: {why}; 4-bit layers decode through bitsandbytes' dequantize-then-multiply path, which is "
+             "several times slower on CPU. Install gcc or clang for the fast path.")
         return None
     lib.q4_linear.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int, ctypes.c_int]

@@ -16,6 +16,7 @@ import torch
 from lit_qlora.adapter import Adapter
 from lit_qlora.chat_template import encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.convert import ensure_converted
+from lit_qlora.decode4bit import enable_fast_decode
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
@@ -70,13 +71,20 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
                            merge_adapter=adapter, quantize_lm_head=quantize_lm_head)
     model.eval()
     if quantize and device.type == "cpu" and fast_cpu_4bit:
-        # This model is never trained: let bitsandbytes use its packed CPU layout (fast batch-1 decode)
-        enable_cpu_inference_packing(model, True)
+        fast_cpu_4bit_decoding(model)  # this model is never trained: decode from the packed 4-bit weights
     why = f" ({precision_why})" if precision_why else ""
     say(f"Loaded {config.name} in {time.perf_counter() - t0:.2f}s ({quantize or 'no quantization'}, {precision}{why}"
         f"{', adapter ' + str(lora_path) + (' merged' if merge else '') if adapter else ''}) | "
         f"{format_memory_report(memory_report(model))}")
     return model, tokenizer, adapter
+
+
+def fast_cpu_4bit_decoding(model) -> int:
+    """For a CPU model that is never trained again: its 4-bit layers decode through lit_qlora/decode4bit.py's
+    kernel (read the packed weights, no dense copy per token), and bitsandbytes' packed AVX512-BF16 layout is
+    allowed for any layer the kernel cannot take. Returns the number of layers on the kernel."""
+    enable_cpu_inference_packing(model, True)
+    return enable_fast_decode(model)
 
 
 def format_prompt(prompt: str, input: str, adapter: Optional[Adapter], template: Optional[str]) -> str:

@@ -1,0 +1,275 @@
+/* y = x @ W^T straight from bitsandbytes' packed 4-bit weights (nf4 or fp4), for decoding on any CPU.
+ *
+ * Compiled on first use by lit_qlora/decode4bit.py (gcc or clang, -O3 -march=native) and called through ctypes.
+ * Batch-1 decoding reads every weight once per token, so its speed is the speed of reading the weights: this
+ * kernel reads the packed bytes (0.5 byte per weight plus the block scales) and never writes a dense copy,
+ * where bitsandbytes without AVX512-BF16 dequantizes the whole weight (2-4 bytes per weight, written and read
+ * back) for every token.
+ *
+ * The layout is bitsandbytes': the [N, K] weight is flattened row-major and cut into blocks of `blocksize`
+ * elements, each with one fp32 scale (absmax); element i of the flattened weight is the high nibble of byte i/2
+ * when i is even, the low nibble when odd, and its value is code[nibble] * absmax[i / blocksize]. With double
+ * quantization the scales are themselves 8-bit codes: absmax[b] = code2[absmax_q[b]] * absmax2[b / blocksize2]
+ * + offset, computed here per block as bitsandbytes does (fp32 multiply, then add; -ffp-contract=off keeps them
+ * two roundings). When K is not a multiple of blocksize a block straddles two rows: rows are walked as segments
+ * that each lie in one block. K must be even, so that every row starts on a byte boundary.
+ *
+ * Three builds of the same loop: AVX512F (16-entry table lookup with one vpermps), AVX2 (two 8-entry lookups and
+ * a blend) and portable C. Rows of W are shared out between OpenMP threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(Q4_PORTABLE)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && !defined(Q4_PORTABLE)
+#define Q4_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(Q4_PORTABLE)
+#define Q4_ISA 2
+#else
+#define Q4_ISA 0
+#endif
+
+#define MAX_TILE 4 /* activation rows that share one decoding of a weight row */
+
+/* One quantized layer; mirrored field for field by a ctypes.Structure in decode4bit.py. */
+typedef struct {
+    const uint8_t *w;         /* packed codes, (N * K + 1) / 2 bytes */
+    const float *absmax;      /* fp32 scale per block; NULL when the scales are double-quantized */
+    const uint8_t *absmax_q;  /* double quantization: 8-bit code of each block's scale */
+    const float *absmax2;     /* double quantization: fp32 scale per `blocksize2` codes */
+    const float *code2;       /* double quantization: the 256 values of the 8-bit codes */
+    const float *code;        /* the 16 values of the 4-bit codes */
+    const float *bias;        /* fp32 [N], or NULL */
+    int64_t n, k, blocksize, blocksize2;
+    float offset;             /* double quantization: added to every decoded scale */
+} q4_layer;
+
+int q4_isa(void) { return Q4_ISA; }
+
+/* b2_shift: log2(blocksize2) when it is a power of two (bitsandbytes always uses 256), else -1. A 64-bit
+ * division per block costs more than decoding the block, so there is none on the fast path. */
+static inline float block_scale(const q4_layer *L, int64_t b, int b2_shift) {
+    if (L->absmax) return L->absmax[b];
+    float s = L->code2[L->absmax_q[b]] * L->absmax2[b2_shift >= 0 ? b >> b2_shift : b / L->blocksize2];
+    return s + L->offset;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Accumulators of one weight row against up to MAX_TILE activation rows. */
+typedef struct {
+#if Q4_ISA == 512
+    __m512 v[MAX_TILE][4];
+#elif Q4_ISA == 2
+    __m256 v[MAX_TILE][2];
+#endif
+    float s[MAX_TILE];
+} acc_t;
+
+/* Add the products of `nbytes` packed bytes at `wp` (all in one block, of scale `s`) with the activations from
+ * position j0 of each de-interleaved row: xs holds each activation row as [x0, x2, x4, ...] then [x1, x3, ...]
+ * (K floats per row), so the high nibbles of consecutive bytes meet consecutive floats of the first half and the
+ * low nibbles those of the second half: no shuffle per weight. */
+static inline __attribute__((always_inline)) void segment(const float *code, const uint8_t *wp, int64_t nbytes,
+                                                           float s, const float *xs, int64_t j0, int64_t k,
+                                                           int mt, acc_t *acc) {
+    const int64_t kh = k / 2;
+    int64_t c = 0;
+#if Q4_ISA == 512
+    /* The block's 16 possible weight values, scaled once: code[i] * absmax, as bitsandbytes computes them. */
+    const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(s));
+    for (; c + 32 <= nbytes; c += 32) { /* two 16-byte steps into separate accumulators (FMA latency) */
+        __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + c)));
+        __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + c + 16)));
+        /* vpermps reads only the low 4 bits of each index: the low nibble needs no mask */
+        __m512 hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), lo0 = _mm512_permutexvar_ps(i0, t);
+        __m512 hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), lo1 = _mm512_permutexvar_ps(i1, t);
+        for (int m = 0; m < mt; m++) {
+            const float *xe = xs + (int64_t)m * k + j0 + c, *xo = xe + kh;
+            acc->v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc->v[m][0]);
+            acc->v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc->v[m][1]);
+            acc->v[m][2] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc->v[m][2]);
+            acc->v[m][3] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc->v[m][3]);
+        }
+    }
+    for (; c + 16 <= nbytes; c += 16) {
+        __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + c)));
+        __m512 hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), lo0 = _mm512_permutexvar_ps(i0, t);
+        for (int m = 0; m < mt; m++) {
+            const float *xe = xs + (int64_t)m * k + j0 + c, *xo = xe + kh;
+            acc->v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc->v[m][0]);
+            acc->v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc->v[m][1]);
+        }
+    }
+#elif Q4_ISA == 2
+    const __m256 s8 = _mm256_set1_ps(s);
+    const __m256 tlo = _mm256_mul_ps(_mm256_loadu_ps(code), s8), thi = _mm256_mul_ps(_mm256_loadu_ps(code + 8), s8);
+    for (; c + 8 <= nbytes; c += 8) {
+        __m256i i0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wp + c)));
+        __m256i h = _mm256_srli_epi32(i0, 4);
+        /* a 16-entry lookup from two 8-entry ones: bit 3 of the index, shifted into the sign bit, picks the half */
+        __m256 whi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tlo, h), _mm256_permutevar8x32_ps(thi, h),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(h, 28)));
+        __m256 wlo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(tlo, i0), _mm256_permutevar8x32_ps(thi, i0),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
+        for (int m = 0; m < mt; m++) {
+            const float *xe = xs + (int64_t)m * k + j0 + c, *xo = xe + kh;
+            acc->v[m][0] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xe), acc->v[m][0]);
+            acc->v[m][1] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xo), acc->v[m][1]);
+        }
+    }
+#endif
+    if (c < nbytes) { /* the portable build, or the last bytes of a segment that are not a whole vector */
+        float t16[16];
+        for (int i = 0; i < 16; i++) t16[i] = code[i] * s;
+        for (int m = 0; m < mt; m++) {
+            const float *xe = xs + (int64_t)m * k + j0, *xo = xe + kh;
+            float a = 0.0f;
+            for (int64_t j = c; j < nbytes; j++) a += t16[wp[j] >> 4] * xe[j] + t16[wp[j] & 15] * xo[j];
+            acc->s[m] += a;
+        }
+    }
+}
+
+/* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs) into out[0..mt). */
+static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int64_t o, const float *xs,
+                                                           int mt, int b2_shift, float *out) {
+    const int64_t k = L->k, bs = L->blocksize;
+    acc_t acc;
+    for (int m = 0; m < mt; m++) {
+#if Q4_ISA == 512
+        for (int a = 0; a < 4; a++) acc.v[m][a] = _mm512_setzero_ps();
+#elif Q4_ISA == 2
+        for (int a = 0; a < 2; a++) acc.v[m][a] = _mm256_setzero_ps();
+#endif
+        acc.s[m] = 0.0f;
+    }
+#if Q4_ISA == 512
+    if (bs == 64 && k % 64 == 0) { /* bitsandbytes' default block: one 32-byte step per block, nothing else */
+        const int64_t nblk = k / 64, b0 = o * nblk;
+        const uint8_t *wp = L->w + o * (k / 2);
+        const __m512 code = _mm512_loadu_ps(L->code);
+        for (int64_t i = 0; i < nblk; i++, wp += 32) {
+            const __m512 t = _mm512_mul_ps(code, _mm512_set1_ps(block_scale(L, b0 + i, b2_shift)));
+            __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wp));
+            __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16)));
+            __m512 hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), lo0 = _mm512_permutexvar_ps(i0, t);
+            __m512 hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), lo1 = _mm512_permutexvar_ps(i1, t);
+            for (int m = 0; m < mt; m++) {
+                const float *xe = xs + (int64_t)m * k + 32 * i, *xo = xe + k / 2;
+                acc.v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc.v[m][0]);
+                acc.v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc.v[m][1]);
+                acc.v[m][2] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc.v[m][2]);
+                acc.v[m][3] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc.v[m][3]);
+            }
+        }
+    } else
+#endif
+    if (k % bs == 0) { /* the row is whole blocks, with no per-block bookkeeping */
+        const int64_t nblk = k / bs, nb = bs / 2, b0 = o * nblk;
+        const uint8_t *wrow = L->w + o * (k / 2);
+        for (int64_t i = 0; i < nblk; i++)
+            segment(L->code, wrow + i * nb, nb, block_scale(L, b0 + i, b2_shift), xs, i * nb, k, mt, &acc);
+    } else { /* blocks straddle rows: walk the row as segments that each lie inside one block */
+        const int64_t e0 = o * k, e1 = e0 + k;
+        int64_t b = e0 / bs;
+        for (int64_t e = e0; e < e1; b++) {
+            const int64_t seg_end = (b + 1) * bs < e1 ? (b + 1) * bs : e1;
+            segment(L->code, L->w + e / 2, (seg_end - e) / 2, block_scale(L, b, b2_shift), xs, (e - e0) / 2, k, mt,
+                    &acc);
+            e = seg_end;
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+#if Q4_ISA == 512
+        __m512 v = _mm512_add_ps(_mm512_add_ps(acc.v[m][0], acc.v[m][1]), _mm512_add_ps(acc.v[m][2], acc.v[m][3]));
+        acc.s[m] += _mm512_reduce_add_ps(v);
+#elif Q4_ISA == 2
+        __m256 v = _mm256_add_ps(acc.v[m][0], acc.v[m][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        acc.s[m] += _mm_cvtss_f32(h);
+#endif
+        out[m] = acc.s[m];
+    }
+}
+
+/* A tile of `mt` rows with mt a compile-time constant, so that the accumulators stay in registers. */
+#define DEFINE_TILE(MT) \
+    static void tile_##MT(const q4_layer *L, int64_t o, const float *xs, int b2_shift, float *out) { \
+        row_dot(L, o, xs, MT, b2_shift, out); \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+
+/* y[M, N] = x[M, K] @ W^T (+ bias). x and y are fp32 (dtype 0) or bf16 (dtype 1), row-major and contiguous.
+ * Accumulates in fp32; the rows of W are shared out between `nthreads` OpenMP threads. Returns 0, or -1 when K
+ * is odd (rows would start mid-byte) or memory runs out. */
+int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
+    const int64_t n = L->n, k = L->k, kh = k / 2;
+    if (k % 2) return -1;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * k > 0 ? M * k : 1));
+    if (!xs) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        float *xe = xs + m * k, *xo = xe + kh;
+        if (dtype == 1) {
+            const uint16_t *xb = (const uint16_t *)x + m * k;
+            for (int64_t j = 0; j < kh; j++) { xe[j] = bf16_to_f32(xb[2 * j]); xo[j] = bf16_to_f32(xb[2 * j + 1]); }
+        } else {
+            const float *xf = (const float *)x + m * k;
+            for (int64_t j = 0; j < kh; j++) { xe[j] = xf[2 * j]; xo[j] = xf[2 * j + 1]; }
+        }
+    }
+    const int threads = nthreads > 0 ? nthreads : 1;
+    /* Rows are handed out in chunks as threads ask for them: on a machine shared with other work one core may
+     * be busy, and a static split would leave the whole layer waiting for it. */
+    int64_t chunk = n / (16 * (int64_t)threads);
+    chunk = chunk < 16 ? 16 : chunk;
+    int b2_shift = -1; /* see block_scale */
+    if (L->blocksize2 > 0 && (L->blocksize2 & (L->blocksize2 - 1)) == 0)
+        b2_shift = __builtin_ctzll((unsigned long long)L->blocksize2);
+    (void)chunk; /* unused without OpenMP */
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
+    for (int64_t o = 0; o < n; o++) {
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+            const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
+            const float *xt = xs + m0 * k;
+            switch (mt) {
+                case 1: tile_1(L, o, xt, b2_shift, out); break;
+                case 2: tile_2(L, o, xt, b2_shift, out); break;
+                case 3: tile_3(L, o, xt, b2_shift, out); break;
+                default: tile_4(L, o, xt, b2_shift, out); break;
+            }
+            for (int64_t m = 0; m < mt; m++) {
+                float v = out[m] + (L->bias ? L->bias[o] : 0.0f);
+                if (dtype == 1) ((uint16_t *)y)[(m0 + m) * n + o] = f32_to_bf16(v);
+                else ((float *)y)[(m0 + m) * n + o] = v;
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}

@@ -1,0 +1,345 @@
+"""Fast batch-1 decoding with bitsandbytes 4-bit weights on any CPU: a small C kernel (`decode4bit.c`) that
+multiplies straight from the packed nf4/fp4 bytes, compiled on first use and called through ctypes.
+
+Why: decoding one token reads every weight once, so its speed is the speed of reading the weights. Without
+AVX512-BF16, bitsandbytes dequantizes each whole 4-bit weight to a dense tensor for every token (reading 0.5
+byte per weight, writing and reading back 2-4 more), which made 4-bit decoding 3-6x slower than dense. The kernel
+reads the 0.5 byte (plus the block scales) and nothing else.
+
+Only models loaded for generation use it (`lit_qlora.inference.load_for_inference` calls `enable_fast_decode`
+through `fast_cpu_4bit_decoding`): their `Linear4bit` layers become `DecodeLinear4bit`, a subclass whose forward
+runs the kernel for up to `MAX_KERNEL_ROWS` activation rows (decoding) and dequantize + dense matmul otherwise
+(prefill: faster for many rows), with bitsandbytes' own dequantization, a few million weights at a time. Whenever
+a gradient is needed it takes bitsandbytes' own forward, so a converted layer never silently stops gradients;
+training code never converts layers anyway.
+
+The compiled library is cached per source hash, compiler, flags and CPU flags under
+`$LIT_QLORA_CACHE` (default `$XDG_CACHE_HOME/lit_qlora` or `~/.cache/lit_qlora`). Without a working C compiler
+(gcc, clang or `$CC`) generation falls back to today's path with one note on stderr. `LIT_QLORA_DECODE_KERNEL=0`
+turns the kernel off (bitsandbytes' path everywhere, including its packed layout on AVX512-BF16 CPUs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_qlora.quantize import quiet_bnb_import
+
+quiet_bnb_import()
+import bitsandbytes as bnb  # noqa: E402
+
+SOURCE = Path(__file__).with_name("decode4bit.c")
+# Up to this many activation rows per call go through the kernel, more (prefill) through dequantize + one matmul.
+# The kernel decodes each weight row once per 4 activation rows, so its cost grows with the rows; measured on a
+# 2-core AVX512 Xeon (no AVX512-BF16), one thread, CPU time, fp32/bf16: at 16 rows it still beats dequantize +
+# matmul (1536x576: 1.3 vs 1.7-2.1 ms; 49152x576: 35/31 vs 79/86 ms), at 32 rows it no longer does in fp32.
+MAX_KERNEL_ROWS = 16
+# Layers with fewer weights than this run on one thread: waking a second one costs more than it saves (a few us
+# on an idle machine, up to milliseconds when another process holds the other core).
+PARALLEL_MIN_WEIGHTS = 1 << 17
+# The dense path (prefill) dequantizes this many weights at a time: 16 MB of fp32 at most.
+DENSE_CHUNK_WEIGHTS = 1 << 22
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what the C kernel reads and writes natively
+# Builds the tests compile besides the native one (the C file picks its code path from the compiler's macros).
+VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DQ4_PORTABLE"]}
+
+
+class _Layer(ctypes.Structure):
+    """The C struct `q4_layer`, field for field."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("absmax", ctypes.c_void_p), ("absmax_q", ctypes.c_void_p),
+                ("absmax2", ctypes.c_void_p), ("code2", ctypes.c_void_p), ("code", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("blocksize", ctypes.c_int64), ("blocksize2", ctypes.c_int64), ("offset", ctypes.c_float)]
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $LIT_QLORA_CACHE, else $XDG_CACHE_HOME/lit_qlora, else ~/.cache/lit_qlora."""
+    root = os.environ.get("LIT_QLORA_CACHE")
+    if root:
+        return Path(root) / "decode4bit"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lit_qlora" / "decode4bit"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or a description of the machine elsewhere: -march=native binaries are only
+    valid on a CPU with the same features, so they are part of the cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _compilers() -> list[str]:
+    names = [os.environ["CC"]] if os.environ.get("CC") else []
+    names += ["cc", "gcc", "clang"]
+    found = []
+    for name in names:
+        path = shutil.which(name)
+        if path and path not in found:
+            found.append(path)
+    return found
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        return r.stdout.splitlines()[0] if r.stdout else cc
+    except (OSError, subprocess.SubprocessError):
+        return cc
+
+
+# Tried in order. OpenMP shares the rows of a layer between torch's threads; where the compiler has no OpenMP
+# (Apple clang) the kernel runs on one thread; where -march=native is refused it runs without CPU-specific code.
+_ATTEMPTS = (["-march=native", "-fopenmp"], ["-march=native"], [])
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off"]
+
+
+def _build(variant: str) -> tuple[Optional[Path], str]:
+    """Compile (or find in the cache) the kernel library; (path or None, why not)."""
+    source = SOURCE.read_bytes()
+    compilers = _compilers()
+    if not compilers:
+        return None, "no C compiler found (looked for $CC, cc, gcc, clang)"
+    errors = []
+    for cc in compilers:
+        cc_id = _compiler_id(cc)
+        for extra in _ATTEMPTS:
+            flags = _BASE_FLAGS + extra + VARIANTS[variant]
+            key = hashlib.sha256("\0".join([source.hex(), cc, cc_id, " ".join(flags), _cpu_flags()]).encode())
+            target = cache_dir() / f"decode4bit-{key.hexdigest()[:20]}.so"
+            if target.is_file():
+                return target, ""
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp_dir = target.parent
+            except OSError:  # an unwritable cache: build into a temporary folder for this process only
+                tmp_dir = Path(tempfile.mkdtemp(prefix="lit_qlora-decode4bit-"))
+                target = tmp_dir / target.name
+            tmp = tmp_dir / f".{target.name}.{os.getpid()}.tmp"
+            try:
+                r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                                   timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{cc}: {e}")
+                continue
+            if r.returncode == 0:
+                os.replace(tmp, target)  # atomic: processes compiling at the same time never see half a file
+                return target, ""
+            errors.append(f"{cc} {' '.join(extra)}: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
+            tmp.unlink(missing_ok=True)
+    return None, "compiling the kernel failed (" + "; ".join(errors[:3]) + ")"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
+    """The compiled kernel library, or None (with one note on stderr) when it cannot be built or is turned off."""
+    if os.environ.get("LIT_QLORA_DECODE_KERNEL", "1") == "0":
+        return None
+    path, why = _build(variant)
+    lib = None
+    if path is not None:
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            why = f"loading {path} failed ({e})"
+    if lib is None:
+        _say(f"Note: {why}; 4-bit layers decode through bitsandbytes' dequantize-then-multiply path, which is "
+             "several times slower on CPU. Install gcc or clang for the fast path.")
+        return None
+    lib.q4_linear.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                              ctypes.c_int, ctypes.c_int]
+    lib.q4_linear.restype = ctypes.c_int
+    lib.q4_isa.restype = ctypes.c_int
+    return lib
+
+
+def isa_name(lib: ctypes.CDLL) -> str:
+    """Which code path a compiled library runs: 'avx512', 'avx2' or 'portable'."""
+    return {512: "avx512", 2: "avx2"}.get(lib.q4_isa(), "portable")
+
+
+def supports(module: nn.Module) -> bool:
+    """Whether the kernel can run `module`: a bitsandbytes 4-bit layer on CPU whose rows start on a byte boundary
+    (even in_features), in bitsandbytes' standard layout (not repacked for its AVX512-BF16 kernel)."""
+    if not isinstance(module, bnb.nn.Linear4bit):
+        return False
+    w = module.weight
+    qs = getattr(w, "quant_state", None)
+    return (qs is not None and w.device.type == "cpu" and module.in_features % 2 == 0
+            and not getattr(qs, "packing_format_for_cpu", False) and qs.quant_type in ("nf4", "fp4")
+            and (not qs.nested or qs.state2.absmax.dtype == torch.float32))
+
+
+class _State:
+    """What the kernel reads for one layer: the ctypes struct and the tensors its pointers point into (kept
+    alive here), and the parameters it was made from, so that it is rebuilt when they are replaced."""
+
+    def __init__(self, module: "DecodeLinear4bit", lib: ctypes.CDLL) -> None:
+        w = module.weight
+        qs = w.quant_state
+        self.lib = lib
+        self.w = w.data.reshape(-1).view(torch.uint8)
+        self.code = qs.code.detach().float().contiguous()
+        self.bias = module.bias.detach().float().contiguous() if module.bias is not None else None
+        self.param, self.qs, self.bias_param = w, qs, module._parameters.get("bias")
+        self.weights = module.out_features * module.in_features
+        layer = _Layer(w=self.w.data_ptr(), code=self.code.data_ptr(), n=module.out_features, k=module.in_features,
+                       blocksize=qs.blocksize, bias=self.bias.data_ptr() if self.bias is not None else None)
+        if qs.nested:  # decoded per block inside the kernel, exactly as bitsandbytes does (no fp32 copy kept)
+            self.absmax_q = qs.absmax.contiguous()
+            self.absmax2 = qs.state2.absmax.float().contiguous()
+            self.code2 = qs.state2.code.float().contiguous()
+            layer.absmax_q, layer.absmax2 = self.absmax_q.data_ptr(), self.absmax2.data_ptr()
+            layer.code2, layer.blocksize2 = self.code2.data_ptr(), qs.state2.blocksize
+            layer.offset = float(qs.offset)
+        else:
+            self.absmax = qs.absmax.float().contiguous()
+            layer.absmax = self.absmax.data_ptr()
+        self.layer = layer
+        self.ref = ctypes.byref(layer)
+
+    def current(self, module: nn.Module) -> bool:
+        """Whether `module` still holds the tensors this state points into. Identity checks, because anything that
+        asks a bitsandbytes Params4bit for its storage goes through torch's subclass dispatch (~4 us per call, a
+        millisecond per token). Loading (quantize_into) and bitsandbytes' repacking replace these objects."""
+        params = module._parameters
+        return (params["weight"] is self.param and self.param.quant_state is self.qs
+                and params.get("bias") is self.bias_param)
+
+
+def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype."""
+    x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], out_features))
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    threads = 1 if state.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
+    if rows and lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads):
+        raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
+    return y
+
+
+def block_scales(module: nn.Module) -> torch.Tensor:
+    """The fp32 scale of every block of a 4-bit layer: its absmax, or bitsandbytes' decoding of the double-quantized
+    one (dequantize_blockwise, then the offset), as bitsandbytes' own matmul computes it."""
+    qs = module.weight.quant_state
+    if not qs.nested:
+        return qs.absmax.float()
+    return bnb.functional.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+
+
+def dequantize_rows(module: nn.Module, r0: int, r1: int, dtype: torch.dtype,
+                    scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows r0:r1 of a 4-bit layer's weight, dequantized by bitsandbytes' own op. r0 * in_features must fall on a
+    block boundary. Where blocks straddle rows the rows are dequantized as one flat run, the quantizer's layout:
+    bitsandbytes 0.50's CPU dequantize_4bit of a 2-D shape assumes blocks never cross a row, which is wrong when
+    in_features % blocksize != 0 (e.g. 96 or 1376); with whole-block rows the 2-D shape lets it use its threads."""
+    qs = module.weight.quant_state
+    k, bs = module.in_features, qs.blocksize
+    e0, e1 = r0 * k, r1 * k
+    scales = block_scales(module) if scales is None else scales
+    packed = module.weight.data.reshape(-1).view(torch.uint8)[e0 // 2:(e1 + 1) // 2]
+    shape = (r1 - r0, k) if k % bs == 0 else (e1 - e0,)
+    w = torch.ops.bitsandbytes.dequantize_4bit(packed, scales[e0 // bs:-(-e1 // bs)].contiguous(), bs, qs.quant_type,
+                                               shape, dtype)
+    return w.view(r1 - r0, k)
+
+
+def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T (+ bias) by dequantizing W and one dense matmul, as bitsandbytes' Linear4bit does (compute dtype,
+    then back to x's dtype), but DENSE_CHUNK_WEIGHTS weights at a time: a whole 49152 x 576 output layer would be a
+    113 MB fp32 temporary in every prefill (and was slower: 161 against 103 ms for 128 fp32 rows, one thread)."""
+    k, n = module.in_features, module.out_features
+    dtype = module.compute_dtype or x.dtype
+    xin = x.to(dtype)
+    bias = module.bias.to(dtype) if module.bias is not None else None
+    bs = module.weight.quant_state.blocksize
+    align = bs // math.gcd(k, bs)  # chunks start on block boundaries
+    step = max(align, DENSE_CHUNK_WEIGHTS // max(k, 1) // align * align)
+    if step >= n:
+        return F.linear(xin, dequantize_rows(module, 0, n, dtype), bias).to(x.dtype)
+    scales = block_scales(module)
+    y = xin.new_empty((*x.shape[:-1], n))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        y[..., r0:r1] = F.linear(xin, dequantize_rows(module, r0, r1, dtype, scales),
+                                 bias[r0:r1] if bias is not None else None)
+    return y.to(x.dtype)
+
+
+class DecodeLinear4bit(bnb.nn.Linear4bit):
+    """A `bitsandbytes.nn.Linear4bit` for generation on CPU: the same stored weights (so every tool that reads
+    them still works), with decoding through the kernel. Made by `enable_fast_decode`, never constructed."""
+
+    _q4: Optional[_State] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = kernel()
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if (lib is None or x.device.type != "cpu" or rows > MAX_KERNEL_ROWS
+                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+                or torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)):
+            return self._dense_forward(x)
+        if self._q4 is None or not self._q4.current(self):
+            if not supports(self):  # its weight was replaced by something the kernel cannot read
+                return self._dense_forward(x)
+            self._q4 = _State(self, lib)
+        if x.dtype == torch.float16:  # the kernel reads fp32 and bf16; fp16 on CPU is rare (16-true)
+            return run_kernel(lib, self._q4, x.float(), self.out_features).to(torch.float16)
+        return run_kernel(lib, self._q4, x, self.out_features)
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill and anything else the kernel does not take: dequantize, then a dense matmul. With a gradient to
+        compute, bitsandbytes' own forward (its autograd function), except where its CPU dequantization is wrong
+        (blocks straddling rows, see dequantize_rows); without, the same computation in bounded chunks."""
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)
+        whole_blocks = self.in_features % self.weight.quant_state.blocksize == 0
+        if x.device.type != "cpu" or not supports(self) or needs_grad and whole_blocks:
+            return super().forward(x)
+        return dequantized_linear(self, x)
+
+
+def enable_fast_decode(model: nn.Module) -> int:
+    """Switch every 4-bit layer of `model` that the kernel supports to it (for models that will not be trained);
+    returns how many. 0 when the kernel is unavailable: the model then keeps bitsandbytes' path."""
+    layers = [m for m in model.modules() if type(m) is bnb.nn.Linear4bit and supports(m)]
+    if not layers or kernel() is None:
+        return 0
+    for m in layers:
+        m.__class__ = DecodeLinear4bit  # same storage and attributes: a subclass adds only the forward
+        # bitsandbytes' AVX512-BF16 repacking would rewrite the weight into a layout the kernel cannot read
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def disable_fast_decode(model: nn.Module) -> int:
+    """Undo `enable_fast_decode`: back to plain `Linear4bit` layers. Returns how many were switched back."""
+    n = 0
+    for m in model.modules():
+        if type(m) is DecodeLinear4bit:
+            m.__class__ = bnb.nn.Linear4bit
+            m.__dict__.pop("_q4", None)
+            n += 1
+    return n

@@ -7,6 +7,8 @@ weight when `quantize_into` hands them the real tensor, so no quantized weight i
 """
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import sys
 import warnings
@@ -58,13 +60,61 @@ def make_quantized_linear(linear: nn.Linear, mode: str, compute_dtype: torch.dty
         q = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=6.0, device="meta")
     else:
         quant_type = "nf4" if "nf4" in mode else "fp4"
-        q = bnb.nn.Linear4bit(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
-                              compress_statistics=mode.endswith("-dq"), device="meta")
+        cls = _flat_blocks_linear4bit() if needs_flat_dequantize(in_f) else bnb.nn.Linear4bit
+        q = cls(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
+                compress_statistics=mode.endswith("-dq"), device="meta")
         # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
         # turns it back on where it is valid (`enable_cpu_inference_packing`).
         q.support_avx512bf16_for_cpu = False
     q.requires_grad_(False)
     return q
+
+
+def needs_flat_dequantize(in_features: int) -> bool:
+    """Whether bitsandbytes' CPU 4-bit kernels get this layer wrong. The blocks of 64 values run over the flattened
+    weight, but bitsandbytes 0.50's CPU dequantization of a 2-D weight (its forward and backward) takes them per row
+    when in_features is a multiple of 16 but not of 64 (e.g. 96, 160, 1376): the results are off by several times
+    the quantization error (tests/test_quantize.py). Such layers dequantize the flattened weight instead."""
+    return in_features % 64 != 0 and in_features % 16 == 0
+
+
+def dequantize_flat(module: nn.Module) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] dequantized as the flat blocks it was quantized in (always right)."""
+    bnb = _bnb()
+    state = copy.copy(module.weight.quant_state)
+    state.shape = torch.Size([module.out_features * module.in_features])
+    flat = bnb.functional.dequantize_4bit(module.weight.data.reshape(-1), state)
+    return flat.reshape(module.out_features, module.in_features)
+
+
+class _FlatDequantMatmul(torch.autograd.Function):
+    """x @ W^T + b with W dequantized flat (`dequantize_flat`), again in backward, as bitsandbytes' own 4-bit matmul
+    does: nothing of the dense weight is kept between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        bias = layer.bias.to(x.dtype) if layer.bias is not None else None
+        return nn.functional.linear(x, dequantize_flat(layer).to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ dequantize_flat(ctx.layer).to(grad.dtype), None
+
+
+@functools.lru_cache(maxsize=None)
+def _flat_blocks_linear4bit() -> type:
+    """`bitsandbytes.nn.Linear4bit` for the layers `needs_flat_dequantize` names (made on first use: bitsandbytes is
+    imported lazily). On CUDA bitsandbytes' own forward is right and is kept."""
+    bnb = _bnb()
+
+    class FlatBlocksLinear4bit(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.device.type != "cpu":
+                return super().forward(x)
+            return _FlatDequantMatmul.apply(x, self).to(x.dtype)
+
+    return FlatBlocksLinear4bit
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -345,4 +395,6 @@ def dequantize_weight(module: nn.Module) -> torch.Tensor:
         scb = w.SCB if getattr(w, "SCB", None) is not None else module.state.SCB
         cb = w.data if w.data.dtype == torch.int8 else module.state.CB
         return cb.float() * scb.float()[:, None] / 127.0
+    if needs_flat_dequantize(module.in_features):
+        return dequantize_flat(module)
     return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)

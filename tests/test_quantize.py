@@ -12,6 +12,7 @@ What is shown here:
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -456,6 +457,27 @@ def test_layers_that_train_never_repack_and_the_guard_sees_one_that_did(small_ck
     layer.weight.quant_state.packing_format_for_cpu = True  # what bitsandbytes' eval-mode forward leaves behind
     with pytest.raises(RuntimeError, match=f"{name} was repacked for CPU inference"):
         assert_trainable_4bit(model)
+
+
+@pytest.mark.parametrize("in_features", [96, 160, 112, 100, 192])  # multiples of 16 but not 64 / otherwise
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4"])
+def test_4bit_layers_are_right_where_bitsandbytes_cpu_dequantization_is_not(in_features, mode):
+    """bitsandbytes 0.50's CPU 4-bit kernels take the blocks per row when in_features is a multiple of 16 but not of
+    64 (its forward was off by ~10 on unit-scale weights). The reference: the same packed bytes dequantized as a flat
+    1-D tensor by bitsandbytes (the layout they were quantized in), and the original weight within nf4's error."""
+    w = torch.randn(40, in_features, generator=torch.Generator().manual_seed(in_features))
+    layer = make_quantized_linear(torch.nn.Linear(in_features, 40, bias=False), mode, torch.float32)
+    quantize_into(layer, w, CPU)
+    state = copy.copy(layer.weight.quant_state)
+    state.shape = torch.Size([w.numel()])
+    reference = bnb.functional.dequantize_4bit(layer.weight.data.reshape(-1), state).reshape(w.shape)
+    assert (reference - w).abs().max() < 0.25 * w.abs().max()  # a 4-bit copy of w, not another matrix
+    x = torch.randn(3, in_features, requires_grad=True)
+    out = layer(x)
+    torch.testing.assert_close(out, x @ reference.T, atol=1e-5, rtol=1e-5)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, torch.ones(3, 40) @ reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dequantize_weight(layer), reference)
 
 
 # ---- 6. precision x quantize -----------------------------------------------------------------------

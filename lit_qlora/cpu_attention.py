@@ -1,12 +1,11 @@
 """Causal attention for bf16 CPU training: PyTorch's flash forward, and a faster backward for short sequences.
 
-Why: on CPU, ATen's bf16 flash-attention backward is slow for the short sequences fine-tuning data is made of.
-Measured on the development machine (2 cores, AVX512-BF16, B=4, H=16, hs=64, forward + backward): 16.8 ms at
-T=128 against 5.8 ms when the softmax is recomputed with plain bf16 matmuls (tutorials/performance.md). In fp32 the
-flash backward was the faster one (7.7 against 10.0 ms), so fp32 keeps it. Recomputing keeps the
-memory of flash attention: only q, k, v, the output and the log-sum-exp [B, H, T] are saved for backward; the
-[B, H, T, T] probabilities exist only inside backward, one layer at a time. From T = 192 on the flash backward was
-as fast or faster, so it is used there.
+Why: on CPU, ATen's bf16 flash-attention backward is slow for the short sequences fine-tuning data is made of;
+recomputing the softmax with plain bf16 matmuls is about 3x faster below 192 tokens, while in fp32 the flash backward
+is the faster one, so fp32 keeps it (measurements: tutorials/performance.md). Recomputing keeps the memory of flash
+attention: only q, k, v, the output and the log-sum-exp [B, H, T] are saved for backward; the [B, H, T, T]
+probabilities exist only inside backward, one layer at a time. From T = 192 on the flash backward was as fast or
+faster, so it is used there.
 """
 from __future__ import annotations
 

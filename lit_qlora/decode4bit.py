@@ -44,9 +44,8 @@ import bitsandbytes as bnb  # noqa: E402
 
 SOURCE = Path(__file__).with_name("decode4bit.c")
 # Up to this many activation rows per call go through the kernel, more (prefill) through dequantize + one matmul.
-# The kernel decodes each weight row once per 4 activation rows, so its cost grows with the rows; measured on a
-# 2-core AVX512 Xeon (no AVX512-BF16), one thread, CPU time, fp32/bf16: at 16 rows it still beats dequantize +
-# matmul (1536x576: 1.3 vs 1.7-2.1 ms; 49152x576: 35/31 vs 79/86 ms), at 32 rows it no longer does in fp32.
+# The kernel decodes each weight row once per 4 activation rows, so its cost grows with the rows: at 16 rows it
+# still beats dequantize + matmul, at 32 it no longer does in fp32 (measured: tutorials/quantize.md).
 MAX_KERNEL_ROWS = 16
 # Layers with fewer weights than this run on one thread: waking a second one costs more than it saves (a few us
 # on an idle machine, up to milliseconds when another process holds the other core).
@@ -270,7 +269,7 @@ def dequantize_rows(module: nn.Module, r0: int, r1: int, dtype: torch.dtype,
 def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T (+ bias) by dequantizing W and one dense matmul, as bitsandbytes' Linear4bit does (compute dtype,
     then back to x's dtype), but DENSE_CHUNK_WEIGHTS weights at a time: a whole 49152 x 576 output layer would be a
-    113 MB fp32 temporary in every prefill (and was slower: 161 against 103 ms for 128 fp32 rows, one thread)."""
+    113 MB fp32 temporary in every prefill (and was slower, tutorials/quantize.md)."""
     k, n = module.in_features, module.out_features
     dtype = module.compute_dtype or x.dtype
     xin = x.to(dtype)

@@ -301,8 +301,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one op: bit-identical to spelling it out, and 0.7 ms less
-        # per norm (forward + backward) at [4, 96, 1024] on the development CPU
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one op: bit-identical to spelling it out, and faster
+        # (tutorials/performance.md)
         xf = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
         if self.unit_offset:  # Gemma scales in fp32 by (1 + w)
             return (xf * (1.0 + self.weight.float())).to(dtype)

@@ -62,7 +62,7 @@ def cpu_flags() -> set[str]:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls at (or above) fp32 speed. Without them, torch converts bf16 in software and a
-    bf16 matmul runs several times slower than fp32 (measured 6x on a 2-core AVX2 CPU, tutorials/performance.md)."""
+    bf16 matmul runs several times slower than fp32 (tutorials/performance.md)."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
@@ -95,4 +95,4 @@ def slow_precision_warning(precision: str, device_type: str) -> Optional[str]:
     if half == "bf16" and cpu_has_native_bf16():
         return None
     return (f"warning: --precision {precision} on a CPU without native {half} support: expect steps several times "
-            f"slower than --precision 32-true (about 6x measured on an AVX2 CPU); --precision auto picks for you")
+            f"slower than --precision 32-true (tutorials/performance.md); --precision auto picks for you")

@@ -144,7 +144,7 @@ def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device)
 
 
 # bitsandbytes' CPU quantizers are plain torch code that makes fp32/int32 copies of the whole weight: about 16 bytes
-# per parameter at once (24 for fp4), ~1 GB for a 32000 x 2048 lm_head, which alone broke the loader's memory budget.
+# per parameter at once (24 for fp4), which for a large output layer alone broke the loader's memory budget.
 # On CPU we therefore quantize _CPU_CHUNK elements at a time into preallocated outputs. 4-bit blocks and int8 rows
 # never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the result
 # is bit-identical. 1M elements per chunk: ~20 MB of temporaries, and no slower than bigger chunks.

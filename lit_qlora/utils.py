@@ -111,9 +111,8 @@ def tune_cpu_allocator(mmap_threshold: int = 4 << 20) -> bool:
 
     glibc raises its mmap threshold as large blocks are freed, after which the large, short-lived tensors of
     a training step (dequantized 4-bit weights, attention and MLP intermediates) come from the heap and leave
-    holes that stay resident. A fixed 4 MiB threshold returns them to the OS as soon as they are freed: the peak
-    RSS of a 56M-parameter nf4 run fell from 1.23 to 0.79 GB, a 221M one from 2.99 to 2.75 GB, with no measurable
-    change in speed (tutorials/performance.md). Returns whether the setting was applied.
+    holes that stay resident. A fixed 4 MiB threshold returns them to the OS as soon as they are freed: a lower
+    peak RSS at the same speed (measured: tutorials/performance.md). Returns whether the setting was applied.
     """
     libc = _libc()
     M_MMAP_THRESHOLD = -3
@@ -125,7 +124,7 @@ def release_freed_memory() -> None:
 
     Quantizing layer after layer leaves freed read buffers and temporaries (a few to tens of MB each: under glibc's
     adaptive mmap threshold, so on the heap) in holes between the long-lived quantized tensors, and glibc keeps such
-    holes resident: loading a 1.1B model with nf4-dq ended at 2.1 GB RSS for 0.67 GB of tensors."""
+    holes resident (a 1.1B nf4-dq model ended at about 3x its tensors' size before this: tutorials/quantize.md)."""
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)

@@ -323,10 +323,14 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
 def enable_fast_decode(model: nn.Module) -> int:
     """Switch every 4-bit layer of `model` that the kernel supports to it (for models that will not be trained);
     returns how many. 0 when the kernel is unavailable: the model then keeps bitsandbytes' path."""
-    layers = [m for m in model.modules() if type(m) is bnb.nn.Linear4bit and supports(m)]
+    # plain Linear4bit, or our flat-dequantizing subclass of it (quantize.needs_flat_dequantize): the kernel reads
+    # the flat blocks in either case
+    layers = [m for m in model.modules()
+              if isinstance(m, bnb.nn.Linear4bit) and not isinstance(m, DecodeLinear4bit) and supports(m)]
     if not layers or kernel() is None:
         return 0
     for m in layers:
+        m._class_before_decode = type(m)
         m.__class__ = DecodeLinear4bit  # same storage and attributes: a subclass adds only the forward
         # bitsandbytes' AVX512-BF16 repacking would rewrite the weight into a layout the kernel cannot read
         m.support_avx512bf16_for_cpu = False
@@ -334,11 +338,11 @@ def enable_fast_decode(model: nn.Module) -> int:
 
 
 def disable_fast_decode(model: nn.Module) -> int:
-    """Undo `enable_fast_decode`: back to plain `Linear4bit` layers. Returns how many were switched back."""
+    """Undo `enable_fast_decode`: back to the layers' classes before it. Returns how many were switched back."""
     n = 0
     for m in model.modules():
         if type(m) is DecodeLinear4bit:
-            m.__class__ = bnb.nn.Linear4bit
+            m.__class__ = m.__dict__.pop("_class_before_decode", bnb.nn.Linear4bit)
             m.__dict__.pop("_q4", None)
             n += 1
     return n

@@ -30,7 +30,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lit_qlora import demo
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.batching import BatchStream, collate, pack_rows
+from lit_qlora.batching import BatchStream, collate, count_packed_batches
 from lit_qlora.chat_template import stop_ids
 from lit_qlora.convert import ensure_converted
 from lit_qlora.distributed import (
@@ -302,10 +302,13 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     stream = BatchStream(inputs.train_data, batch_size=inputs.micro_batch_size * world, seed=run.seed,
                          pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX, packing=args.data.packing,
                          max_seq_length=inputs.max_seq_length)
-    units = len(inputs.train_data)  # samples per epoch, or packed rows
+    # optimizer steps per epoch: samples per batch, or packed micro-batches (on all devices) per step
     if args.data.packing:
-        units = len(pack_rows(inputs.train_data, list(range(units)), 0, units, inputs.max_seq_length)[0])
-    steps_per_epoch = max(1, -(-units // inputs.batch_size))
+        per_step = inputs.batch_size // (inputs.micro_batch_size * world)
+        units = count_packed_batches(inputs.train_data, inputs.micro_batch_size * world, inputs.max_seq_length)
+    else:
+        per_step, units = inputs.batch_size, len(inputs.train_data)
+    steps_per_epoch = max(1, -(-units // per_step))
     max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
     head_quantized = inputs.quantize is not None and resolve_quantize_lm_head(inputs.config, run.quantize_lm_head)
     template = inputs.data_meta.get("template", args.data.template)

@@ -54,8 +54,8 @@ def main(
         temperature: 0 is greedy; higher samples. top_k / top_p: sampling filters.
         num_samples: how many continuations to generate.
         quantize: bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8, whatever the adapter was trained with.
-        quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained, else
-            yes for an untied head (a tied head stays shared with the dense embedding).
+        quantize_lm_head: with --quantize, also quantize the output layer; default: as the adapter was trained,
+            else no. Decoding is faster with a 4-bit head (tutorials/quantize.md), prefill at the same speed.
         precision: auto (bf16 where the device computes it natively, else fp32; 16-mixed on GPUs without bf16),
             32-true, 16-true, bf16-true, 16-mixed or bf16-mixed.
         devices: generation runs on one device; more are refused.

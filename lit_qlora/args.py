@@ -32,8 +32,8 @@ class RunArgs:
     quantize: Optional[str] = None
     """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
     quantize_lm_head: Optional[bool] = None
-    """With --quantize, quantize the output layer too. Default: yes for an untied head; a head tied to the embedding
-    stays dense, shared with the embedding (no second copy)."""
+    """With --quantize, quantize the output layer too. Default: no. A tied head stays shared with the dense embedding;
+    a 4-bit head is dequantized whole in every step, so it saves nothing at the peak (tutorials/performance.md)."""
     devices: int = 1
     """Processes per machine (DDP; gloo on CPU)."""
     num_nodes: int = 1

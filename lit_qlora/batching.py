@@ -54,28 +54,49 @@ def collate_packed(rows: list[list[dict[str, Tensor]]], pad_id: int = 0, ignore_
     return {"input_ids": input_ids, "labels": labels, "lengths": lengths, "positions": positions, "segments": segments}
 
 
-def pack_rows(samples: list[dict[str, Tensor]], order: list[int], start: int, n_rows: int,
-              capacity: int) -> tuple[list[list[dict[str, Tensor]]], int]:
-    """Up to `n_rows` rows of at most `capacity` tokens, filled with the samples of `order` from `start` on, in order
-    (a sample that does not fit starts the next row). Returns (rows, the position after the last sample used)."""
-    rows, row, used, i = [], [], 0, start
-    while i < len(order):
-        n = len(samples[order[i]]["input_ids"])
+PACKING_WINDOW = 16  # batches' worth of samples packed together (first fit decreasing)
+
+
+def pack_window(samples: list[dict[str, Tensor]], order: list[int], start: int, n_rows: int, capacity: int,
+                window: int = PACKING_WINDOW) -> tuple[list[list[dict[str, Tensor]]], int]:
+    """Rows of at most `capacity` tokens for the samples of `order` from `start` on, as many as `window` batches of
+    `n_rows` rows hold (at least one sample): longest sample first, each into the first row with room (first fit
+    decreasing). Rows come out in the order they were opened; a sample's tokens stay contiguous. Laying samples
+    into rows in their order instead (a row closes at the first sample it has no room for) left 15-20% of the rows
+    empty on Alpaca-like data; packed this way, a few percent (tutorials/performance.md). Returns (rows, the
+    position after the window)."""
+    end, tokens = start, 0
+    while end < len(order):
+        n = len(samples[order[end]]["input_ids"])
         if n > capacity:
-            raise UserError(f"sample {order[i]} has {n} tokens, more than --max_seq_length {capacity}, so it cannot be "
-                            "packed; prepare the data with this --max_seq_length or raise --max_seq_length")
-        if used + n > capacity:
-            rows.append(row)
-            row, used = [], 0
-            if len(rows) == n_rows:
-                return rows, i
-            continue
-        row.append(samples[order[i]])
-        used += n
-        i += 1
-    if row:
-        rows.append(row)
-    return rows, i
+            raise UserError(f"sample {order[end]} has {n} tokens, more than --max_seq_length {capacity}, so it cannot "
+                            "be packed; prepare the data with this --max_seq_length or raise --max_seq_length")
+        if end > start and tokens + n > window * n_rows * capacity:
+            break
+        tokens += n
+        end += 1
+    rows: list[list[dict[str, Tensor]]] = []
+    room: list[int] = []
+    for i in sorted(order[start:end], key=lambda i: -len(samples[i]["input_ids"])):  # stable: ties keep the order
+        n = len(samples[i]["input_ids"])
+        r = next((r for r in range(len(rows)) if room[r] >= n), None)
+        if r is None:
+            rows.append([])
+            room.append(capacity)
+            r = len(rows) - 1
+        rows[r].append(samples[i])
+        room[r] -= n
+    return rows, end
+
+
+def count_packed_batches(samples: list[dict[str, Tensor]], n_rows: int, capacity: int) -> int:
+    """How many batches of `n_rows` packed rows one epoch makes (in the samples' own order; a shuffled epoch may
+    differ by a batch or so): for a run given in epochs and its learning-rate schedule."""
+    order, position, batches = list(range(len(samples))), 0, 0
+    while position < len(order):
+        rows, position = pack_window(samples, order, position, n_rows, capacity)
+        batches += -(-len(rows) // n_rows)
+    return batches
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -94,12 +115,13 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
 
 class BatchStream:
     """Endless stream of collated batches, epoch after epoch, reproducible from `seed` and resumable
-    from `state_dict()` (epoch, position, seed). The last batch of an epoch may be smaller.
+    from `state_dict()` (epoch, position, row, seed). The last batch of an epoch may be smaller.
 
     length_grouped: within chunks of 64 batches of the shuffled order, sort samples by length so a
     batch holds similar lengths (less padding); batches stay in an order fixed by the seed.
-    packing (with max_seq_length): a batch is `batch_size` rows of up to max_seq_length tokens, each holding as
-    many consecutive samples as fit (`collate_packed`); the position counts samples, so resuming works the same.
+    packing (with max_seq_length): a batch is `batch_size` rows of up to max_seq_length tokens holding whole samples
+    (`collate_packed`), packed a window of batches at a time (`pack_window`; the window's last batch may be
+    smaller). The position counts samples up to the current window, `row` the rows of it already given out.
     """
 
     def __init__(
@@ -123,8 +145,9 @@ class BatchStream:
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
         self.shuffle, self.length_grouped = shuffle, length_grouped
         self.collate_kw = dict(pad_id=pad_id, ignore_index=ignore_index, pad_multiple_of=pad_multiple_of)
-        self.epoch, self.position = 0, 0
+        self.epoch, self.position, self.row = 0, 0, 0
         self._order: list[int] | None = None
+        self._window: tuple[int, list, int] | None = None  # (position, its rows, the position after them)
 
     def _epoch_order(self) -> list[int]:
         order = epoch_order(len(self.samples), self.seed, self.epoch, self.shuffle)
@@ -141,21 +164,28 @@ class BatchStream:
         if self._order is None:
             self._order = self._epoch_order()
         if self.packing:
-            rows, self.position = pack_rows(self.samples, self._order, self.position, self.batch_size,
-                                            self.max_seq_length)
-            batch = collate_packed(rows, self.collate_kw["pad_id"], self.collate_kw["ignore_index"])
+            if self._window is None or self._window[0] != self.position:
+                self._window = (self.position, *pack_window(self.samples, self._order, self.position,
+                                                            self.batch_size, self.max_seq_length))
+            _, rows, end = self._window
+            batch = collate_packed(rows[self.row:self.row + self.batch_size], self.collate_kw["pad_id"],
+                                   self.collate_kw["ignore_index"])
+            self.row += self.batch_size
+            if self.row >= len(rows):
+                self.position, self.row = end, 0
         else:
             idx = self._order[self.position:self.position + self.batch_size]
             self.position += len(idx)
             batch = collate([self.samples[i] for i in idx], **self.collate_kw)
         if self.position >= len(self._order):
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            self.epoch, self.position, self._order, self._window = self.epoch + 1, 0, None, None
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "row": self.row, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         # The saved seed wins over the current one: resuming must replay the same order.
         self.seed = int(state.get("seed", self.seed))
-        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+        self.epoch, self.position, self.row = int(state["epoch"]), int(state["position"]), int(state.get("row", 0))
+        self._order = self._window = None

@@ -61,7 +61,8 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     tokenizer = Tokenizer(checkpoint_dir)
     adapter = Adapter.load(Path(lora_path), config) if lora_path else None
     if quantize_lm_head is None and adapter is not None and adapter.train.get("quantize"):
-        quantize_lm_head = adapter.train.get("quantize_lm_head")
+        # files from before the record were trained with a 4-bit head (the default then)
+        quantize_lm_head = adapter.train.get("quantize_lm_head", True)
     t0 = time.perf_counter()
     if adapter is not None and not merge:
         model = load_model_with_adapter(checkpoint_dir, adapter, precision=precision, quantize=quantize, device=device,

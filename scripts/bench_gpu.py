@@ -388,8 +388,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="also append each cell's JSON line to this file")
     p.add_argument("--tiny", action="store_true",
                    help="a 2-layer, 256-wide model, seq 64, 4 iterations: checks the script")
-    p.add_argument("--quantize_lm_head", type=flag, default=True,
-                   help="ours: quantize the output layer too (finetune's default)")
+    p.add_argument("--quantize_lm_head", type=flag, default=False,
+                   help="ours: quantize the output layer too (not finetune's default)")
     p.add_argument("--activation_checkpointing", type=flag, default=False, help="ours: recompute blocks in backward")
     p.add_argument("--hf_gradient_checkpointing", type=flag, default=True,
                    help="hf quantized cells: what prepare_model_for_kbit_training turns on (true by default there)")

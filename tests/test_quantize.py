@@ -199,7 +199,7 @@ def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)
 def test_loaded_model_layers_match_bnb_reference(small_ckpt, mode, precision):
     dtype = parse_precision(precision).dtype
-    model = load_model(small_ckpt, precision=precision, quantize=mode,
+    model = load_model(small_ckpt, precision=precision, quantize=mode, quantize_lm_head=True,
                        lora=LoRAConfig(r=4, query=True, value=True, dropout=0.0), seed=0)
     for name in ("transformer.h.1.attn.qkv", "transformer.h.0.mlp.proj", "lm_head"):
         layer = model.get_submodule(name)
@@ -262,7 +262,8 @@ def wide_ckpt(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["bnb.nf4-dq", "bnb.int8"])
 def test_bits_per_param_of_a_loaded_model(wide_ckpt, mode):
-    model = load_model(wide_ckpt, precision="bf16-true", quantize=mode, lora=LoRAConfig(r=8), seed=0)
+    model = load_model(wide_ckpt, precision="bf16-true", quantize=mode, quantize_lm_head=True, lora=LoRAConfig(r=8),
+                       seed=0)
     r = memory_report(model)
     layers = quantized_layers(model)
     assert len(layers) == 6 and all(m.in_features >= 1024 for m in layers.values())
@@ -338,7 +339,8 @@ def test_random_init_recorder_sees_a_dense_init(monkeypatch):
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)
 def test_loading_never_randomly_initializes_quantized_weights(small_ckpt, monkeypatch, mode):
     with record_random_inits(monkeypatch) as calls:
-        model = load_model(small_ckpt, precision="bf16-true", quantize=mode, lora=LoRAConfig(**ALL_LORA), seed=0)
+        model = load_model(small_ckpt, precision="bf16-true", quantize=mode, quantize_lm_head=True,
+                           lora=LoRAConfig(**ALL_LORA), seed=0)
     lora_storage = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in lora_params(model).values()}
     lora_a = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in lora_params(model,
                                                                                                   "lora_A").values()}
@@ -424,7 +426,8 @@ def test_validation_mode_keeps_int8_training_matmul(small_ckpt):
 
 @pytest.mark.skipif(not has_avx512bf16(), reason="bitsandbytes only repacks 4-bit weights on CPUs with AVX512-BF16")
 def test_cpu_packing_trap_is_real_and_detected(small_ckpt):
-    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.nf4-dq", lora=LoRAConfig(**ALL_LORA), seed=0)
+    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.nf4-dq", quantize_lm_head=True,
+                       lora=LoRAConfig(**ALL_LORA), seed=0)
     layers = quantized_layers(model)
     assert_trainable_4bit(model)  # nothing packed after loading
     assert enable_cpu_inference_packing(model, True) == len(layers) == 11
@@ -486,7 +489,8 @@ def test_4bit_layers_are_right_where_bitsandbytes_cpu_dequantization_is_not(in_f
 def test_precision_quantize_matrix_trains(small_ckpt, precision, quantize):
     prec = parse_precision(precision)
     check_quantize(quantize, precision, "cpu")  # every pair is accepted on CPU
-    model = load_model(small_ckpt, precision=precision, quantize=quantize, lora=LoRAConfig(**ALL_LORA), seed=0)
+    model = load_model(small_ckpt, precision=precision, quantize=quantize, quantize_lm_head=bool(quantize),
+                       lora=LoRAConfig(**ALL_LORA), seed=0)
     assert len(quantized_layers(model)) == (11 if quantize else 0)
     assert all(p.dtype == prec.trainable_dtype for p in lora_params(model).values())
     idx = tokens(2, 13)
@@ -512,7 +516,7 @@ def test_unknown_quantize_and_precision_are_refused(small_ckpt):
 # ---- 7. generation-time CPU packing ---------------------------------------------------------------
 @pytest.mark.skipif(not has_avx512bf16(), reason="bitsandbytes only repacks 4-bit weights on CPUs with AVX512-BF16")
 def test_cpu_inference_packing_keeps_greedy_tokens(small_ckpt):
-    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.nf4").eval()
+    model = load_model(small_ckpt, precision="bf16-true", quantize="bnb.nf4", quantize_lm_head=True).eval()
     prompt, idx = tokens(6, seed=3), tokens(2, 24, seed=4)
     with torch.no_grad():
         ref_logits = model(idx).float()

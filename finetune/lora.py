@@ -56,7 +56,6 @@ from lit_qlora.quantize import (
     check_quantize,
     format_memory_report,
     memory_report,
-    resolve_quantize_lm_head,
     validation_mode,
 )
 from lit_qlora.templates import CHAT
@@ -310,7 +309,7 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
         per_step, units = inputs.batch_size, len(inputs.train_data)
     steps_per_epoch = max(1, -(-units // per_step))
     max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
-    head_quantized = inputs.quantize is not None and resolve_quantize_lm_head(inputs.config, run.quantize_lm_head)
+    head_quantized = inputs.quantize is not None and bool(run.quantize_lm_head)
     template = inputs.data_meta.get("template", args.data.template)
     train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
                       template=template, max_seq_length=inputs.max_seq_length, mask_inputs=args.data.mask_inputs,

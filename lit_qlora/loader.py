@@ -28,7 +28,6 @@ from lit_qlora.quantize import (
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
     quantize_into,
-    resolve_quantize_lm_head,
     swap_linears,
 )
 from lit_qlora.utils import UserError
@@ -67,7 +66,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         weights = Path("<the given tensors>")  # only named in error messages
     model = meta_model(config, lora)
     if quantize:
-        swap_linears(model, quantize, prec.dtype, resolve_quantize_lm_head(config, quantize_lm_head))
+        swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
 
     for key, t in tensors:
         if merge_adapter is not None:
@@ -155,7 +154,7 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     weights = Path(checkpoint_dir) / LIT_WEIGHTS
     model = meta_model(config, lora)
     if quantize:
-        swap_linears(model, quantize, prec.dtype, resolve_quantize_lm_head(config, quantize_lm_head))
+        swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
         prepare_4bit_for_sharding(model, storage)
     _set_meta_dtypes(model, prec)  # the shards get storage in these dtypes: the ones load_model gives each tensor
     shard(model)

@@ -49,7 +49,7 @@ from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.precision import Precision, parse_precision
-from lit_qlora.quantize import QUANTIZE_MODES, resolve_quantize_lm_head
+from lit_qlora.quantize import QUANTIZE_MODES
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -100,7 +100,7 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Opt
     `shard_world` > 1 also what one rank holds of them under FSDP ("*_rank": rank 0's shard, the largest)."""
     prec = parse_precision(precision)
     model = meta_model(config, lora)
-    quantize_lm_head = resolve_quantize_lm_head(config, quantize_lm_head)
+    quantize_lm_head = bool(quantize_lm_head)
     linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
     quant, quant_params, dense, lora_numels = 0, 0, 0, []
     quant_rank, dense_rank, lora_rank_numels = 0, 0, []
@@ -364,7 +364,7 @@ def estimate_training_memory(
               cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
               lora_dropout=lora.dropout > 0)
 
-    quantize_lm_head = resolve_quantize_lm_head(c, quantize_lm_head)
+    quantize_lm_head = bool(quantize_lm_head)
     shard_world = max(1, int(shard_world))
     w = weight_bytes(c, lora, precision, quantize, quantize_lm_head, shard_world)
     static = _static_terms(w, prec, quantize, optimizer, device_type, shard_world)

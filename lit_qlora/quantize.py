@@ -244,19 +244,16 @@ def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uin
     return n
 
 
-def resolve_quantize_lm_head(config, requested: Optional[bool]) -> bool:
-    """Whether `--quantize` also quantizes the output layer: what was asked for, else no. A head tied to the embedding
-    stays shared with the dense embedding (a 4-bit head would be a second copy of it, and raised the starting loss of
-    a real tied 49k-vocabulary model by 4.5%). An untied head stays dense too: every training step dequantizes a 4-bit
-    head whole, in forward and again in backward, into a temporary as large as the dense head, so quantizing it
-    saves nothing at the peak and costs time (measured on a 16k x 1024 head: peak 2.04 against 2.02 GB, steps 10%
-    slower; tutorials/performance.md). Generation may still ask for it (`--quantize_lm_head true`): decoding reads
-    the packed head without that temporary and is faster with it."""
-    return bool(requested)
+def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = False) -> list[str]:
+    """Replace the frozen base Linear layers of `model` (on meta) by empty bitsandbytes layers. Returns their names.
 
-
-def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = True) -> list[str]:
-    """Replace the frozen base Linear layers of `model` (on meta) by empty bitsandbytes layers. Returns their names."""
+    The output layer only with `quantize_lm_head` (`--quantize_lm_head true`). A tied head stays shared with the
+    dense embedding (a 4-bit head would be a second copy of it, and raised the starting loss of a real tied
+    49k-vocabulary model by 4.5%). An untied head stays dense too: every training step dequantizes a 4-bit head
+    whole, in forward and again in backward, into a temporary as large as the dense head, so quantizing it saves
+    nothing at the peak and costs time (16k x 1024 head: peak 2.04 against 2.02 GB, steps 10% slower;
+    tutorials/performance.md). Generation may still ask for it: decoding reads the packed head without that
+    temporary and is faster with it."""
     swapped = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):

@@ -67,12 +67,7 @@ def test_lora_dropout_function_equals_autograd_with_the_same_mask(p):
     keep = torch.rand(x.shape) >= p
     x2, A2 = x.detach().clone().requires_grad_(), A.detach().clone().requires_grad_()
     y2 = (x2 * keep / (1 - p)) @ A2.T
-    torch.testing.assert_close(y, y2)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y2.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad)
-    torch.testing.assert_close(A.grad, A2.grad)
+    assert_same_output_and_grads(y, y2, [(x, x2), (A, A2)])
     assert abs(float(keep.float().mean()) - (1 - p)) < 0.1
 
 
@@ -82,9 +77,15 @@ def test_gated_activation_function_equals_autograd(kind):
     a, b = torch.randn(3, 5, 12, requires_grad=True), torch.randn(3, 5, 12, requires_grad=True)
     a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     y, y2 = gated_activation(a, b, kind), activate(a2, kind) * b2
-    torch.testing.assert_close(y, y2)
+    assert_same_output_and_grads(y, y2, [(a, a2), (b, b2)])
+
+
+def assert_same_output_and_grads(y, y_ref, inputs: list) -> None:
+    """y equals y_ref, and after backpropagating one random gradient through both, each input's gradient equals its
+    reference twin's."""
+    torch.testing.assert_close(y, y_ref)
     g = torch.randn_like(y)
     y.backward(g)
-    y2.backward(g)
-    torch.testing.assert_close(a.grad, a2.grad)
-    torch.testing.assert_close(b.grad, b2.grad)
+    y_ref.backward(g)
+    for t, t_ref in inputs:
+        torch.testing.assert_close(t.grad, t_ref.grad)

@@ -442,7 +442,8 @@ def encode_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
 # Assistant-only loss masks
 
 
-def _common_prefix(a: str, b: str) -> int:
+def common_prefix_len(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -476,11 +477,11 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template: str | None =
     starts = []
     for k in turns:
         prompt = render_chat(tokenizer, messages[:k], True, template, **extra)
-        start = _common_prefix(prompt, text)
+        start = common_prefix_len(prompt, text)
         if start < len(prompt):
             # The generation prompt may differ from the header the turn is rendered with (that's fine), but the
             # conversation before it must render the same.
-            history = _common_prefix(render_chat(tokenizer, messages[:k], False, template, **extra), prompt)
+            history = common_prefix_len(render_chat(tokenizer, messages[:k], False, template, **extra), prompt)
             if start < history:
                 raise UserError("the chat template renders earlier turns differently once later turns follow, so "
                                 "the assistant turns cannot be located; train with --mask_inputs false or another "
@@ -504,7 +505,7 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template: str | None =
             end = eot.end()
         else:
             ending = render_chat(tokenizer, messages[:k + 1], False, template, **extra)
-            end = min(max(_common_prefix(ending, text), body_end), bound)
+            end = min(max(common_prefix_len(ending, text), body_end), bound)
         spans.append((start, end))
     return text, spans
 

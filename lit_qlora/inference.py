@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.chat_template import encode_chat, instruction_messages, stop_ids, template_of
+from lit_qlora.chat_template import common_prefix_len, encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.convert import ensure_converted
 from lit_qlora.decode4bit import enable_fast_decode
 from lit_qlora.generation import generate
@@ -168,7 +168,7 @@ class StreamPrinter:
         if text.startswith(self.printed):
             self._emit(text)
         else:  # a decoder that rewrote earlier text (none of ours): the rest after what both share
-            self.write(text[_shared_prefix(text, self.printed):])
+            self.write(text[common_prefix_len(text, self.printed):])
             self.printed = text
         return text
 
@@ -176,13 +176,6 @@ class StreamPrinter:
         if len(text) > len(self.printed):
             self.write(text[len(self.printed):])
         self.printed = text
-
-
-def _shared_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def autocast_for(precision: str, device: torch.device):

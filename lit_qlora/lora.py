@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from lit_qlora import cpu_half
 from lit_qlora.config import Config
 from lit_qlora.model import GPT
 from lit_qlora.utils import UserError
@@ -61,19 +62,22 @@ class LoRALinear(nn.Module):
         init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        if type(self.base) is nn.Linear:  # a dense base: cpu_half picks the kernel for 16-bit inputs on CPU
+            y = cpu_half.linear(x, self.base.weight, self.base.bias)
+        else:
+            y = self.base(x)
         p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
         if p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
             ax = _DropoutMatmul.apply(x, self.lora_A, p)  # [B, T, n*r], one matmul for all parts
         else:  # (autocast casts the matmul's inputs itself: the plain ops there)
-            ax = self.dropout(x).to(self.lora_A.dtype) @ self.lora_A.T
+            ax = cpu_half.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)
         if len(self.parts) == 1 and self.parts[0] == (0, self.out_features):
-            return y + (ax @ self.lora_B.T * self.scaling).to(y.dtype)
+            return y + (cpu_half.linear(ax, self.lora_B) * self.scaling).to(y.dtype)
         pieces, row, b_row = [], 0, 0
         for i, (start, n) in enumerate(self.parts):
             if start > row:  # rows without LoRA (e.g. k when only q and v are adapted)
                 pieces.append(ax.new_zeros(*ax.shape[:-1], start - row))
-            pieces.append(ax[..., i * self.r:(i + 1) * self.r] @ self.lora_B[b_row:b_row + n].T)
+            pieces.append(cpu_half.linear(ax[..., i * self.r:(i + 1) * self.r], self.lora_B[b_row:b_row + n]))
             row, b_row = start + n, b_row + n
         if row < self.out_features:
             pieces.append(ax.new_zeros(*ax.shape[:-1], self.out_features - row))
@@ -94,17 +98,17 @@ class _DropoutMatmul(torch.autograd.Function):
         keep = torch.rand(x.shape, device=x.device) >= p
         ctx.save_for_backward(x, keep, A)
         ctx.scale = 1.0 / (1.0 - p)
-        return (x * keep).mul_(ctx.scale).to(A.dtype) @ A.T
+        return cpu_half.mm((x * keep).mul_(ctx.scale).to(A.dtype), A.T)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, keep, A = ctx.saved_tensors
         grad_x = grad_a = None
         if ctx.needs_input_grad[0]:
-            grad_x = ((grad @ A) * keep).mul_(ctx.scale).to(x.dtype)
+            grad_x = (cpu_half.mm(grad, A) * keep).mul_(ctx.scale).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dropped = (x * keep).mul_(ctx.scale).to(A.dtype)
-            grad_a = grad.reshape(-1, grad.size(-1)).T @ dropped.reshape(-1, dropped.size(-1))
+            grad_a = cpu_half.mm(grad.reshape(-1, grad.size(-1)).T, dropped.reshape(-1, dropped.size(-1)))
         return grad_x, grad_a, None
 
 

@@ -44,6 +44,7 @@ import psutil
 import torch
 import torch.nn as nn
 
+from lit_qlora import cpu_half
 from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
@@ -174,6 +175,7 @@ class _Dims:
     r: int  # bytes of the residual stream and norm outputs (fp32 under *-mixed: embeddings stay fp32)
     mask: int  # bytes per element of nn.Dropout's mask: 1 on CUDA (bool), 0 on CPU (the input's dtype)
     cpu_attention: bool  # lit_qlora.cpu_attention's path (CPU, bf16-true training)
+    cpu_half: bool  # lit_qlora.cpu_half's fp32 kernels (CPU without native 16-bit matmuls, *-true): wins over the above
     mixed: bool
     lora_dropout: bool
 
@@ -243,11 +245,15 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
         # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
         # path repeats k and v to every head first, so with GQA v is its own tensor there.
-        repeated = G != H and d.cpu_attention
-        kv = N * (H if repeated else G) * hs * d.a
-        s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
-        s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
-        seen.add("y")  # the projection's input is a view of the attention output saved here
+        # cpu_half's attention keeps only q, k (G heads) and v (the whole qkv output) and recomputes in backward.
+        if d.cpu_half:
+            s += [N * H * hs * d.a, N * G * hs * d.a, N * sum(c.qkv_sizes) * d.a]
+        else:
+            repeated = G != H and d.cpu_attention
+            kv = N * (H if repeated else G) * hs * d.a
+            s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
+            s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
+            seen.add("y")  # the projection's input is a view of the attention output saved here
     s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
     s += s_proj
@@ -362,6 +368,8 @@ def estimate_training_memory(
     a = _dtype_bytes(prec.dtype)
     d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
               cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
+              cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
+                        and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
               lora_dropout=lora.dropout > 0)
 
     quantize_lm_head = bool(quantize_lm_head)
@@ -487,11 +495,17 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], 
     # A quantized layer computes with a dequantized copy of its weight. int8: bitsandbytes scales the int8 copy in
     # place by fp32 row scales, which on CPU goes through two fp32 temporaries of the weight's size.
     per_value = a + (8 if a != 4 and device_type == "cpu" else 0) if quantize == "bnb.int8" else a
+    if d.cpu_half and quantize != "bnb.int8":
+        per_value = 4  # dequantized straight to fp32 for the fp32 kernel
     dq = {name: out_f * in_f * per_value for name, out_f, in_f in w["quantized_shapes"]}
     layer_dq = max((v for k, v in dq.items() if k != "lm_head"), default=0)
     head_dq = [dq["lm_head"]] if "lm_head" in dq else []
     block_temps = _layer_backward_temp(c, d, layer_dq)
-    if device_type == "cpu" and prec.dtype is torch.bfloat16 and d.T < RECOMPUTE_BELOW:
+    if d.cpu_half:
+        # attention's backward in fp32: q, k, v, their gradients and the recomputed output
+        H, G, hs = c.n_head, c.n_query_groups, c.head_size
+        block_temps.append(N * hs * 4 * (2 * (H + 2 * G) + H))
+    elif device_type == "cpu" and prec.dtype is torch.bfloat16 and d.T < RECOMPUTE_BELOW:
         # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds
         block_temps.append(d.B * c.n_head * d.T * d.T * (4 + 2 + 4 + 2))
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")

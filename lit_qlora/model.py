@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from lit_qlora import cpu_attention
+from lit_qlora import cpu_attention, cpu_half
 from lit_qlora.config import Config
 
 
@@ -88,8 +88,13 @@ class GPT(nn.Module):
             dim = 1
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
-            return [self.lm_head(xc) for xc in x.split(lm_head_chunk, dim=dim)]
-        return self.lm_head(x)  # [B, T, V] (or [N, V])
+            return [self._head(xc) for xc in x.split(lm_head_chunk, dim=dim)]
+        return self._head(x)  # [B, T, V] (or [N, V])
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.lm_head) is nn.Linear:  # dense: cpu_half picks the kernel for 16-bit inputs on CPU
+            return cpu_half.linear(x, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(x)
 
     def compile_blocks(self) -> None:
         """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
@@ -165,7 +170,10 @@ class CausalSelfAttention(nn.Module):
         # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
         gqa = c.n_query_groups != c.n_head
         scale = 1.0 / math.sqrt(c.head_size)
-        if mask is None and cache is None and T > 1 and cpu_attention.usable(q, k, v):
+        if cpu_half.emulated(q) and T >= cpu_half.MIN_ATTENTION_LENGTH:
+            # a 16-bit CPU tensor without native 16-bit matmuls: fp32 kernels are several times faster
+            y = cpu_half.attention(q, k, v, mask, mask is None and T > 1, scale, gqa)
+        elif mask is None and cache is None and T > 1 and cpu_attention.usable(q, k, v):
             if gqa:
                 rep = c.n_head // c.n_query_groups
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, L, hs]

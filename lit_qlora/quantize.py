@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from lit_qlora import cpu_half
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
 from lit_qlora.utils import UserError, release_freed_memory
@@ -60,8 +61,7 @@ def make_quantized_linear(linear: nn.Linear, mode: str, compute_dtype: torch.dty
         q = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=6.0, device="meta")
     else:
         quant_type = "nf4" if "nf4" in mode else "fp4"
-        cls = _flat_blocks_linear4bit() if needs_flat_dequantize(in_f) else bnb.nn.Linear4bit
-        q = cls(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
+        q = _cpu_linear4bit()(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
                 compress_statistics=mode.endswith("-dq"), device="meta")
         # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
         # turns it back on where it is valid (`enable_cpu_inference_packing`).
@@ -78,43 +78,58 @@ def needs_flat_dequantize(in_features: int) -> bool:
     return in_features % 64 != 0 and in_features % 16 == 0
 
 
-def dequantize_flat(module: nn.Module) -> torch.Tensor:
-    """A 4-bit layer's weight [out, in] dequantized as the flat blocks it was quantized in (always right)."""
+def dequantize_flat(module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] dequantized as the flat blocks it was quantized in (always right), in `dtype`
+    (default: its compute dtype). fp32 comes straight from the 4-bit codes, not through a 16-bit rounding."""
     bnb = _bnb()
+    bnb.nn.modules.fix_4bit_weight_quant_state_from_module(module)  # FSDP's gathered weight comes without it
     state = copy.copy(module.weight.quant_state)
     state.shape = torch.Size([module.out_features * module.in_features])
-    flat = bnb.functional.dequantize_4bit(module.weight.data.reshape(-1), state)
+    if dtype is not None:
+        state.dtype = dtype
+    data = module.weight.data
+    if data.dtype != torch.uint8:  # stored as another dtype for FSDP (prepare_4bit_for_sharding): the same bytes
+        data = data.view(torch.uint8)
+    flat = bnb.functional.dequantize_4bit(data.reshape(-1), state)
     return flat.reshape(module.out_features, module.in_features)
 
 
-class _FlatDequantMatmul(torch.autograd.Function):
-    """x @ W^T + b with W dequantized flat (`dequantize_flat`), again in backward, as bitsandbytes' own 4-bit matmul
-    does: nothing of the dense weight is kept between forward and backward."""
+class _DequantMatmul(torch.autograd.Function):
+    """x @ W^T + b with W dequantized flat (`dequantize_flat`) into `dtype`, again in backward, as bitsandbytes' own
+    4-bit matmul does: nothing of the dense weight, and nothing of x, is kept between forward and backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        ctx.layer = layer
-        bias = layer.bias.to(x.dtype) if layer.bias is not None else None
-        return nn.functional.linear(x, dequantize_flat(layer).to(x.dtype), bias)
+    def forward(ctx, x: torch.Tensor, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        ctx.layer, ctx.dtype = layer, dtype
+        bias = layer.bias.to(dtype) if layer.bias is not None else None
+        return nn.functional.linear(x.to(dtype), dequantize_flat(layer, dtype), bias).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ dequantize_flat(ctx.layer).to(grad.dtype), None
+        return (grad.to(ctx.dtype) @ dequantize_flat(ctx.layer, ctx.dtype)).to(grad.dtype), None, None
 
 
 @functools.lru_cache(maxsize=None)
-def _flat_blocks_linear4bit() -> type:
-    """`bitsandbytes.nn.Linear4bit` for the layers `needs_flat_dequantize` names (made on first use: bitsandbytes is
-    imported lazily). On CUDA bitsandbytes' own forward is right and is kept."""
+def _cpu_linear4bit() -> type:
+    """`bitsandbytes.nn.Linear4bit` with our CPU forward (made on first use: bitsandbytes is imported lazily). On
+    CUDA bitsandbytes' own forward is kept."""
     bnb = _bnb()
 
-    class FlatBlocksLinear4bit(bnb.nn.Linear4bit):
+    class CPULinear4bit(bnb.nn.Linear4bit):
+        """On CPU, two cases take our matmul (`_DequantMatmul`) instead of bitsandbytes': a 16-bit input where the
+        CPU has no native 16-bit matmul (computed by the fp32 kernel, lit_qlora/cpu_half.py), and the widths whose
+        rows bitsandbytes' CPU kernels get wrong (`needs_flat_dequantize`)."""
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.device.type != "cpu":
                 return super().forward(x)
-            return _FlatDequantMatmul.apply(x, self).to(x.dtype)
+            if cpu_half.in_fp32(x, self.out_features):
+                return _DequantMatmul.apply(x, self, torch.float32)
+            if needs_flat_dequantize(self.in_features):
+                return _DequantMatmul.apply(x, self, x.dtype)
+            return super().forward(x)
 
-    return FlatBlocksLinear4bit
+    return CPULinear4bit
 
 
 def is_quantized(module: nn.Module) -> bool:

@@ -240,11 +240,11 @@ def test_only_supported_layers_convert_and_disable_restores():
     quantize_into(odd, 0.02 * torch.randn(4, 33), CPU)  # rows start mid-byte: bitsandbytes' path
     model.append(odd)
     assert d.enable_fast_decode(model) == 2
-    assert [type(m).__name__ for m in model] == ["DecodeLinear4bit", "DecodeLinear4bit", "Linear", "Linear4bit"]
+    assert [type(m).__name__ for m in model] == ["DecodeLinear4bit", "DecodeLinear4bit", "Linear", "CPULinear4bit"]
     assert not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in model[:2])
     assert d.disable_fast_decode(model) == 2
     # back to what they were: the 96-wide layer to the flat-dequantizing subclass bitsandbytes' CPU kernels need
-    assert [type(m).__name__ for m in model] == ["Linear4bit", "FlatBlocksLinear4bit", "Linear", "Linear4bit"]
+    assert [type(m).__name__ for m in model] == ["CPULinear4bit", "CPULinear4bit", "Linear", "CPULinear4bit"]
 
 
 def test_training_code_never_imports_the_kernel():
@@ -442,7 +442,7 @@ def test_without_a_compiler_generation_falls_back_with_one_note(monkeypatch, tmp
         x = torch.randn(1, 128)
         with torch.no_grad():
             expected = layer(x)
-            assert d.enable_fast_decode(layer) == 0 and type(layer) is bnb.nn.Linear4bit
+            assert d.enable_fast_decode(layer) == 0 and type(layer).__name__ == "CPULinear4bit"
             d.kernel()  # asking again prints nothing more
             assert torch.equal(layer(x), expected)
         err = capfd.readouterr().err

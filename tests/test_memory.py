@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers_train import env
 
+from lit_qlora import cpu_half
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, quantized_layer_bytes, weight_bytes
@@ -105,11 +106,14 @@ def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, q
     model.activation_checkpointing = ac
     model.train()
     B, T = 2, 64
-    measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
-    est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T,
-                                   activation_checkpointing=ac)
-    tolerance = 0.01 if precision.endswith("mixed") else 1e-4  # autocast's weight-copy cache is approximated
-    assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=tolerance)
+    # bf16-true on a CPU with native bf16 (bf16 kernels) and without (fp32 kernels, lit_qlora/cpu_half.py)
+    for fp32_kernels in (False, True):
+        with cpu_half.forced(fp32_kernels):
+            measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
+            est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T,
+                                           activation_checkpointing=ac)
+        tolerance = 0.01 if precision.endswith("mixed") else 1e-4  # autocast's weight-copy cache is approximated
+        assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=tolerance)
 
 
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq", "bnb.int8"])

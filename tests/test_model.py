@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import VOCAB, random_tokens, randomize_lora
 
+from lit_qlora import cpu_half
 from lit_qlora.batching import collate_packed
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model
@@ -50,8 +51,9 @@ def _grad_tokens(family_ckpt) -> torch.Tensor:
 
 
 def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
-    """Backward through our model equals transformers' in fp32, and in bf16 (where it goes through cpu_attention's
-    backward) it is as close to the fp32 gradient as transformers' own bf16 backward is."""
+    """Backward through our model equals transformers' in fp32, and in bf16 it is as close to the fp32 gradient as
+    transformers' own bf16 backward is: by bf16 kernels (where attention goes through cpu_attention's backward) and
+    by fp32 kernels on bf16 data (lit_qlora/cpu_half.py)."""
     from lit_qlora import cpu_attention
     calls = []
     fast = cpu_attention.causal_attention
@@ -60,11 +62,17 @@ def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     expected = _embedding_grads(family_ckpt, idx, torch.float32, hf=True)
     torch.testing.assert_close(_embedding_grads(family_ckpt, idx, torch.float32), expected, atol=1e-4, rtol=1e-4)
     assert not calls  # fp32 keeps PyTorch's flash backward
-    err_ours = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
     err_hf = (_embedding_grads(family_ckpt, idx, torch.bfloat16, hf=True) - expected).abs().max()
+    with cpu_half.forced(False):  # bf16 kernels (a CPU with native bf16)
+        err_ours = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
     assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     sliding = family_ckpt.ours.config.sliding_window_size is not None  # a window needs a mask: SDPA with attn_mask
     assert bool(calls) == (not sliding)
+    calls.clear()
+    with cpu_half.forced(True):  # fp32 kernels on bf16 data (a CPU without native bf16: lit_qlora/cpu_half.py)
+        err_fp32_kernels = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
+    assert err_fp32_kernels <= 1.5 * err_hf + 1e-3 * expected.abs().max()
+    assert not calls
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_qlora import cpu_half
 from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, read_safetensors, write_safetensors_stream
 from lit_qlora.config import Config
 from lit_qlora.generation import generate
@@ -137,13 +138,15 @@ def our_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> nn.Modu
 
 
 def assert_same_forward_backward(ours: nn.Module, ref: nn.Module, dtype: torch.dtype, seed: int = 0) -> None:
-    """Same output bits, and the same input gradient bits, for a training-mode forward."""
+    """Same output bits, and the same input gradient bits, for a training-mode forward. 16-bit inputs by
+    bitsandbytes' 16-bit kernels: where the CPU has none, ours computes with fp32 ones (tests/test_cpu_half.py)."""
     x = torch.randn(3, 5, ours.in_features, generator=torch.Generator().manual_seed(seed)).to(dtype)
     outs, grads = [], []
     for layer in (ours, ref):
         xi = x.clone().requires_grad_(True)
-        y = layer.train()(xi)
-        y.float().square().sum().backward()
+        with cpu_half.forced(False):
+            y = layer.train()(xi)
+            y.float().square().sum().backward()
         outs.append(y.detach())
         grads.append(xi.grad)
     assert outs[0].dtype == outs[1].dtype == dtype
@@ -169,7 +172,7 @@ def assert_same_stored(ours: nn.Module, ref: nn.Module) -> None:
 def test_layer_matches_bnb_reference(mode, dtype):
     w = (0.02 * torch.randn(96, 192, generator=torch.Generator().manual_seed(1))).to(dtype)
     ours, ref = our_layer(mode, w, dtype), reference_layer(mode, w, dtype)
-    assert type(ours) is type(ref)
+    assert isinstance(ours, type(ref))
     assert_same_stored(ours, ref)
     assert_same_forward_backward(ours, ref, dtype)
 

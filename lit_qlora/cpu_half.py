@@ -1,0 +1,140 @@
+"""bf16/fp16 matmuls computed by fp32 kernels on CPUs without native support for the 16-bit type.
+
+Why: on a CPU without AVX512-BF16/AMX, torch converts every bf16 operand in software inside its matmul kernel, and a
+bf16 matmul of a fine-tuning shape runs 3-4x slower than the fp32 one (1024x576 @ 576x1536: 30 vs 10 ms on a 2-core
+AVX2/AVX512F Xeon; scripts/bench_precision.py). Converting the operands to fp32 first and calling the fp32 kernel
+takes about as long as the fp32 matmul alone. The result is what a native 16-bit kernel computes: products of the
+same 16-bit values, summed in fp32, rounded to the 16-bit type once. Only the kernel moves: weights, activations and
+what is saved for backward keep their dtype, so memory is what `--precision bf16-true` promises.
+
+Matmuls that read more bytes than they compute (decoding one token: x [1, K] @ W [K, N]) are faster with the 16-bit
+kernel, which reads half the bytes: below MIN_INTENSITY multiply-adds per element read (measured crossover: about 5)
+they keep it. Under autocast (*-mixed precisions) autocast decides.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lit_qlora import precision
+
+MIN_INTENSITY = 6.0  # m*n*k / (m*k + k*n + m*n) from which the fp32 kernel is used
+MIN_ATTENTION_LENGTH = 16  # queries per row from which attention is computed by fp32 kernels
+_forced: Optional[bool] = None  # set by `forced` (tests): apply (True) or not (False) whatever the CPU and size
+
+
+@functools.lru_cache(maxsize=None)
+def native(dtype: torch.dtype) -> bool:
+    """precision.cpu_has_native, read once (it is asked for every matmul)."""
+    return precision.cpu_has_native(dtype)
+
+
+def emulated_dtype(dtype: torch.dtype) -> bool:
+    """Whether CPU matmuls of the 16-bit `dtype` go to fp32 kernels here (given enough work, see `in_fp32`)."""
+    return _forced if _forced is not None else not native(dtype)
+
+
+def emulated(x: torch.Tensor) -> bool:
+    """Whether `x` is a 16-bit CPU tensor this CPU has no native matmul for (and autocast is off)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu"):
+        return False
+    return emulated_dtype(x.dtype)
+
+
+def in_fp32(x: torch.Tensor, n: int) -> bool:
+    """Whether x [..., k] @ [k, n] runs through the fp32 kernel."""
+    if not emulated(x):
+        return False
+    k = x.size(-1)
+    m = x.numel() // k if k else 0
+    return _forced is not None or m * n * k >= MIN_INTENSITY * (m * k + k * n + m * n)
+
+
+@contextlib.contextmanager
+def forced(enabled: Optional[bool]) -> Iterator[None]:
+    """Use (True) or never use (False) the fp32 kernels for 16-bit CPU tensors, whatever the CPU: for tests."""
+    global _forced
+    before, _forced = _forced, enabled
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for use inside autograd Functions (no graph is recorded there), in a's dtype."""
+    if in_fp32(a, b.size(-1)):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w^T + bias by fp32 kernels, saving x and w in their own dtype (autograd would save fp32 copies)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        # as autograd does: x only for w's gradient, w only for x's (a frozen weight keeps no input alive)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        ctx.has_bias, ctx.dtype = bias is not None, x.dtype
+        return F.linear(x.float(), w.float(), bias.float() if bias is not None else None).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = grad.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ w.float()).to(ctx.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.reshape(-1, g.size(-1)).T @ x.reshape(-1, x.size(-1)).float()).to(ctx.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.size(-1)).sum(0).to(grad.dtype)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, by the fp32 kernel where `in_fp32(x)`."""
+    if w.dtype == x.dtype and in_fp32(x, w.size(0)):
+        return _Linear.apply(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+class _Attention(torch.autograd.Function):
+    """scaled_dot_product_attention by fp32 kernels. Saves q, k, v in their dtype; backward runs the fp32 forward
+    again and differentiates it (an attention forward costs about a third of its backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal: bool, scale: float, enable_gqa: bool) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (mask, is_causal, scale, enable_gqa)
+        return _sdpa32(q.float(), k.float(), v.float(), *ctx.args).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v = ctx.saved_tensors
+        q32, k32, v32 = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), ctx.needs_input_grad))
+        with torch.enable_grad():
+            out = _sdpa32(q32, k32, v32, *ctx.args)
+        wanted = [t for t in (q32, k32, v32) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, dout.float()))
+        dq, dk, dv = (next(grads).to(t.dtype) if t32.requires_grad else None
+                      for t, t32 in zip((q, k, v), (q32, k32, v32)))
+        return dq, dk, dv, None, None, None, None
+
+
+def _sdpa32(q, k, v, mask, is_causal, scale, enable_gqa):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
+              scale: float, enable_gqa: bool) -> torch.Tensor:
+    """F.scaled_dot_product_attention (q [B, H, T, hs]), by fp32 kernels for `emulated` 16-bit queries of
+    MIN_ATTENTION_LENGTH or more positions."""
+    if emulated(q) and (_forced is not None or q.size(-2) >= MIN_ATTENTION_LENGTH):
+        return _Attention.apply(q, k, v, mask, is_causal, scale, enable_gqa)
+    return _sdpa32(q, k, v, mask, is_causal, scale, enable_gqa)

@@ -1,0 +1,209 @@
+"""16-bit matmuls by fp32 kernels on CPUs without native 16-bit support (lit_qlora/cpu_half.py).
+
+What is shown here, on any CPU (the routing is forced or the CPU's kind faked):
+1. linear, attention and the 4-bit layers compute what the documented rule says (fp32 products of the 16-bit values,
+   rounded once): against a float64 computation, no further off than torch's own 16-bit kernels, and a 4-bit layer
+   equal to bitsandbytes' fp32 layer on the same inputs, rounded; gradients likewise;
+2. on a CPU without native bf16, a bf16-true LoRA training step (nf4 and dense bases, every adapted target, the
+   output layer) runs no matmul and no attention in bf16; with native bf16 it keeps the bf16 kernels;
+3. the step's loss and LoRA gradients agree with the bf16 kernels' within bf16 rounding.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import lora_cfg, random_tokens, randomize_lora
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lit_qlora import cpu_half
+from lit_qlora.loader import load_model
+from lit_qlora.lora import lora_modules
+from lit_qlora.quantize import make_quantized_linear, quantize_into, quiet_bnb_import
+
+quiet_bnb_import()
+import bitsandbytes as bnb  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def real_cpu_afterwards():
+    """`cpu_half.native` reads the CPU's flags once: forget what faked flags made it read."""
+    yield
+    cpu_half.native.cache_clear()
+
+
+def randn(*shape: int, seed: int, dtype=BF16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def max_err(t: torch.Tensor, truth: torch.Tensor) -> float:
+    return (t.double() - truth).abs().max().item()
+
+
+# ---- 1. what each piece computes --------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_is_the_fp32_product_rounded_once(bias):
+    x, w = randn(3, 40, 64, seed=0).requires_grad_(), randn(48, 64, seed=1).requires_grad_()
+    b = randn(48, seed=2).requires_grad_() if bias else None
+    g = randn(3, 40, 48, seed=3)
+    inputs = [t for t in (x, w, b) if t is not None]
+
+    def run(fn):
+        y = fn(x, w, b)
+        return [y.detach(), *torch.autograd.grad(y, inputs, g)]
+
+    with cpu_half.forced(True):
+        ours = run(cpu_half.linear)
+    with cpu_half.forced(False):
+        native = run(cpu_half.linear)  # torch's own bf16 kernels
+    truth = run(lambda *a: F.linear(*[t.double() if t is not None else None for t in a]))
+    # the documented rule, exactly: fp32 operands, one rounding to bf16 of the result and of each gradient
+    x32, w32 = x.detach().float(), w.detach().float()
+    assert torch.equal(ours[0], F.linear(x32, w32, b.detach().float() if bias else None).to(BF16))
+    assert torch.equal(ours[1], (g.float() @ w32).to(BF16))
+    for o, n, t in zip(ours, native, truth):
+        assert o.dtype == BF16
+        assert max_err(o, t.double()) <= max_err(n, t.double()) + 1e-6
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_attention_is_the_fp32_attention_rounded_once(masked):
+    q = randn(2, 4, 24, 16, seed=0).requires_grad_()
+    k, v = randn(2, 2, 24, 16, seed=1).requires_grad_(), randn(2, 2, 24, 16, seed=2).requires_grad_()
+    mask = torch.rand(2, 1, 24, 24, generator=torch.Generator().manual_seed(3)) > 0.3 if masked else None
+    if masked:
+        mask |= torch.eye(24, dtype=torch.bool)  # no empty softmax row
+    g = randn(2, 4, 24, 16, seed=4)
+
+    def run(fn, dtype):
+        y = fn(*(t.to(dtype) for t in (q, k, v)), mask, not masked, 0.25, True)
+        return [y.detach(), *torch.autograd.grad(y, (q, k, v), g.to(dtype))]
+
+    with cpu_half.forced(True):
+        ours = run(cpu_half.attention, BF16)
+    with cpu_half.forced(False):
+        native = run(cpu_half.attention, BF16)
+    fp32 = run(cpu_half.attention, torch.float32)
+    truth = run(cpu_half.attention, torch.float64)
+    assert torch.equal(ours[0], fp32[0].to(BF16))
+    for o, n, t in zip(ours, native, truth):
+        assert o.dtype == BF16
+        assert max_err(o, t) <= max_err(n, t) + 1e-6
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4"])
+@pytest.mark.parametrize("in_features", [192, 96], ids=["whole-rows", "blocks-across-rows"])
+def test_4bit_layer_is_bitsandbytes_weight_in_fp32_rounded_once(mode, in_features):
+    """Our 4-bit layer in bf16 by the fp32 kernels: the weight bitsandbytes dequantizes (fp32, the flat blocks it
+    quantized) times the same bf16 input, and the output gradient times it for the input's gradient, each rounded
+    to bf16 once; and the output within one bf16 rounding of bitsandbytes' own layer at compute dtype fp32 where
+    that layer is right."""
+    w = 0.02 * torch.randn(80, in_features, generator=torch.Generator().manual_seed(1))
+    ours = make_quantized_linear(nn.Linear(in_features, 80, bias=False, device="meta"), mode, BF16)
+    quantize_into(ours, w.to(BF16), torch.device("cpu"))
+    quant_type, dq = ("nf4" if "nf4" in mode else "fp4"), mode.endswith("-dq")
+    ref = bnb.nn.Linear4bit(in_features, 80, bias=False, compute_dtype=torch.float32, quant_type=quant_type,
+                            compress_statistics=dq)
+    ref.weight = bnb.nn.Params4bit(w.to(BF16).clone(), requires_grad=False, quant_type=quant_type,
+                                   compress_statistics=dq)
+    ref = ref.to("cpu")
+    assert torch.equal(ours.weight.data, ref.weight.data)
+    state = copy.copy(ref.weight.quant_state)
+    state.shape, state.dtype = torch.Size([80 * in_features]), torch.float32
+    w32 = bnb.functional.dequantize_4bit(ref.weight.data.reshape(-1), state).reshape(80, in_features)
+
+    x, g = randn(3, 20, in_features, seed=2), randn(3, 20, 80, seed=3)
+    xo = x.clone().requires_grad_()
+    with cpu_half.forced(True):
+        yo = ours.train()(xo)
+        (gx_o,) = torch.autograd.grad(yo, xo, g)
+    assert yo.dtype == gx_o.dtype == BF16
+    assert torch.equal(yo, (x.float() @ w32.T).to(BF16))
+    assert torch.equal(gx_o, (g.float() @ w32).to(BF16))
+    if in_features % 64 == 0:  # elsewhere bitsandbytes' CPU layer is wrong (quantize.needs_flat_dequantize)
+        yr = ref.train()(x.float()).detach()
+        assert ((yo.float() - yr).abs() <= 2**-7 * yr.abs() + 1e-3 * yr.abs().max()).all()
+
+
+def test_small_matmuls_keep_the_16_bit_kernel(monkeypatch):
+    """Decoding one token reads more bytes than it computes: the 16-bit kernel, which reads half, is kept there."""
+    monkeypatch.setattr(cpu_half, "native", lambda dtype: False)
+    w = randn(1536, 576, seed=0)
+    assert not cpu_half.in_fp32(randn(1, 1, 576, seed=1), w.size(0))
+    assert cpu_half.in_fp32(randn(4, 64, 576, seed=1), w.size(0))
+    assert not cpu_half.in_fp32(randn(4, 64, 576, seed=1, dtype=torch.float32), w.size(0))  # fp32 is fp32
+    monkeypatch.setattr(cpu_half, "native", lambda dtype: True)
+    assert not cpu_half.in_fp32(randn(4, 64, 576, seed=1), w.size(0))
+
+
+# ---- 2 and 3. a whole bf16-true training step ---------------------------------------------------------
+ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+             "_scaled_dot_product_attention_math"}
+
+
+def intensity(func, args) -> float:
+    """Multiply-adds per element read of an aten matmul: m*n*k / (m*k + k*n + m*n); 0 for anything else."""
+    name = func.overloadpacket.__name__
+    if name in ("addmm", "baddbmm"):
+        args = args[1:]
+    if name not in ("mm", "bmm", "addmm", "baddbmm"):
+        return 0.0
+    (m, k), n = args[0].shape[-2:], args[1].shape[-1]
+    return m * n * k / (m * k + k * n + m * n)
+
+
+class Kernels16(TorchDispatchMode):
+    """Records the 16-bit matmuls `cpu_half` should have sent to fp32 kernels (MIN_INTENSITY or more multiply-adds per
+    element read) and the 16-bit attention kernels, forward and backward; counts the fp32 ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.half: list[str] = []
+        self.fp32 = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ATTENTION or intensity(func, args) >= cpu_half.MIN_INTENSITY:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+            if BF16 in dtypes:
+                self.half.append(name)
+            self.fp32 += dtypes == {torch.float32}
+        return func(*args, **(kwargs or {}))
+
+
+def training_step(folder, quantize, lora):
+    model = load_model(folder, precision="bf16-true", quantize=quantize, lora=lora, seed=1)
+    randomize_lora(model)
+    model.train()
+    torch.manual_seed(0)  # the same dropout masks
+    idx = random_tokens(2, 32)
+    with cpu_half.forced(None), Kernels16() as seen:
+        cpu_half.native.cache_clear()
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+    grads = {n: m.lora_A.grad.float() for n, m in lora_modules(model).items()}
+    return loss.item(), grads, seen
+
+
+@pytest.mark.parametrize("quantize, head, dropout", [(None, False, 0.1), ("bnb.nf4", True, 0.0)],
+                         ids=["dense-plain-head-dropout", "nf4-lora-head"])
+def test_bf16_training_runs_no_bf16_matmul_on_a_cpu_without_native_bf16(lora_tied, monkeypatch, quantize, head,
+                                                                         dropout):
+    lora = dataclasses.replace(lora_cfg(), head=head, dropout=dropout)
+    monkeypatch.setattr(cpu_half.precision, "cpu_flags", lambda: {"avx2"})
+    loss, grads, seen = training_step(lora_tied.folder, quantize, lora)
+    assert seen.half == [] and seen.fp32 > 30
+    monkeypatch.setattr(cpu_half.precision, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    loss_native, grads_native, seen_native = training_step(lora_tied.folder, quantize, lora)
+    assert len(seen_native.half) > 20  # the test can tell the two apart
+    assert abs(loss - loss_native) <= 2e-2 * abs(loss_native)
+    for name, g in grads.items():
+        ref = grads_native[name]
+        assert (g - ref).norm() <= 0.05 * ref.norm(), name

@@ -28,7 +28,8 @@ class RunArgs:
     """Where checkpoints, metrics.csv, metrics.json, hyperparameters.json and the final adapter go."""
     precision: str = "auto"
     """auto, 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table). auto: bf16-true on
-    a GPU with bf16 (16-mixed without) and on a CPU with native bf16 (AVX512-BF16/AMX), 32-true on other CPUs."""
+    a GPU with bf16 (16-mixed without) and on a CPU with native bf16 (AVX512-BF16/AMX), 32-true on other CPUs (where
+    bf16-true computes by fp32 kernels: a little slower, less memory)."""
     quantize: Optional[str] = None
     """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
     quantize_lm_head: Optional[bool] = None

@@ -24,6 +24,7 @@ from lit_qlora import precision
 
 MIN_INTENSITY = 6.0  # m*n*k / (m*k + k*n + m*n) from which the fp32 kernel is used
 MIN_ATTENTION_LENGTH = 16  # queries per row from which attention is computed by fp32 kernels
+FP32_CHUNK = 1 << 22  # weight elements converted to fp32 at once (16 MB; a 49152 x 576 output layer would be 113 MB)
 _forced: Optional[bool] = None  # set by `forced` (tests): apply (True) or not (False) whatever the CPU and size
 
 
@@ -72,6 +73,32 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
+def _linear32(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear by the fp32 kernel, the result in x's dtype; w is converted FP32_CHUNK elements at a time."""
+    x32 = x.float()
+    n, k = w.shape
+    step = max(1, FP32_CHUNK // max(k, 1))
+    if step >= n:
+        return F.linear(x32, w.float(), bias.float() if bias is not None else None).to(x.dtype)
+    y = x.new_empty((*x.shape[:-1], n))
+    for r0 in range(0, n, step):
+        b = bias[r0:r0 + step].float() if bias is not None else None
+        y[..., r0:r0 + step] = F.linear(x32, w[r0:r0 + step].float(), b)  # rounded to x's dtype as it is stored
+    return y
+
+
+def _grad_input32(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """g @ w in fp32 (g [..., n] fp32, w [n, k]), w converted FP32_CHUNK elements at a time."""
+    n, k = w.shape
+    step = max(1, FP32_CHUNK // max(k, 1))
+    if step >= n:
+        return g @ w.float()
+    out = g[..., :step] @ w[:step].float()
+    for r0 in range(step, n, step):
+        out += g[..., r0:r0 + step] @ w[r0:r0 + step].float()
+    return out
+
+
 class _Linear(torch.autograd.Function):
     """x @ w^T + bias by fp32 kernels, saving x and w in their own dtype (autograd would save fp32 copies)."""
 
@@ -80,7 +107,7 @@ class _Linear(torch.autograd.Function):
         # as autograd does: x only for w's gradient, w only for x's (a frozen weight keeps no input alive)
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
         ctx.has_bias, ctx.dtype = bias is not None, x.dtype
-        return F.linear(x.float(), w.float(), bias.float() if bias is not None else None).to(x.dtype)
+        return _linear32(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -88,7 +115,7 @@ class _Linear(torch.autograd.Function):
         g = grad.float()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ w.float()).to(ctx.dtype)
+            grad_x = _grad_input32(g, w).to(ctx.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (g.reshape(-1, g.size(-1)).T @ x.reshape(-1, x.size(-1)).float()).to(ctx.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_qlora import cpu_half
 from lit_qlora.quantize import quiet_bnb_import
 
 quiet_bnb_import()
@@ -272,6 +273,8 @@ def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     113 MB fp32 temporary in every prefill (and was slower, tutorials/quantize.md)."""
     k, n = module.in_features, module.out_features
     dtype = module.compute_dtype or x.dtype
+    if cpu_half.in_fp32(x.to(dtype), n):  # a 16-bit prefill on a CPU without native 16-bit matmuls
+        dtype = torch.float32
     xin = x.to(dtype)
     bias = module.bias.to(dtype) if module.bias is not None else None
     bs = module.weight.quant_state.blocksize

@@ -44,7 +44,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
         raise UserError(f"the prompt ({T} tokens) plus max_new_tokens={max_new_tokens} exceed the model's context of "
                         f"{limit} "
                         "tokens; shorten the prompt or lower --max_new_tokens")
-    device = model.transformer.wte.weight.device
+    device = model.transformer.ln_f.weight.device
     prompt = prompt.to(device)
     eos = set(eos_ids)
     model.set_kv_cache(batch_size=1, max_seq_length=T + max_new_tokens, device=device)

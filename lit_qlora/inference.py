@@ -68,8 +68,9 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
         model = load_model_with_adapter(checkpoint_dir, adapter, precision=precision, quantize=quantize, device=device,
                                         config=config, quantize_lm_head=quantize_lm_head)
     else:
+        # a tied 4-bit head also serves the embedding rows: no dense vocabulary x hidden copy (never trained here)
         model = load_model(checkpoint_dir, precision=precision, quantize=quantize, device=device, config=config,
-                           merge_adapter=adapter, quantize_lm_head=quantize_lm_head)
+                           merge_adapter=adapter, quantize_lm_head=quantize_lm_head, embedding_from_head=True)
     model.eval()
     if quantize and device.type == "cpu" and fast_cpu_4bit:
         fast_cpu_4bit_decoding(model)  # this model is never trained: decode from the packed 4-bit weights

@@ -23,6 +23,7 @@ from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, 
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
 from lit_qlora.quantize import (
+    TiedEmbedding4bit,
     check_quantize,
     is_quantized,
     prepare_4bit_for_sharding,
@@ -46,7 +47,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
                quantize_lm_head: Optional[bool] = None,
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
                merge_adapter: Optional[Adapter] = None,
-               tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> GPT:
+               tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+               embedding_from_head: bool = False) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
     LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
 
@@ -54,7 +56,10 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     quantization, so a merged 4-bit model rounds once, like any quantized checkpoint.
 
     `tensors` ((name, tensor) pairs in our naming, with `config`) fills the model instead of the checkpoint file:
-    scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists."""
+    scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists.
+
+    `embedding_from_head` (generation, never training): a tied model with a 4-bit output layer reads its input
+    embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
@@ -77,7 +82,14 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
                             f"model_config.json: convert the checkpoint again")
         if is_quantized(module) and param == "weight":
-            quantize_into(module, t.to(prec.dtype), device)
+            quantize_into(module, t, device, prec.dtype)
+            continue
+        if key == "transformer.wte.weight" and _embedding_from_head(model, config, lora, embedding_from_head,
+                                                                    merge_adapter):
+            head = model.lm_head.base if isinstance(model.lm_head, LoRALinear) else model.lm_head
+            quantize_into(head, t, device, prec.dtype)  # the one copy: the head's 4 bits
+            model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
+            del t
             continue
         # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed
         dtype = prec.frozen_linear_dtype if isinstance(module,
@@ -92,9 +104,20 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     return model
 
 
+def _embedding_from_head(model: GPT, config: Config, lora: Optional[LoRAConfig], wanted: bool,
+                         merge_adapter: Optional[Adapter]) -> bool:
+    """Whether the tied embedding is served from the 4-bit head: asked for, no LoRA layers (nothing trains), no
+    adapter merged into the head, and a 4-bit head with whole blocks per row."""
+    if not (wanted and config.tie_embeddings and lora is None):
+        return False
+    if merge_adapter is not None and "lm_head" in merge_adapter.targets():
+        return False
+    return TiedEmbedding4bit.fits(model.lm_head)
+
+
 def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weights: Path,
                    head_adapter: Optional[Adapter] = None) -> None:
-    if config.tie_embeddings:
+    if config.tie_embeddings and not isinstance(model.transformer.wte, TiedEmbedding4bit):
         head, param = _owner(model, "lm_head.weight")
         wte = model.transformer.wte.weight
         if head_adapter is not None:  # a LoRA on a tied head: the merged head is its own tensor

@@ -117,7 +117,7 @@ class GPT(nn.Module):
                      device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
         c = self.config
         max_seq_length = max_seq_length or self.max_seq_length
-        ref = self.transformer.wte.weight
+        ref = self.transformer.ln_f.weight  # activations' dtype (the embedding may be read from a 4-bit head)
         device, dtype = device or ref.device, dtype or ref.dtype
         shape = (batch_size, c.n_query_groups, max_seq_length, c.head_size)
         self.kv_caches = [KVCache(shape, device, dtype) for _ in range(c.n_layer)]

@@ -141,12 +141,17 @@ def _bnb_loaded() -> bool:
     return "bitsandbytes" in sys.modules
 
 
-def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device) -> None:
-    """Quantize the full-precision `weight` into the (meta) bitsandbytes `module` on `device`."""
+def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device,
+                  dtype: Optional[torch.dtype] = None) -> None:
+    """Quantize the full-precision `weight`, as converted to `dtype` (the compute dtype; default: its own), into the
+    (meta) bitsandbytes `module` on `device`. On CPU the conversion happens a chunk at a time: a bf16 checkpoint
+    loaded at 32-true never has a whole fp32 copy of a large layer (the same bits as converting first)."""
     bnb = _bnb()
     if device.type == "cpu":
-        _quantize_into_cpu(bnb, module, weight)
-    elif isinstance(module, bnb.nn.Linear8bitLt):
+        _quantize_into_cpu(bnb, module, weight, dtype or weight.dtype)
+        return
+    weight = weight.to(dtype or weight.dtype)
+    if isinstance(module, bnb.nn.Linear8bitLt):
         # Int8Params quantizes row-wise (absmax per output row) when moved to a real device
         p = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype), requires_grad=False,
                               has_fp16_weights=False)
@@ -164,20 +169,20 @@ def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device)
 # never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the result
 # is bit-identical. 1M elements per chunk: ~20 MB of temporaries, and no slower than bigger chunks.
 _CPU_CHUNK = 1 << 20
-def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
+def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
     F = bnb.functional
     if isinstance(module, bnb.nn.Linear8bitLt):
         rows = max(1, _CPU_CHUNK // weight.shape[1])
         cb = torch.empty(weight.shape, dtype=torch.int8)
         scb = torch.empty(weight.shape[0], dtype=torch.float32)
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
-            rows_fp16 = weight[r:r + rows].contiguous().to(torch.float16)
+            rows_fp16 = weight[r:r + rows].contiguous().to(dtype).to(torch.float16)
             cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(rows_fp16)
         module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
         release_freed_memory()  # quantizing leaves freed buffers in heap holes
         return
     w = module.weight  # the meta Params4bit carries the settings
-    packed, state = _quantize_4bit_cpu(F, weight, four_bit_settings(module))
+    packed, state = _quantize_4bit_cpu(F, weight, four_bit_settings(module), dtype)
     module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=w.blocksize,
                                       compress_statistics=w.compress_statistics, quant_type=w.quant_type,
                                       quant_storage=w.quant_storage, module=module, bnb_quantized=True)
@@ -185,23 +190,25 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor) -> None:
     release_freed_memory()  # quantizing leaves freed buffers in heap holes
 
 
-def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict) -> tuple[torch.Tensor, object]:
-    """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`, in
-    chunks (see _CPU_CHUNK)."""
+def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict,
+                       dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, object]:
+    """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`
+    converted to `dtype` (default: its own), in chunks (see _CPU_CHUNK)."""
+    dtype = dtype or weight.dtype
     flat = weight.contiguous().reshape(-1)
     n, bs, quant_type = flat.numel(), settings["blocksize"], settings["quant_type"]
     step = max(1, _CPU_CHUNK // bs) * bs
     packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
     absmax = torch.empty(-(n // -bs), dtype=torch.float32)
     for start in range(0, n, step):
-        q, state = F.quantize_4bit(flat[start:start + step], blocksize=bs, compress_statistics=False,
+        q, state = F.quantize_4bit(flat[start:start + step].to(dtype), blocksize=bs, compress_statistics=False,
                                    quant_type=quant_type, quant_storage=torch.uint8)
         packed[start // 2:start // 2 + q.shape[0]] = q
         absmax[start // bs:start // bs + state.absmax.numel()] = state.absmax
         del q
     if settings["quant_storage"] != torch.uint8:
         packed = packed.view(-1).view(settings["quant_storage"]).unsqueeze(1)
-    kw = dict(shape=weight.shape, dtype=weight.dtype, blocksize=bs, code=state.code, quant_type=quant_type)
+    kw = dict(shape=weight.shape, dtype=dtype, blocksize=bs, code=state.code, quant_type=quant_type)
     if settings["compress_statistics"]:  # as bitsandbytes.functional.quantize_4bit does it
         offset = absmax.mean()
         qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
@@ -282,6 +289,45 @@ def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quanti
     return swapped
 
 
+class TiedEmbedding4bit(nn.Module):
+    """A tied model's input embedding read from its 4-bit output layer, for generation: the rows of the tokens asked
+    for are dequantized when asked for (bitsandbytes' own dequantization of those blocks), so no dense copy of the
+    vocabulary x hidden matrix stays in memory (113 MB in fp32 for 49152 x 576). The values are the 4-bit head's,
+    the same rounding the output layer already has. Needs whole blocks per row (`fits`); the head must keep
+    bitsandbytes' plain layout (`enable_cpu_inference_packing` leaves it alone)."""
+
+    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        bnb = _bnb()
+        self._head = [head]  # not a submodule: the head stays where it is, once
+        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+        state = head.weight.quant_state
+        absmax = state.absmax
+        if state.nested:  # double quantization: the block scales are 8-bit themselves; undone once, for every row
+            absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        self.register_buffer("absmax", absmax.float().view(self.num_embeddings, -1), persistent=False)
+        head.feeds_embedding = True
+
+    @staticmethod
+    def fits(head: nn.Module) -> bool:
+        bnb = _bnb()
+        return (type(head) is not bnb.nn.Linear8bitLt and isinstance(head, bnb.nn.Linear4bit)
+                and head.in_features % head.weight.blocksize == 0)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        bnb = _bnb()
+        head = self._head[0]
+        state = head.weight.quant_state
+        packed = head.weight.data.view(torch.uint8).view(self.num_embeddings, self.embedding_dim // 2)
+        rows = nn.functional.embedding(idx, packed)  # [..., C/2] packed bytes of the asked-for rows
+        scales = nn.functional.embedding(idx, self.absmax)  # [..., C/blocksize]
+        rows_state = bnb.functional.QuantState(absmax=scales.reshape(-1), shape=torch.Size((*idx.shape,
+                                                                                             self.embedding_dim)),
+                                               code=state.code, blocksize=state.blocksize,
+                                               quant_type=state.quant_type, dtype=self.dtype)
+        return bnb.functional.dequantize_4bit(rows.reshape(-1, 1), rows_state)
+
+
 def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
     """Let (or forbid) bitsandbytes repack 4-bit weights into its fast CPU inference layout.
 
@@ -294,7 +340,8 @@ def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
-            ok = enable and has_avx512bf16() and m.in_features % 64 == 0
+            # (a head that also serves the embedding rows must keep the layout TiedEmbedding4bit reads)
+            ok = enable and has_avx512bf16() and m.in_features % 64 == 0 and not getattr(m, "feeds_embedding", False)
             m.support_avx512bf16_for_cpu = ok
             n += ok
     return n

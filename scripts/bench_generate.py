@@ -12,10 +12,11 @@ read after loading and generating, before the prefill timing (--json_out also re
 Settings:
   none                  dense weights
   bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8
-                        our model loaded as generate/*.py loads it: 4-bit layers on the decode kernel of
-                        lit_qlora/decode4bit.py (`inference.fast_cpu_4bit_decoding`)
-  <mode>:nokernel       the same without the kernel: bitsandbytes dequantizes every weight per call (its packed
-                        layout where the CPU has AVX512-BF16): what generation did before the kernel
+                        our model loaded as generate/*.py loads it with --quantize_lm_head true: 4-bit layers
+                        on the decode kernel of lit_qlora/decode4bit.py (`inference.fast_cpu_4bit_decoding`);
+                        the output layer 4-bit, for a tied model the embedding read from it (TiedEmbedding4bit)
+  <mode>:nokernel       the same without the kernel, and with a dense embedding: bitsandbytes dequantizes every
+                        weight per call (its packed layout where the CPU has AVX512-BF16): generation before both
   <mode>:densehead      the output layer is not quantized (for a tied model: shared with the dense embedding)
   hf.nf4, hf.nf4-dq     Hugging Face transformers + bitsandbytes (`BitsAndBytesConfig`), from the same weights
                         exported to a transformers folder; transformers keeps its output layer dense
@@ -85,8 +86,8 @@ def child_ours(folder: str, setting: str, precision: str, new_tokens: int, promp
     quantize, _, flag = setting.partition(":")
     quantize = None if quantize == "none" else quantize
     t0 = time.perf_counter()
-    model = load_model(Path(folder), precision=precision, quantize=quantize,
-                       quantize_lm_head=flag != "densehead").eval()
+    model = load_model(Path(folder), precision=precision, quantize=quantize, quantize_lm_head=flag != "densehead",
+                       embedding_from_head=flag != "nokernel").eval()  # as generate/*.py load (but "before")
     load_s = time.perf_counter() - t0
     on_kernel = fast_cpu_4bit_decoding(model) if quantize and flag != "nokernel" else 0
     vocab = model.config.vocab_size

@@ -207,3 +207,20 @@ def test_bf16_training_runs_no_bf16_matmul_on_a_cpu_without_native_bf16(lora_tie
     for name, g in grads.items():
         ref = grads_native[name]
         assert (g - ref).norm() <= 0.05 * ref.norm(), name
+
+
+def test_large_weights_are_converted_a_chunk_at_a_time(monkeypatch):
+    """A large output layer is never converted to fp32 whole (49152 x 576 would be a 113 MB temporary): the result
+    is the same fp32 product, rounded once, gradients included."""
+    x, w = randn(2, 24, 64, seed=0).requires_grad_(), randn(300, 64, seed=1).requires_grad_()
+    g = randn(2, 24, 300, seed=2)
+    with cpu_half.forced(True):
+        y = cpu_half.linear(x, w)
+        whole = [y.detach(), *torch.autograd.grad(y, (x, w), g)]
+        monkeypatch.setattr(cpu_half, "FP32_CHUNK", 64 * 7)  # 7 rows at a time, a ragged last chunk
+        y = cpu_half.linear(x, w)
+        chunked = [y.detach(), *torch.autograd.grad(y, (x, w), g)]
+    for a, b in zip(whole, chunked):
+        assert a.dtype == b.dtype == BF16
+        assert ((a.float() - b.float()).abs() <= 2**-7 * a.float().abs() + 1e-6).all()
+    assert torch.equal(chunked[0], F.linear(x.detach().float(), w.detach().float()).to(BF16))

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lit_qlora.quantize import make_quantized_linear, quantize_into, quiet_bnb_import
+from lit_qlora.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
@@ -299,6 +299,9 @@ def dense_from_bnb(folder, quantized: nn.Module, precision: str) -> nn.Module:
 
     dense = load_model(folder, precision=precision).eval()
     dtype = parse_precision(precision).dtype
+    if isinstance(quantized.transformer.wte, TiedEmbedding4bit):  # the embedding is the 4-bit head's too
+        w = nn.Parameter(bnb_weight(quantized.lm_head).to(dtype), requires_grad=False)
+        dense.transformer.wte.weight = dense.lm_head.weight = w
     for name, m in quantized.named_modules():
         if isinstance(m, bnb.nn.Linear4bit):
             w = bnb_weight(m)
@@ -364,6 +367,38 @@ def test_greedy_tokens_match_dense_model_of_bnb_weights(family_ckpts, kind, mode
     assert calls, "the kernel was not used"
     got = teacher_forced_logits(model, seq)
     assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_tied_embedding_is_read_from_the_4bit_head(family_ckpts, kind, mode, monkeypatch):
+    """A tied model with a 4-bit output layer, loaded as generate/*.py loads it: no dense vocabulary x hidden matrix
+    anywhere, embedding rows equal to bitsandbytes' dequantization of the head's rows, and greedy generation equal
+    to the dense model whose embedding and head both hold those dequantized weights."""
+    from itertools import chain
+
+    from lit_qlora.generation import generate
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.loader import load_model
+
+    folder = family_ckpts(kind)
+    model = load_model(folder, precision="32-true", quantize=mode, quantize_lm_head=True,
+                       embedding_from_head=True).eval()
+    c = model.config
+    assert c.tie_embeddings and isinstance(model.transformer.wte, TiedEmbedding4bit)
+    assert not any(t.shape == (c.vocab_size, c.n_embd) for t in chain(model.parameters(), model.buffers()))
+    idx = torch.randint(0, c.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.transformer.wte(idx), nn.functional.embedding(idx, bnb_weight(model.lm_head)))
+
+    assert fast_cpu_4bit_decoding(model) > 0
+    _, seq, want = exact_reference(folder, model)
+    assert generate(model, seq[:PROMPT_LEN], max_new_tokens=NEW_TOKENS).tolist() == seq.tolist()
+    got = teacher_forced_logits(model, seq)
+    assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all()
+    # without the head quantized, or while training (LoRA layers), the embedding stays dense and tied
+    dense_head = load_model(folder, precision="32-true", quantize=mode, embedding_from_head=True)
+    assert dense_head.lm_head.weight is dense_head.transformer.wte.weight
 
 
 @needs_kernel

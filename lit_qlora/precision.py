@@ -92,7 +92,8 @@ def resolve_precision(precision: str, device_type: str) -> tuple[str, str]:
         return "16-mixed", "auto: this GPU has no bf16, so fp16 with loss scaling"
     if cpu_has_native_bf16():
         return "bf16-true", "auto: this CPU has native bf16 (AVX512-BF16/AMX)"
-    return "32-true", "auto: this CPU has no native bf16 (no AVX512-BF16/AMX), where fp32 is several times faster"
+    return "32-true", ("auto: this CPU has no native bf16 (no AVX512-BF16/AMX): fp32 is the fastest here, "
+                       "bf16-true the smaller")
 
 
 def slow_precision_warning(precision: str, device_type: str) -> Optional[str]:

@@ -88,13 +88,8 @@ class GPT(nn.Module):
             dim = 1
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
-            return [self._head(xc) for xc in x.split(lm_head_chunk, dim=dim)]
-        return self._head(x)  # [B, T, V] (or [N, V])
-
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.lm_head) is nn.Linear:  # dense: cpu_half picks the kernel for 16-bit inputs on CPU
-            return cpu_half.linear(x, self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head(x)
+            return [linear(self.lm_head, xc) for xc in x.split(lm_head_chunk, dim=dim)]
+        return linear(self.lm_head, x)  # [B, T, V] (or [N, V])
 
     def compile_blocks(self) -> None:
         """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
@@ -158,7 +153,7 @@ class CausalSelfAttention(nn.Module):
                 cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int) -> torch.Tensor:
         c = self.config
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(c.qkv_sizes, dim=-1)
+        q, k, v = linear(self.qkv, x).split(c.qkv_sizes, dim=-1)
         q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # [B, H, T, hs]
         k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
         v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
@@ -183,7 +178,15 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
                                                enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
-        return self.proj(y)
+        return linear(self.proj, y)
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x), with a plain dense nn.Linear through cpu_half.linear: fp32 kernels for 16-bit inputs on a CPU
+    without native 16-bit matmuls (LoRA and 4-bit layers choose the same way in their own forward)."""
+    if type(module) is nn.Linear:
+        return cpu_half.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def packed_attention_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -246,7 +249,7 @@ class GptNeoxMLP(nn.Module):
         self.activation = config.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(activate(self.fc(x), self.activation))
+        return linear(self.proj, activate(linear(self.fc, x), self.activation))
 
 
 class LLaMAMLP(nn.Module):
@@ -260,7 +263,7 @@ class LLaMAMLP(nn.Module):
         self.activation = config.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(gated_activation(self.fc_1(x), self.fc_2(x), self.activation))
+        return linear(self.proj, gated_activation(linear(self.fc_1, x), linear(self.fc_2, x), self.activation))
 
 
 def activate(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -192,11 +192,13 @@ def training_step(folder, quantize, lora):
     return loss.item(), grads, seen
 
 
-@pytest.mark.parametrize("quantize, head, dropout", [(None, False, 0.1), ("bnb.nf4", True, 0.0)],
-                         ids=["dense-plain-head-dropout", "nf4-lora-head"])
-def test_bf16_training_runs_no_bf16_matmul_on_a_cpu_without_native_bf16(lora_tied, monkeypatch, quantize, head,
+@pytest.mark.parametrize("quantize, targets, dropout",
+                         [(None, dict(query=True, value=True), 0.1), ("bnb.nf4", {}, 0.0)],
+                         ids=["dense-qv-dropout", "nf4-all-and-head"])
+def test_bf16_training_runs_no_bf16_matmul_on_a_cpu_without_native_bf16(lora_tied, monkeypatch, quantize, targets,
                                                                          dropout):
-    lora = dataclasses.replace(lora_cfg(), head=head, dropout=dropout)
+    """Dense: LoRA on q and v only, so the projection, the MLP and the output layer are plain Linear layers."""
+    lora = dataclasses.replace(lora_cfg(**targets), dropout=dropout)
     monkeypatch.setattr(cpu_half.precision, "cpu_flags", lambda: {"avx2"})
     loss, grads, seen = training_step(lora_tied.folder, quantize, lora)
     assert seen.half == [] and seen.fp32 > 30

@@ -158,10 +158,13 @@ def _sdpa32(q, k, v, mask, is_causal, scale, enable_gqa):
                                           enable_gqa=enable_gqa)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
-              scale: float, enable_gqa: bool) -> torch.Tensor:
-    """F.scaled_dot_product_attention (q [B, H, T, hs]), by fp32 kernels for `emulated` 16-bit queries of
-    MIN_ATTENTION_LENGTH or more positions."""
-    if emulated(q) and (_forced is not None or q.size(-2) >= MIN_ATTENTION_LENGTH):
-        return _Attention.apply(q, k, v, mask, is_causal, scale, enable_gqa)
-    return _sdpa32(q, k, v, mask, is_causal, scale, enable_gqa)
+def attention_in_fp32(q: torch.Tensor) -> bool:
+    """Whether attention for queries q [B, H, T, hs] runs by fp32 kernels (`attention32`): `emulated` 16-bit
+    queries of MIN_ATTENTION_LENGTH or more positions."""
+    return emulated(q) and (_forced is not None or q.size(-2) >= MIN_ATTENTION_LENGTH)
+
+
+def attention32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
+                scale: float, enable_gqa: bool) -> torch.Tensor:
+    """F.scaled_dot_product_attention of 16-bit q, k, v by fp32 kernels, the result in q's dtype."""
+    return _Attention.apply(q, k, v, mask, is_causal, scale, enable_gqa)

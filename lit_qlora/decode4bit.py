@@ -273,9 +273,9 @@ def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     113 MB fp32 temporary in every prefill (and was slower, tutorials/quantize.md)."""
     k, n = module.in_features, module.out_features
     dtype = module.compute_dtype or x.dtype
-    if cpu_half.in_fp32(x.to(dtype), n):  # a 16-bit prefill on a CPU without native 16-bit matmuls
-        dtype = torch.float32
     xin = x.to(dtype)
+    if cpu_half.in_fp32(xin, n):  # a 16-bit prefill on a CPU without native 16-bit matmuls
+        dtype, xin = torch.float32, xin.float()
     bias = module.bias.to(dtype) if module.bias is not None else None
     bs = module.weight.quant_state.blocksize
     align = bs // math.gcd(k, bs)  # chunks start on block boundaries

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from lit_qlora import cpu_half
 from lit_qlora.config import Config
-from lit_qlora.model import GPT
+from lit_qlora.model import GPT, linear
 from lit_qlora.utils import UserError
 
 
@@ -62,10 +62,7 @@ class LoRALinear(nn.Module):
         init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.base) is nn.Linear:  # a dense base: cpu_half picks the kernel for 16-bit inputs on CPU
-            y = cpu_half.linear(x, self.base.weight, self.base.bias)
-        else:
-            y = self.base(x)
+        y = linear(self.base, x)
         p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
         if p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
             ax = _DropoutMatmul.apply(x, self.lora_A, p)  # [B, T, n*r], one matmul for all parts

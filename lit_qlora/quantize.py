@@ -311,8 +311,7 @@ class TiedEmbedding4bit(nn.Module):
     @staticmethod
     def fits(head: nn.Module) -> bool:
         bnb = _bnb()
-        return (type(head) is not bnb.nn.Linear8bitLt and isinstance(head, bnb.nn.Linear4bit)
-                and head.in_features % head.weight.blocksize == 0)
+        return isinstance(head, bnb.nn.Linear4bit) and head.in_features % head.weight.blocksize == 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         bnb = _bnb()

@@ -85,12 +85,14 @@ def test_attention_is_the_fp32_attention_rounded_once(masked):
         y = fn(*(t.to(dtype) for t in (q, k, v)), mask, not masked, 0.25, True)
         return [y.detach(), *torch.autograd.grad(y, (q, k, v), g.to(dtype))]
 
-    with cpu_half.forced(True):
-        ours = run(cpu_half.attention, BF16)
-    with cpu_half.forced(False):
-        native = run(cpu_half.attention, BF16)
-    fp32 = run(cpu_half.attention, torch.float32)
-    truth = run(cpu_half.attention, torch.float64)
+    def sdpa(q, k, v, mask, is_causal, scale, gqa):  # torch's own kernels, in the inputs' dtype
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+
+    ours = run(cpu_half.attention32, BF16)
+    native = run(sdpa, BF16)
+    fp32 = run(sdpa, torch.float32)
+    truth = run(sdpa, torch.float64)
     assert torch.equal(ours[0], fp32[0].to(BF16))
     for o, n, t in zip(ours, native, truth):
         assert o.dtype == BF16
@@ -138,8 +140,11 @@ def test_small_matmuls_keep_the_16_bit_kernel(monkeypatch):
     assert not cpu_half.in_fp32(randn(1, 1, 576, seed=1), w.size(0))
     assert cpu_half.in_fp32(randn(4, 64, 576, seed=1), w.size(0))
     assert not cpu_half.in_fp32(randn(4, 64, 576, seed=1, dtype=torch.float32), w.size(0))  # fp32 is fp32
+    q = randn(1, 9, 16, 64, seed=2)  # attention from MIN_ATTENTION_LENGTH queries on
+    assert cpu_half.attention_in_fp32(q) and not cpu_half.attention_in_fp32(q[:, :, :1])
     monkeypatch.setattr(cpu_half, "native", lambda dtype: True)
     assert not cpu_half.in_fp32(randn(4, 64, 576, seed=1), w.size(0))
+    assert not cpu_half.attention_in_fp32(q)
 
 
 # ---- 2 and 3. a whole bf16-true training step ---------------------------------------------------------

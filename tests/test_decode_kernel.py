@@ -520,3 +520,20 @@ def test_compiled_kernel_is_cached(monkeypatch, tmp_path):
         assert d.kernel("portable") is not None  # from the cache
     finally:
         d.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+def test_bf16_prefill_uses_fp32_kernels_without_native_bf16(mode):
+    """A prefill through the dense path (`dequantized_linear`) on a CPU without native bf16 (forced here): the weight
+    dequantized to fp32 times the bf16 input, rounded once; with bf16 kernels, the bf16 weight instead."""
+    from lit_qlora import cpu_half
+
+    layer = quantized_layer(mode, 96, 128, dtype=torch.bfloat16)
+    x = torch.randn(1, 24, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad(), cpu_half.forced(True):
+        y = d.dequantized_linear(layer, x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (x.float() @ bnb_weight(layer).T).to(torch.bfloat16))
+    with torch.no_grad(), cpu_half.forced(False):
+        y16 = d.dequantized_linear(layer, x)
+    assert not torch.equal(y16, y)  # the test can tell the kernels apart

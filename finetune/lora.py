@@ -30,7 +30,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lit_qlora import demo
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.batching import BatchStream, collate, count_packed_batches
+from lit_qlora.batching import BatchStream, collate, count_packed_batches, unpad
 from lit_qlora.chat_template import stop_ids
 from lit_qlora.convert import ensure_converted
 from lit_qlora.distributed import (
@@ -134,7 +134,8 @@ class Session:
     losses: list = field(default_factory=list)
     iter_times: list = field(default_factory=list)
     iter_tokens: list = field(default_factory=list)
-    computed_tokens: int = 0  # tokens the model ran on, padding included (all devices)
+    computed_tokens: int = 0  # tokens the model ran on (all devices): the real ones, padding is dropped (unpad)
+    row_slots: int = 0  # rows x row length of the batches as collated, padding included (all devices)
     skipped: int = 0  # steps skipped for a non-finite loss (--nan_policy skip)
     overflow_skips: int = 0  # updates the fp16 GradScaler skipped
     overflows_in_a_row: int = 0
@@ -395,6 +396,8 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
     n_tok = fabric.all_reduce(n_tok, reduce_op="sum") if world > 1 else n_tok
     loss_sum = torch.zeros((), device=fabric.device)
     for j, (batch, tgt) in enumerate(zip(micro, targets)):
+        s.row_slots += batch["input_ids"].numel() * world
+        batch, tgt = unpad(batch, tgt)  # why: see unpad(); the padding would cost as much as real tokens
         with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
             loss = _batch_loss(s, batch, tgt)
             fabric.backward(loss * world / n_tok.clamp(min=1))
@@ -563,6 +566,7 @@ def summarize(s: Session) -> None:
                    final_train_loss=s.losses[-1] if s.losses else None, final_val_loss=s.val_loss,
                    skipped_steps=s.skipped, fp16_overflow_skips=s.overflow_skips, packing=s.args.data.packing,
                    real_token_share=sum(s.iter_tokens) / s.computed_tokens if s.computed_tokens else None,
+                   row_fill=sum(s.iter_tokens) / s.row_slots if s.row_slots else None,
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
                    trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
                    quantized_bytes=r["quantized_bytes"],

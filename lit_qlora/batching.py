@@ -54,6 +54,25 @@ def collate_packed(rows: list[list[dict[str, Tensor]]], pad_id: int = 0, ignore_
     return {"input_ids": input_ids, "labels": labels, "lengths": lengths, "positions": positions, "segments": segments}
 
 
+def unpad(batch: dict[str, Tensor], targets: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """The same samples without their padding: one row holding each row's real tokens (its `lengths`) end to end,
+    with `positions` and `segments` that keep every sample's attention and positions as they were (GPT.forward), and
+    the targets to match. The samples' losses and gradients are those of the padded batch; only the padding's
+    computation is gone. Packed rows (with `segments`) keep their samples apart the same way."""
+    rows, width = batch["input_ids"].shape
+    lengths = batch["lengths"].tolist()
+    if rows == 1 and lengths[0] == width and "segments" in batch:
+        return batch, targets
+    keep = torch.arange(width)[None, :] < batch["lengths"][:, None]  # [B, T], real tokens
+    positions = batch.get("positions", torch.arange(width).expand(rows, width))
+    # sample numbers unique across rows, so two rows' samples never meet
+    segments = batch.get("segments", torch.zeros(rows, width, dtype=torch.long)) + torch.arange(rows)[:, None] * width
+    out = {k: t[keep][None] for k, t in (("input_ids", batch["input_ids"]), ("labels", batch["labels"]),
+                                         ("positions", positions), ("segments", segments))}
+    out["lengths"] = torch.tensor([sum(lengths)])
+    return out, targets[keep][None]
+
+
 PACKING_WINDOW = 16  # batches' worth of samples packed together (first fit decreasing)
 
 

@@ -59,9 +59,17 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        spans = None
         if segments is not None:
             cos, sin = (t.unsqueeze(1) for t in self.rope_cache(positions))  # [B, 1, T, n]: broadcast over heads
-            mask, kv_len = packed_attention_mask(segments, positions, self.config.sliding_window_size), T
+            mask, kv_len = None, T
+            spans = sample_spans(segments)
+            window = self.config.sliding_window_size
+            compiled = self.compiled_blocks is not None and self.training and torch.is_grad_enabled()
+            if compiled or (window is not None and max(n for row in spans for n, _ in row) > window):
+                # one mask for the whole batch: a compiled graph would be specialized on every batch's sample
+                # lengths, and a sample longer than the sliding window needs the window's mask anyway
+                mask, spans = packed_attention_mask(segments, positions, window), None
         else:
             if input_pos is not None and self.kv_caches is None:
                 raise RuntimeError("call set_kv_cache() before passing input_pos")
@@ -75,10 +83,10 @@ class GPT(nn.Module):
             if training and self.compiled_blocks is not None:
                 block = self.compiled_blocks[i]
             if self.activation_checkpointing and training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len,
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, input_pos, cache, mask, kv_len, spans,
                                                       use_reentrant=False)
             else:
-                x = block(x, cos, sin, input_pos, cache, mask, kv_len)
+                x = block(x, cos, sin, input_pos, cache, mask, kv_len, spans)
         x = self.transformer.ln_f(x)
         if output_mask is not None:
             # Why: prompt and padding positions have no target. Skipping them in the output layer saves its matmuls
@@ -132,9 +140,10 @@ class Block(nn.Module):
         self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
-                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int) -> torch.Tensor:
+                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
+                spans: Optional[list] = None) -> torch.Tensor:
         h = self.norm_1(x)
-        attn_out = self.attn(h, cos, sin, input_pos, cache, mask, kv_len)
+        attn_out = self.attn(h, cos, sin, input_pos, cache, mask, kv_len, spans)
         if self.config.parallel_residual:
             mlp_in = h if self.norm_2 is None else self.norm_2(x)
             return x + attn_out + self.mlp(mlp_in)
@@ -150,7 +159,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
-                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int) -> torch.Tensor:
+                cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
+                spans: Optional[list] = None) -> torch.Tensor:
+        """`spans` (packed samples, `sample_spans`): each sample attends causally to itself alone, one attention
+        call per sample, instead of a [T, T] mask over the whole row."""
         c = self.config
         B, T, _ = x.shape
         q, k, v = linear(self.qkv, x).split(c.qkv_sizes, dim=-1)
@@ -162,23 +174,43 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # [B, G, max_seq_length, hs]
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]  # [B, G, L, hs]: only positions written so far
+        if spans is None:
+            y = self.attend(q, k, v, mask, cache is not None)
+        else:
+            # Why per sample: a [T, T] mask makes the kernel compute every pair of the row (a sample's tokens against
+            # all others, then masked), while causal calls skip what lies above the diagonal: with 4 samples in a
+            # row that is about 1/8 of the work. Padding (at a row's end) attends to nothing: zeros, never a target.
+            rows = []
+            for qr, kr, vr, row in zip(q, k, v, spans):
+                lengths = [n for n, _ in row]
+                rows.append(torch.cat([
+                    qs.new_zeros(qs.shape).unsqueeze(0) if pad
+                    else self.attend(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), None, False)
+                    for qs, ks, vs, (_, pad) in zip(qr.split(lengths, 1), kr.split(lengths, 1), vr.split(lengths, 1),
+                                                    row)], dim=2))
+            y = torch.cat(rows) if len(rows) > 1 else rows[0]  # [B, H, T, hs]
+        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
+        return linear(self.proj, y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               cached: bool) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hs) + mask) v, causal where there is no mask and more than one query; q [B, H, T, hs],
+        k and v [B, G, L, hs]. Picks the fastest kernel for the dtype and device."""
+        c, T = self.config, q.size(-2)
         # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
         gqa = c.n_query_groups != c.n_head
         scale = 1.0 / math.sqrt(c.head_size)
         if cpu_half.attention_in_fp32(q):
             # a 16-bit CPU tensor without native 16-bit matmuls: fp32 kernels are several times faster
-            y = cpu_half.attention32(q, k, v, mask, mask is None and T > 1, scale, gqa)
-        elif mask is None and cache is None and T > 1 and cpu_attention.usable(q, k, v):
+            return cpu_half.attention32(q, k, v, mask, mask is None and T > 1, scale, gqa)
+        if mask is None and not cached and T > 1 and cpu_attention.usable(q, k, v):
             if gqa:
                 rep = c.n_head // c.n_query_groups
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, H, L, hs]
-            y = cpu_attention.causal_attention(q, k, v, scale)  # same result, faster backward on CPU
-        else:
-            # enable_gqa: the keys and values stay at G heads, not copied to H: less to save for backward, faster
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
-                                               enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
-        return linear(self.proj, y)
+            return cpu_attention.causal_attention(q, k, v, scale)  # same result, faster backward on CPU
+        # enable_gqa: the keys and values stay at G heads, not copied to H: less to save for backward, faster
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                              enable_gqa=gqa)
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +219,16 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is nn.Linear:
         return cpu_half.linear(x, module.weight, module.bias)
     return module(x)
+
+
+def sample_spans(segments: torch.Tensor) -> list[list[tuple[int, bool]]]:
+    """For rows of packed samples (`segments` [B, T], -1 for padding): per row, the (length, is_padding) of each run
+    of one sample, in order."""
+    spans = []
+    for row in segments.cpu():
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        spans.append([(n, i < 0) for i, n in zip(ids.tolist(), counts.tolist())])
+    return spans
 
 
 def packed_attention_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:

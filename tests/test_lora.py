@@ -20,6 +20,7 @@
 import pytest
 import torch
 from helpers import VOCAB, lora_cfg, random_tokens, randomize_lora, run_script_here
+from torch import nn
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.loader import load_model
@@ -64,11 +65,32 @@ def test_lora_dropout_function_equals_autograd_with_the_same_mask(p):
     torch.manual_seed(3)
     y = _DropoutMatmul.apply(x, A, p)
     torch.manual_seed(3)
-    keep = torch.rand(x.shape) >= p
+    keep = torch.empty(x.shape, dtype=torch.int32).random_() >= round(p * 2**31)  # the same draws
     x2, A2 = x.detach().clone().requires_grad_(), A.detach().clone().requires_grad_()
     y2 = (x2 * keep / (1 - p)) @ A2.T
     assert_same_output_and_grads(y, y2, [(x, x2), (A, A2)])
-    assert abs(float(keep.float().mean()) - (1 - p)) < 0.1
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.5])
+def test_lora_dropout_mask_is_nn_dropouts_distribution(p):
+    """The mask drawn as 31-bit integers drops a share p of the elements (within 5 standard deviations over 2M
+    draws, like nn.Dropout's), independently: the dropped share of one half of the elements does not depend on the
+    other half, and the output keeps its mean (scaled by 1 / (1 - p))."""
+    n = 2_000_000
+    x = torch.ones(n, 1)
+    A = torch.ones(1, 1)
+    torch.manual_seed(5)
+    y = _DropoutMatmul.apply(x, A, p)[:, 0]
+    kept = y != 0
+    sd = (p * (1 - p) / n) ** 0.5
+    assert abs(float(kept.float().mean()) - (1 - p)) < 5 * sd
+    assert abs(float(y.mean()) - 1.0) < 5 * sd / (1 - p)
+    even, odd = kept[0::2], kept[1::2]  # neighbours (e.g. two halves of one 64-bit draw) must be independent
+    both = float((even & odd).float().mean())
+    assert abs(both - (1 - p) ** 2) < 5 * (2 * sd)
+    torch.manual_seed(5)
+    ref = nn.Dropout(p).train()(x)[:, 0] != 0
+    assert abs(float(ref.float().mean()) - float(kept.float().mean())) < 10 * sd
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])

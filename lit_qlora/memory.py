@@ -14,7 +14,7 @@ mirrors what actually exists during training:
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
-  `_block_saved`), the logits the training loop holds plus the fp32 log-probabilities the loss saves, and the
+  `_block_saved`), the logits the training loop holds (the loss saves them, plus a log-sum-exp per position), and the
   largest temporary alive at the peak (the loss gradients of one logits chunk, a dequantized 4-bit/int8 weight,
   the gradients inside one block's backward).
 
@@ -194,7 +194,7 @@ def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
     return ([] if input_shared else [N * C * d.r]) + [N * d.r, N * d.r]  # LayerNorm: input, mean, rstd
 
 
-def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
+def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
                   quantize: Optional[str], in_bytes: int, saved_inputs: set, input_name: str,
                   int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
     """What a (LoRA-wrapped, maybe quantized) Linear saves for backward, and whether its output needs grad.
@@ -228,6 +228,8 @@ def _linear_saved(name: str, in_f: int, grad_in: bool, d: _Dims, targets: dict, 
         s.append(N * in_f * d.a)  # the input itself (shared with other layers reading it)
         saved_inputs.add(input_name)
     s.append(N * n_parts * lora.r * d.a)  # x @ A, kept for B's gradient
+    if not d.mixed:  # (under autocast: its low-precision copy, as the LoRA weights' copies in the tail)
+        s.append(out_f * n_parts * lora.r * d.a)  # B stacked and scaled (LoRALinear.forward), kept for x @ A's grad
     return s, True
 
 
@@ -239,7 +241,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
     N, C, H, G, hs, F = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
     seen: set = set()  # tensors saved already (several layers reading the same input)
     s = _norm_saved(c, d) if grad_in else []  # norm_1
-    s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, grad_in, d, targets, lora, quantize, d.r, seen, "h1", int8_inputs)
+    s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, sum(c.qkv_sizes), grad_in, d, targets, lora, quantize, d.r, seen,
+                                 "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
         # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
@@ -254,7 +257,7 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
             s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
             s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
             seen.add("y")  # the projection's input is a view of the attention output saved here
-    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
+    s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, C, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
     s += s_proj
     if c.parallel_residual:
@@ -266,17 +269,17 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims,
         if g_mlp_in:
             s += _norm_saved(c, d)  # norm_2
     if c.mlp_class == "LLaMAMLP":
-        s1, g1 = _linear_saved(p + "mlp.fc_1", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
-        s2, g2 = _linear_saved(p + "mlp.fc_2", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
+        s1, g1 = _linear_saved(p + "mlp.fc_1", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
+        s2, g2 = _linear_saved(p + "mlp.fc_2", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s += s1 + s2
         if g1 or g2:  # model._GatedActivation: fc_1's and fc_2's outputs (act(fc_1) is recomputed in backward)
             s += [N * F * d.a, N * F * d.a]
         g_hidden = g1 or g2
     else:
-        s1, g_hidden = _linear_saved(p + "mlp.fc", C, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2",
+        s1, g_hidden = _linear_saved(p + "mlp.fc", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2",
                                      int8_inputs)
         s += s1 + ([N * F * d.a] if g_hidden else [])  # the activation's input
-    s_p, g_mlp = _linear_saved(p + "mlp.proj", F, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
+    s_p, g_mlp = _linear_saved(p + "mlp.proj", F, C, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
     return s + s_p, grad_in or g_attn or g_mlp
 
 
@@ -385,7 +388,7 @@ def estimate_training_memory(
     churn = max((out_f * in_f * a for _, out_f, in_f in w["quantized_shapes"]
                  if out_f * in_f * a < GLIBC_MMAP_THRESHOLD_MAX), default=0)
     peak = max(phases, key=lambda ph: ph.total)
-    parts = {**static, "activations saved": sum(peak.saved), "logits (+ grads/log-probs)": sum(peak.held),
+    parts = {**static, "activations saved": sum(peak.saved), "logits (+ loss gradient)": sum(peak.held),
              "temporaries": sum(peak.temps)}
     if device_type == "cpu":
         parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
@@ -405,7 +408,7 @@ def estimate_training_memory(
     settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
                     lora_targets=lora.targets(), shard_world=shard_world)
-    extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.log_probs), logits=sum(act.logits),
+    extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.logits) + sum(act.loss_saved), logits=sum(act.logits),
                  optimizer_state=static["optimizer state"],
                  live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max,
                  rank_weight_bytes=static["quantized weights"] + static["dense weights"]
@@ -439,7 +442,7 @@ class _Activations:
     block_max: list[int]  # the largest block's saved tensors (recomputed one at a time under checkpointing)
     tail: list[int]  # ln_f, the head, rope tables, autocast's LoRA copies
     logits: list[int]  # the logits chunks the training loop holds
-    log_probs: list[int]  # the fp32 log-probabilities the loss saves
+    loss_saved: list[int]  # what the loss saves besides the logits: fp32 log-sum-exp and int64 targets per position
     chunk_tokens: int  # positions of one logits chunk, times the batch
 
 
@@ -455,12 +458,13 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[str]
         int8_kept += int8_inputs.values()
     targets = lora_targets(c, lora)
     tail = _norm_saved(c, d) if grad else []  # ln_f
-    head_saved, _ = _linear_saved("lm_head", c.n_embd, grad, d, targets, lora, head_quantize, d.r, set(), "hf")
+    head_saved, _ = _linear_saved("lm_head", c.n_embd, c.vocab_size, grad, d, targets, lora, head_quantize, d.r,
+                                  set(), "hf")
     tail += head_saved + [2 * d.T * c.rope_n_elem * d.r]  # + the rope cos/sin
     if prec.mixed:
         tail.append(n_lora * d.a)  # autocast's low-precision copies of the LoRA weights
     # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see
-    # training.head_chunk) through backward; the loss upcasts one chunk at a time and saves its fp32 log-probabilities.
+    # training.head_chunk) through backward; the loss saves them (not a copy) and one fp32 log-sum-exp per position.
     # Counted for every position: an upper bound, as training runs the output layer only where a target exists
     # (GPT(output_mask=...)), which prompt masking and packing make a fraction of the positions.
     V = c.vocab_size
@@ -469,8 +473,7 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[str]
     N_c = d.B * chunk_T
     # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
     saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
-    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [N_c * V * 4] * n_chunks + [d.N * 8],
-                        N_c)
+    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [d.N * 4, d.N * 8], N_c)
 
 
 @dataclass
@@ -489,7 +492,7 @@ class _Phase:
 def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], w: dict, act: _Activations,
                  activation_checkpointing: bool, validation: bool, device_type: str) -> list[_Phase]:
     """The candidate peaks of one step, in backward order. Backward first runs the loss of every chunk (the fp32
-    gradients of one chunk at a time, its log-probs still saved), then the head (the gradients of all logits), then
+    gradients of one chunk at a time), then the head (the gradients of all logits), then
     the blocks from the last one; validation runs the same micro batch without grad."""
     N, C, V, a, N_c = d.N, c.n_embd, c.vocab_size, d.a, act.chunk_tokens
     # A quantized layer computes with a dequantized copy of its weight. int8: bitsandbytes scales the int8 copy in
@@ -512,8 +515,8 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], 
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
     saved = act.saved_all
     phases = [
-        _Phase("loss backward", saved, act.logits + act.log_probs, [N_c * V * 4] * 2,
-               "loss gradients of one logits chunk (fp32)"),
+        _Phase("loss backward", saved, act.logits + act.loss_saved, [N_c * V * 4] + ([N_c * V * a] if a != 4 else []),
+               "loss gradients of one logits chunk (fp32, and in the logits' dtype)"),
         _Phase("head backward", saved, act.logits + [N * V * a], [N_c * C * a] + head_dq,
                head_note + " + the logits' gradients"),
     ]
@@ -547,7 +550,7 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
                                                              else "")
     else:
         saved_note = f"{c.n_layer} blocks, for backward"
-    held_extra = {"loss backward": " + fp32 log-probs", "head backward": " + their gradients"}.get(phase, "")
+    held_extra = {"loss backward": " + log-sum-exp", "head backward": " + their gradients"}.get(phase, "")
     return {
         "runtime": "Python, torch, Lightning, bitsandbytes: measured" if device_type == "cpu" else "CUDA workspaces",
         "quantized weights": (f"{w['quantized_params'] / 1e6:.1f}M params at {bits:.3f} bits"
@@ -557,7 +560,7 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
         "LoRA weights + grads": f"{n_lora / 1e6:.2f}M params, {t_bytes} bytes each, twice",
         "optimizer state": optimizer,
         "activations saved": saved_note,
-        "logits (+ grads/log-probs)": f"[{d.B}, {d.T}, {c.vocab_size}] held by the loop" + held_extra,
+        "logits (+ loss gradient)": f"[{d.B}, {d.T}, {c.vocab_size}] held by the loop" + held_extra,
         "temporaries": temp_note,
         "allocator slack": "glibc heap growth, ~ the small tensors of the peak",
         "gathered weights (fsdp)": "root unit (embeddings, norm, head) + two blocks, gathered for compute",

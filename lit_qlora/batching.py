@@ -61,7 +61,7 @@ def unpad(batch: dict[str, Tensor], targets: Tensor) -> tuple[dict[str, Tensor],
     computation is gone. Packed rows (with `segments`) keep their samples apart the same way."""
     rows, width = batch["input_ids"].shape
     lengths = batch["lengths"].tolist()
-    if rows == 1 and lengths[0] == width and "segments" in batch:
+    if rows == 1 and lengths[0] == width:  # nothing to drop
         return batch, targets
     keep = torch.arange(width)[None, :] < batch["lengths"][:, None]  # [B, T], real tokens
     positions = batch.get("positions", torch.arange(width).expand(rows, width))

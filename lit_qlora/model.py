@@ -59,14 +59,15 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        training = self.training and torch.is_grad_enabled()
         spans = None
         if segments is not None:
             cos, sin = (t.unsqueeze(1) for t in self.rope_cache(positions))  # [B, 1, T, n]: broadcast over heads
             mask, kv_len = None, T
             spans = sample_spans(segments)
             window = self.config.sliding_window_size
-            compiled = self.compiled_blocks is not None and self.training and torch.is_grad_enabled()
-            if compiled or (window is not None and max(n for row in spans for n, _ in row) > window):
+            longest = max(n for row in spans for n, _ in row)
+            if (training and self.compiled_blocks is not None) or (window is not None and longest > window):
                 # one mask for the whole batch: a compiled graph would be specialized on every batch's sample
                 # lengths, and a sample longer than the sliding window needs the window's mask anyway
                 mask, spans = packed_attention_mask(segments, positions, window), None
@@ -77,7 +78,6 @@ class GPT(nn.Module):
             cos, sin = self.rope_cache(positions)
             mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        training = self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             cache = self.kv_caches[i] if input_pos is not None else None
             if training and self.compiled_blocks is not None:

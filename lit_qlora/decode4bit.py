@@ -40,8 +40,7 @@ import torch.nn.functional as F
 from lit_qlora import cpu_half
 from lit_qlora.quantize import quiet_bnb_import
 
-quiet_bnb_import()
-import bitsandbytes as bnb  # noqa: E402
+bnb = quiet_bnb_import()
 
 SOURCE = Path(__file__).with_name("decode4bit.c")
 # Up to this many activation rows per call go through the kernel, more (prefill) through dequantize + one matmul.

@@ -16,13 +16,14 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors
+from lit_qlora.checkpoint import LIT_WEIGHTS, as_tensor, read_safetensors
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
 from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, meta_model
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
 from lit_qlora.quantize import (
+    StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
     is_quantized,
@@ -59,14 +60,15 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists.
 
     `embedding_from_head` (generation, never training): a tied model with a 4-bit output layer reads its input
-    embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept."""
+    embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept; an untied quantized
+    model computing in fp32 keeps its 16-bit embedding as stored (`StoredEmbedding`)."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
     config = config or ensure_converted(checkpoint_dir)
     if tensors is None:
         weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
-        tensors = read_safetensors(weights)
+        tensors = read_safetensors(weights, deferred=bool(quantize) and device.type == "cpu")
     else:
         weights = Path("<the given tensors>")  # only named in error messages
     model = meta_model(config, lora)
@@ -75,7 +77,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
 
     for key, t in tensors:
         if merge_adapter is not None:
-            t = merge_adapter.merged(key, t, torch.float32)  # rounded once, to the dtype or grid it is loaded into
+            # rounded once, to the dtype or grid it is loaded into
+            t = merge_adapter.merged(key, as_tensor(t), torch.float32)
         try:
             module, param = _owner(model, key)
         except AttributeError:
@@ -89,6 +92,12 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             head = model.lm_head.base if isinstance(model.lm_head, LoRALinear) else model.lm_head
             quantize_into(head, t, device, prec.dtype)  # the one copy: the head's 4 bits
             model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
+            del t
+            continue
+        t = as_tensor(t)  # everything else is kept as it is read (a FileTensor only feeds quantize_into)
+        if (key == "transformer.wte.weight" and embedding_from_head and quantize and not config.tie_embeddings
+                and type(module) is nn.Embedding and StoredEmbedding.fits(t, prec.frozen_other_dtype)):
+            model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
             del t
             continue
         # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed

@@ -6,6 +6,7 @@ The adapter file (LoRA tensors plus everything needed to use them) is `lit_qlora
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -216,10 +217,22 @@ def copy_into_param(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full.to(param.dtype))
 
 
+@contextlib.contextmanager
+def _skip_normal_init():
+    real = torch.nn.init.normal_
+    torch.nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        torch.nn.init.normal_ = real
+
+
 def meta_model(config: Config, lora: Optional[LoRAConfig] = None) -> GPT:
     """The model on the meta device (allocates nothing), with LoRA layers if `lora` is given: every shape and tie
     without a byte of weights, for the loader, the checkpoint check, the memory planner and parameter counts."""
-    with torch.device("meta"):
+    # An init on meta computes nothing, but `normal_` (nn.Embedding's init) has no meta kernel and runs through
+    # torch's Python reference, which imports TorchDynamo: 70 MB resident in a generation process for nothing.
+    with torch.device("meta"), _skip_normal_init():
         model = GPT(config)
     if lora is not None:
         apply_lora(model, lora)

@@ -12,12 +12,13 @@ import functools
 import logging
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from lit_qlora import cpu_half
+from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
 from lit_qlora.utils import UserError, release_freed_memory
@@ -37,7 +38,7 @@ def check_quantize(quantize: Optional[str], precision: str, device: torch.device
         raise UserError(f"--quantize {quantize} runs on CPU and CUDA, not on {device.type}; use --accelerator cpu or "
                         "cuda")
     try:
-        import bitsandbytes  # noqa: F401
+        load_bnb()
     except Exception as e:  # pragma: no cover - depends on the install
         raise UserError(f"--quantize {quantize} needs bitsandbytes, which failed to import ({e}); pip install "
                         "'bitsandbytes>=0.50'")
@@ -46,15 +47,46 @@ def check_quantize(quantize: Optional[str], precision: str, device: torch.device
                         "--accelerator cpu")
 
 
-def _bnb():
-    import bitsandbytes as bnb  # imported lazily: it prints warnings on import on CPU-only machines
+def _deferred_compile(fn=None, **options):
+    """`torch.compile` that builds the compiled function at its first call instead of at decoration."""
+    if fn is None:
+        return lambda f: _deferred_compile(f, **options)
+    compiled = None
 
-    return bnb
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = _real_compile(fn, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+_real_compile = torch.compile
+
+
+def load_bnb():
+    """bitsandbytes, imported on first use (on CPU-only machines it prints warnings at import).
+
+    Its import decorates a few fallback kernels with `torch.compile`, and calling `torch.compile` imports
+    TorchDynamo and Inductor with sympy and networkx: 0.12 GB resident in every process that imports
+    bitsandbytes, most of a 4-bit generation's runtime, for functions our paths may never call. During that
+    import `torch.compile` builds each compiled function at its first call instead (what it does anyway: it
+    compiles on the first call), so the cost is paid only by a process that calls one.
+    """
+    if "bitsandbytes" not in sys.modules:
+        torch.compile = _deferred_compile
+        try:
+            import bitsandbytes  # noqa: F401
+        finally:
+            torch.compile = _real_compile
+    return sys.modules["bitsandbytes"]
 
 
 def make_quantized_linear(linear: nn.Linear, mode: str, compute_dtype: torch.dtype) -> nn.Module:
     """An empty (meta) bitsandbytes layer of the same shape as `linear`; `quantize_into` fills it."""
-    bnb = _bnb()
+    bnb = load_bnb()
     out_f, in_f = linear.weight.shape
     has_bias = linear.bias is not None
     if mode == "bnb.int8":
@@ -81,7 +113,7 @@ def needs_flat_dequantize(in_features: int) -> bool:
 def dequantize_flat(module: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A 4-bit layer's weight [out, in] dequantized as the flat blocks it was quantized in (always right), in `dtype`
     (default: its compute dtype). fp32 comes straight from the 4-bit codes, not through a 16-bit rounding."""
-    bnb = _bnb()
+    bnb = load_bnb()
     bnb.nn.modules.fix_4bit_weight_quant_state_from_module(module)  # FSDP's gathered weight comes without it
     state = copy.copy(module.weight.quant_state)
     state.shape = torch.Size([module.out_features * module.in_features])
@@ -113,7 +145,7 @@ class _DequantMatmul(torch.autograd.Function):
 def _cpu_linear4bit() -> type:
     """`bitsandbytes.nn.Linear4bit` with our CPU forward (made on first use: bitsandbytes is imported lazily). On
     CUDA bitsandbytes' own forward is kept."""
-    bnb = _bnb()
+    bnb = load_bnb()
 
     class CPULinear4bit(bnb.nn.Linear4bit):
         """On CPU, two cases take our matmul (`_DequantMatmul`) instead of bitsandbytes': a 16-bit input where the
@@ -133,7 +165,7 @@ def _cpu_linear4bit() -> type:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    bnb = _bnb() if _bnb_loaded() else None
+    bnb = load_bnb() if _bnb_loaded() else None
     return bnb is not None and isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
@@ -141,16 +173,17 @@ def _bnb_loaded() -> bool:
     return "bitsandbytes" in sys.modules
 
 
-def quantize_into(module: nn.Module, weight: torch.Tensor, device: torch.device,
+def quantize_into(module: nn.Module, weight: torch.Tensor | FileTensor, device: torch.device,
                   dtype: Optional[torch.dtype] = None) -> None:
     """Quantize the full-precision `weight`, as converted to `dtype` (the compute dtype; default: its own), into the
     (meta) bitsandbytes `module` on `device`. On CPU the conversion happens a chunk at a time: a bf16 checkpoint
-    loaded at 32-true never has a whole fp32 copy of a large layer (the same bits as converting first)."""
-    bnb = _bnb()
+    loaded at 32-true never has a whole fp32 copy of a large layer (the same bits as converting first), and a
+    FileTensor is read from the file a chunk at a time, so not even a whole 16-bit copy exists."""
+    bnb = load_bnb()
     if device.type == "cpu":
         _quantize_into_cpu(bnb, module, weight, dtype or weight.dtype)
         return
-    weight = weight.to(dtype or weight.dtype)
+    weight = as_tensor(weight).to(dtype or weight.dtype)
     if isinstance(module, bnb.nn.Linear8bitLt):
         # Int8Params quantizes row-wise (absmax per output row) when moved to a real device
         p = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype), requires_grad=False,
@@ -172,11 +205,12 @@ _CPU_CHUNK = 1 << 20
 def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
     F = bnb.functional
     if isinstance(module, bnb.nn.Linear8bitLt):
-        rows = max(1, _CPU_CHUNK // weight.shape[1])
+        cols = weight.shape[1]
+        rows, read = max(1, _CPU_CHUNK // cols), _flat_reader(weight)
         cb = torch.empty(weight.shape, dtype=torch.int8)
         scb = torch.empty(weight.shape[0], dtype=torch.float32)
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
-            rows_fp16 = weight[r:r + rows].contiguous().to(dtype).to(torch.float16)
+            rows_fp16 = read(r * cols, rows * cols).view(-1, cols).to(dtype).to(torch.float16)
             cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(rows_fp16)
         module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
         release_freed_memory()  # quantizing leaves freed buffers in heap holes
@@ -190,18 +224,26 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor, dtype: torc
     release_freed_memory()  # quantizing leaves freed buffers in heap holes
 
 
+def _flat_reader(weight: torch.Tensor | FileTensor) -> Callable[[int, int], torch.Tensor]:
+    """(start, count) -> that range of `weight`'s flattened elements: a slice of a tensor, or read from the file."""
+    if isinstance(weight, FileTensor):
+        return weight.read
+    flat = weight.contiguous().reshape(-1)
+    return lambda start, count: flat[start:start + count]
+
+
 def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict,
                        dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, object]:
     """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`
     converted to `dtype` (default: its own), in chunks (see _CPU_CHUNK)."""
     dtype = dtype or weight.dtype
-    flat = weight.contiguous().reshape(-1)
-    n, bs, quant_type = flat.numel(), settings["blocksize"], settings["quant_type"]
+    read = _flat_reader(weight)
+    n, bs, quant_type = weight.numel(), settings["blocksize"], settings["quant_type"]
     step = max(1, _CPU_CHUNK // bs) * bs
     packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
     absmax = torch.empty(-(n // -bs), dtype=torch.float32)
     for start in range(0, n, step):
-        q, state = F.quantize_4bit(flat[start:start + step].to(dtype), blocksize=bs, compress_statistics=False,
+        q, state = F.quantize_4bit(read(start, step).to(dtype), blocksize=bs, compress_statistics=False,
                                    quant_type=quant_type, quant_storage=torch.uint8)
         packed[start // 2:start // 2 + q.shape[0]] = q
         absmax[start // bs:start // bs + state.absmax.numel()] = state.absmax
@@ -230,7 +272,7 @@ def four_bit_settings(module: nn.Module) -> dict:
 def quantize_4bit_tensor(module: nn.Module, weight: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
     """(packed weight, QuantState) of the full-precision `weight` for the 4-bit layer `module`, on `device`, without
     touching the layer: what the sharded loader keeps a shard of. Bit-identical to what `quantize_into` stores."""
-    F = _bnb().functional
+    F = load_bnb().functional
     settings = four_bit_settings(module)
     if device.type == "cpu":
         packed, state = _quantize_4bit_cpu(F, weight, settings)
@@ -247,7 +289,7 @@ def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uin
     quantization settings (FSDP replaces the Params4bit by a plain parameter). The QuantState (block scales) stays
     whole on every rank as `module.quant_state`, from which bitsandbytes' forward rebuilds the Params4bit around the
     gathered bytes. Returns the number of layers prepared."""
-    bnb = _bnb()
+    bnb = load_bnb()
     n = 0
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear8bitLt):
@@ -298,7 +340,7 @@ class TiedEmbedding4bit(nn.Module):
 
     def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
-        bnb = _bnb()
+        bnb = load_bnb()
         self._head = [head]  # not a submodule: the head stays where it is, once
         self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
         state = head.weight.quant_state
@@ -310,11 +352,11 @@ class TiedEmbedding4bit(nn.Module):
 
     @staticmethod
     def fits(head: nn.Module) -> bool:
-        bnb = _bnb()
+        bnb = load_bnb()
         return isinstance(head, bnb.nn.Linear4bit) and head.in_features % head.weight.blocksize == 0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        bnb = _bnb()
+        bnb = load_bnb()
         head = self._head[0]
         state = head.weight.quant_state
         packed = head.weight.data.view(torch.uint8).view(self.num_embeddings, self.embedding_dim // 2)
@@ -327,13 +369,32 @@ class TiedEmbedding4bit(nn.Module):
         return bnb.functional.dequantize_4bit(rows.reshape(-1, 1), rows_state)
 
 
+class StoredEmbedding(nn.Module):
+    """An untied input embedding kept in its checkpoint's 16-bit dtype while the model computes in fp32, for
+    generation with 4-bit layers: a lookup converts only the rows asked for. A bf16 or fp16 value is exact in fp32,
+    so the rows equal an fp32 embedding's, at half its memory (49 against 98 MB for 32000 x 768)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.dtype = dtype
+
+    @staticmethod
+    def fits(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether storing `weight` as it is loses nothing against converting it to `dtype`."""
+        return weight.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(idx, self.weight).to(self.dtype)
+
+
 def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
     """Let (or forbid) bitsandbytes repack 4-bit weights into its fast CPU inference layout.
 
     Packing makes batch-1 CPU decoding faster, but a packed layer has no backward: use it only for models
     that will not be trained again. It also needs in_features % 64 == 0. Returns the number of layers enabled.
     """
-    bnb = _bnb()
+    bnb = load_bnb()
     from bitsandbytes.functional import has_avx512bf16
 
     n = 0
@@ -357,7 +418,7 @@ def validation_mode(model: nn.Module) -> None:
     model.eval()
     if not _bnb_loaded():
         return
-    bnb = _bnb()
+    bnb = load_bnb()
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear8bitLt) and m.weight.device.type == "cpu":
             m.training = True  # read by Linear8bitLt.forward only to pick the matmul (state.is_training)
@@ -365,7 +426,7 @@ def validation_mode(model: nn.Module) -> None:
 
 def assert_trainable_4bit(model: nn.Module) -> None:
     """Fail loudly if any 4-bit layer was repacked for inference: gradients would silently stop there."""
-    bnb = _bnb() if _bnb_loaded() else None
+    bnb = load_bnb() if _bnb_loaded() else None
     if bnb is None:
         return
     for name, m in model.named_modules():
@@ -389,7 +450,7 @@ def memory_report(model: nn.Module) -> dict:
     of the 4-bit layers, which every rank keeps whole."""
     q_bytes, q_params, dense_bytes, trainable, rank_bytes = 0, 0, 0, 0, 0
     seen: set[int] = set()
-    bnb = _bnb() if _bnb_loaded() else None
+    bnb = load_bnb() if _bnb_loaded() else None
     for m in model.modules():
         quantized = bnb is not None and isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
         for pname, p in m._parameters.items():
@@ -440,17 +501,17 @@ def format_memory_report(r: dict) -> str:
                if r.get("rank_bytes", 0) < r["quantized_bytes"] + r["dense_bytes"] else ""))
 
 
-def quiet_bnb_import() -> None:
-    """bitsandbytes prints an optional-kernel warning on CPU at import; it is noise for our users."""
+def quiet_bnb_import():
+    """bitsandbytes, imported without the optional-kernel warning it prints on CPU (noise for our users)."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _bnb()
+        return load_bnb()
 
 
 def dequantize_weight(module: nn.Module) -> torch.Tensor:
     """The full-precision weight a bitsandbytes layer computes with: [out, in]."""
-    bnb = _bnb()
+    bnb = load_bnb()
     if isinstance(module, bnb.nn.Linear8bitLt):
         w = module.weight
         scb = w.SCB if getattr(w, "SCB", None) is not None else module.state.SCB

@@ -20,6 +20,7 @@ import torch
 
 from lit_qlora.adapter import ADAPTER_FORMAT
 from lit_qlora.lora import lora_state_dict
+from lit_qlora.quantize import load_bnb
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -108,7 +109,7 @@ def make_optimizer(name: str, params: list, lr: float, weight_decay: float, devi
         raise UserError(f"unknown --optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if name == "AdamW":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
-    import bitsandbytes as bnb
+    bnb = load_bnb()
 
     if name.startswith("Paged") and device_type == "cpu":
         # bitsandbytes falls back to the non-paged optimizer on CPU and warns every time; say it once, plainly

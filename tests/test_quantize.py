@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -196,6 +198,78 @@ def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
     ref = reference_layer(mode, w, torch.bfloat16)
     assert_same_stored(ours, ref)
     assert_same_forward_backward(ours, ref, torch.bfloat16)
+
+
+def test_importing_bitsandbytes_leaves_the_compiler_unloaded():
+    """bitsandbytes decorates a few fallback kernels with torch.compile at import, which loads TorchDynamo and
+    Inductor (with sympy and networkx: 0.12 GB resident) into every process that imports it. `load_bnb` defers
+    each compile to its function's first call, and building the meta model does not load TorchDynamo either."""
+    code = ("import sys, torch\n"
+            "from lit_qlora.config import Config\n"
+            "from lit_qlora.lora import meta_model\n"
+            "from lit_qlora.quantize import _real_compile, load_bnb, swap_linears\n"
+            "load_bnb()\n"
+            "assert torch.compile is _real_compile\n"
+            f"swap_linears(meta_model(Config(**{SMALL!r})), 'bnb.nf4', torch.float32, True)\n"
+            "print([m for m in ('torch._dynamo', 'torch._inductor', 'sympy', 'networkx') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
+    import lit_qlora.quantize as q
+
+    compiled = []
+    monkeypatch.setattr(q, "_real_compile", lambda fn, **kw: compiled.append(kw) or (lambda *a: 10 * fn(*a)))
+    f = q._deferred_compile(dynamic=False)(lambda x: x + 1)
+    assert compiled == []  # nothing at decoration
+    assert f(1) == 20 and f(2) == 30  # the compiled function runs
+    assert compiled == [dict(dynamic=False)]  # built once, with the decorator's options
+    assert q._deferred_compile(lambda x: x)(3) == 30 and len(compiled) == 2  # the bare-decorator form
+
+
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch, mode):
+    """The loader hands quantize_into a FileTensor (nothing read yet); on CPU it reads the weight a chunk at a time
+    from the file (never the whole 16-bit tensor) and stores the same bits as bitsandbytes from the whole tensor."""
+    import lit_qlora.quantize as q
+    from lit_qlora.checkpoint import FileTensor
+
+    monkeypatch.setattr(q, "_CPU_CHUNK", 5 * 64)
+    w = (0.02 * torch.randn(96, 192, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    write_safetensors_stream(tmp_path / "w.safetensors", [("w", w.shape, w.dtype)], [("w", w)])
+    (_, source), = read_safetensors(tmp_path / "w.safetensors", deferred=True)
+    assert isinstance(source, FileTensor) and torch.equal(source.load(), w)
+    reads = []
+    monkeypatch.setattr(FileTensor, "read", lambda self, start, count, _f=FileTensor.read: reads.append(count) or
+                        _f(self, start, count))
+    ours = make_quantized_linear(nn.Linear(192, 96, bias=False, device="meta"), mode, torch.bfloat16)
+    quantize_into(ours, source, CPU)
+    assert len(reads) > 1 and max(reads) <= 5 * 64
+    ref = reference_layer(mode, w, torch.bfloat16)
+    assert_same_stored(ours, ref)
+    assert_same_forward_backward(ours, ref, torch.bfloat16)
+
+
+def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
+    """Loaded for generation with 4-bit layers at 32-true, an untied bf16 embedding stays bf16 (half the memory of
+    fp32), and its lookups, hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit
+    compute dtype or an fp32 checkpoint keep the plain embedding."""
+    from lit_qlora.quantize import StoredEmbedding
+
+    folder = write_checkpoint(tmp_path / "bf16", Config(**SMALL), dtype=torch.bfloat16)
+    kw = dict(quantize="bnb.nf4", quantize_lm_head=True)
+    model = load_model(folder, precision="32-true", embedding_from_head=True, **kw).eval()
+    ref = load_model(folder, precision="32-true", **kw).eval()
+    assert isinstance(model.transformer.wte, StoredEmbedding) and model.transformer.wte.weight.dtype == torch.bfloat16
+    assert type(ref.transformer.wte) is nn.Embedding and ref.transformer.wte.weight.dtype == torch.float32
+    idx = tokens(2, 9)
+    assert torch.equal(model.transformer.wte(idx), ref.transformer.wte(idx))
+    with torch.no_grad():
+        assert torch.equal(model(idx), ref(idx))
+    for ckpt, precision in ((folder, "bf16-true"), (write_checkpoint(tmp_path / "fp32", Config(**SMALL)), "32-true")):
+        wte = load_model(ckpt, precision=precision, embedding_from_head=True, **kw).transformer.wte
+        assert type(wte) is nn.Embedding
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])

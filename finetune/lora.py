@@ -256,7 +256,7 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
     if fabric.world_size > 1:  # several machines: each read out_dir on its own
         check_same_start(fabric, inputs.resume_state["resume"]["step"] if inputs.resume_state else 0)
     if fabric.device.type == "cpu":
-        tune_cpu_allocator()  # freed step temporaries go back to the OS instead of fragmenting the heap
+        tune_cpu_allocator()  # step temporaries reuse heap pages instead of page-faulting fresh ones each step
     s = build_model(fabric, args, inputs)
     restore(s)
     if fabric.global_rank == 0:

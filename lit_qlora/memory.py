@@ -64,8 +64,8 @@ CPU_HEAP_FIXED = int(0.03 * GiB)  # glibc heap slack (see `_allocator_slack`), f
 CPU_HEAP_SLACK = 0.6  # ... per byte of sub-threshold tensors alive at the peak
 CPU_DEQUANT_CHURN = 2.5  # ... per byte of the largest sub-threshold dequantized weight (quantized layers)
 # Allocations from this size up are mmapped and unmapped when freed, so they leave no heap slack: finetune/lora.py
-# fixes glibc's threshold at 4 MiB on CPU (lit_qlora.utils.tune_cpu_allocator); left alone it rises up to 32 MiB.
-GLIBC_MMAP_THRESHOLD_MAX = 4 * MiB
+# fixes glibc's threshold at 32 MiB on CPU (lit_qlora.utils.tune_cpu_allocator), the most its adaptive one reaches.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
 CUDA_RUNTIME_BYTES = 64 * MiB  # cuBLAS workspaces and small buffers that go through the caching allocator
 BNB_4BIT_BLOCKSIZE = 64
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' 8-bit optimizers keep fp32 state for smaller tensors

@@ -66,8 +66,8 @@ class GPT(nn.Module):
             mask, kv_len = None, T
             spans = sample_spans(segments)
             window = self.config.sliding_window_size
-            longest = max(n for row in spans for n, _ in row)
-            if (training and self.compiled_blocks is not None) or (window is not None and longest > window):
+            if (training and self.compiled_blocks is not None) or (
+                    window is not None and max(n for row in spans for n, _ in row) > window):
                 # one mask for the whole batch: a compiled graph would be specialized on every batch's sample
                 # lengths, and a sample longer than the sliding window needs the window's mask anyway
                 mask, spans = packed_attention_mask(segments, positions, window), None

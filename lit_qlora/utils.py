@@ -112,7 +112,7 @@ def tune_cpu_allocator(mmap_threshold: int = 32 << 20) -> bool:
 
     A freshly mmapped block costs a page fault per 4 KiB page on first touch, and a training step allocates its
     large temporaries (dequantized weights, MLP intermediates, gradients) anew every time: with a 4 MiB threshold,
-    an fp32 elementwise op on a [1000, 2816] tensor took 4.7 ms instead of 1.6, and a 1000-token step of the
+    an fp32 elementwise op on a [1000, 2816] tensor took 4.7 ms instead of 1.2, and a 1000-token step of the
     221M harness model ran at 145-155 instead of 163 tokens/s (tutorials/performance.md, round 6). 32 MiB is the
     ceiling glibc's own adaptive threshold climbs to; fixing it (and the matching trim threshold) from the first
     step makes the behaviour the same from run to run. Only larger blocks (the logits of a long micro batch) are

@@ -251,6 +251,23 @@ def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch,
     assert_same_forward_backward(ours, ref, torch.bfloat16)
 
 
+def test_loader_quantizes_from_the_file_a_chunk_at_a_time(small_ckpt, monkeypatch):
+    """load_model on CPU hands each quantized layer's weight to quantize_into unread (a FileTensor), so every read
+    of a quantized layer's weight is one chunk; dense tensors (embedding, head, norms) are read whole."""
+    import lit_qlora.quantize as q
+    from lit_qlora.checkpoint import FileTensor
+
+    monkeypatch.setattr(q, "_CPU_CHUNK", 5 * 64)
+    reads = []
+    monkeypatch.setattr(FileTensor, "read", lambda self, start, count, _f=FileTensor.read:
+                        reads.append((tuple(self.shape), count)) or _f(self, start, count))
+    model = load_model(small_ckpt, precision="32-true", quantize="bnb.nf4", quantize_lm_head=False)
+    shapes = {(m.out_features, m.in_features) for m in quantized_layers(model).values()}
+    assert (SMALL["vocab_size"], SMALL["n_embd"]) not in shapes  # the dense head's shape is not a quantized one
+    quantized_reads = [count for shape, count in reads if shape in shapes]
+    assert len(quantized_reads) > 2 * len(quantized_layers(model)) and max(quantized_reads) <= 5 * 64
+
+
 def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
     """Loaded for generation with 4-bit layers at 32-true, an untied bf16 embedding stays bf16 (half the memory of
     fp32), and its lookups, hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit

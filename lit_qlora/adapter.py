@@ -149,7 +149,11 @@ class Adapter:
         """`tensor` (the base checkpoint's tensor `key`) with the update added in fp32, cast to `dtype` (default: the
         tensor's own), if the adapter targets it; otherwise `tensor` itself. The one merge rule of the loader (which
         keeps fp32 until it quantizes or casts) and of scripts/merge_lora.py (which writes the stored dtype)."""
-        module = key.removesuffix(".weight")
-        if not key.endswith(".weight") or module not in self.targets():
+        if not self.changes(key):
             return tensor
+        module = key.removesuffix(".weight")
         return (tensor.float() + self.delta(module, tuple(tensor.shape))).to(dtype or tensor.dtype)
+
+    def changes(self, key: str) -> bool:
+        """Whether merging this adapter changes the base checkpoint's tensor `key`."""
+        return key.endswith(".weight") and key.removesuffix(".weight") in self.targets()

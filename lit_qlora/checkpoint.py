@@ -8,8 +8,9 @@ sequentially after a header computed from shapes alone, so no two full copies of
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import BinaryIO, Iterable, Iterator, Optional
 
 import torch
 
@@ -76,6 +77,18 @@ class FileTensor:
 
     def load(self) -> torch.Tensor:
         return self.read(0, self.numel()).reshape(self.shape)
+
+    def read_rows(self, f: BinaryIO, rows: list[int]) -> torch.Tensor:
+        """Rows `rows` of this 2-D tensor, read from `f` (its file, opened binary and unbuffered), [len(rows), cols]:
+        one positioned read per row, so nothing else of the file is read or mapped."""
+        row_bytes = self.shape[1] * self.itemsize
+        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
+        buf = memoryview(out.numpy())
+        for i, r in enumerate(rows):
+            row = buf[i * row_bytes:(i + 1) * row_bytes]
+            if os.preadv(f.fileno(), [row], self.offset + r * row_bytes) != row_bytes:
+                raise UserError(f"{self.path} is shorter than its header says; convert the checkpoint again")
+        return out.view(self.dtype).view(len(rows), self.shape[1])
 
 
 def as_tensor(t: "torch.Tensor | FileTensor") -> torch.Tensor:

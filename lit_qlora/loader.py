@@ -16,13 +16,14 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.checkpoint import LIT_WEIGHTS, as_tensor, read_safetensors
+from lit_qlora.checkpoint import LIT_WEIGHTS, FileTensor, as_tensor, read_safetensors
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
 from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, meta_model
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
 from lit_qlora.quantize import (
+    FileEmbedding,
     StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
@@ -61,7 +62,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
 
     `embedding_from_head` (generation, never training): a tied model with a 4-bit output layer reads its input
     embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept; an untied quantized
-    model computing in fp32 keeps its 16-bit embedding as stored (`StoredEmbedding`)."""
+    model on CPU reads its embedding rows from the checkpoint file as tokens are looked up (`FileEmbedding`), and
+    elsewhere keeps a 16-bit embedding as stored while computing in fp32 (`StoredEmbedding`)."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
@@ -76,7 +78,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
 
     for key, t in tensors:
-        if merge_adapter is not None:
+        if merge_adapter is not None and merge_adapter.changes(key):
             # rounded once, to the dtype or grid it is loaded into
             t = merge_adapter.merged(key, as_tensor(t), torch.float32)
         try:
@@ -94,9 +96,13 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
             del t
             continue
+        stored = (key == "transformer.wte.weight" and embedding_from_head and quantize and not config.tie_embeddings
+                  and type(module) is nn.Embedding)
+        if stored and isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
+            model.transformer.wte = FileEmbedding(t, prec.frozen_other_dtype)
+            continue
         t = as_tensor(t)  # everything else is kept as it is read (a FileTensor only feeds quantize_into)
-        if (key == "transformer.wte.weight" and embedding_from_head and quantize and not config.tie_embeddings
-                and type(module) is nn.Embedding and StoredEmbedding.fits(t, prec.frozen_other_dtype)):
+        if stored and StoredEmbedding.fits(t, prec.frozen_other_dtype):
             model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
             del t
             continue

@@ -230,4 +230,8 @@ def test_large_weights_are_converted_a_chunk_at_a_time(monkeypatch):
     for a, b in zip(whole, chunked):
         assert a.dtype == b.dtype == BF16
         assert ((a.float() - b.float()).abs() <= 2**-7 * a.float().abs() + 1e-6).all()
-    assert torch.equal(chunked[0], F.linear(x.detach().float(), w.detach().float()).to(BF16))
+    # rounded once: within half a bf16 step of the fp32 product (fp32 kernels may sum a 7-row block in another
+    # order than the whole, so the last fp32 bit, and rarely the rounding, can differ from CPU to CPU)
+    ref = F.linear(x.detach().float(), w.detach().float())
+    assert ((chunked[0].float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5).all()
+    assert (chunked[0] == ref.to(BF16)).float().mean() > 0.99

@@ -38,6 +38,7 @@ from lit_qlora.quantize import (
     check_quantize,
     dequantize_weight,
     enable_cpu_inference_packing,
+    format_memory_report,
     make_quantized_linear,
     memory_report,
     quantize_into,
@@ -203,17 +204,46 @@ def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
 def test_importing_bitsandbytes_leaves_the_compiler_unloaded():
     """bitsandbytes decorates a few fallback kernels with torch.compile at import, which loads TorchDynamo and
     Inductor (with sympy and networkx: 0.12 GB resident) into every process that imports it. `load_bnb` defers
-    each compile to its function's first call, and building the meta model does not load TorchDynamo either."""
+    each compile to its function's first call; building the meta model and calling bitsandbytes' kernels (each
+    wrapped by torch.library in a guard that imports TorchDynamo at its first call) do not load it either."""
     code = ("import sys, torch\n"
             "from lit_qlora.config import Config\n"
             "from lit_qlora.lora import meta_model\n"
+            "import lit_qlora.quantize as q\n"
             "from lit_qlora.quantize import _real_compile, load_bnb, swap_linears\n"
             "load_bnb()\n"
             "assert torch.compile is _real_compile\n"
             f"swap_linears(meta_model(Config(**{SMALL!r})), 'bnb.nf4', torch.float32, True)\n"
+            "assert torch._disable_dynamo is not q._dynamo_off_when_loaded\n"
+            # bitsandbytes' kernels (torch.library ops) run without loading TorchDynamo: 4-bit with double
+            # quantization, dequantization, and an int8 layer's forward.
+            "F = sys.modules['bitsandbytes'].functional\n"
+            "w = torch.randn(128, 256)\n"
+            "p, s = F.quantize_4bit(w, quant_type='nf4', compress_statistics=True)\n"
+            "assert (F.dequantize_4bit(p, s) - w).abs().mean() < 0.1\n"
+            "lin = sys.modules['bitsandbytes'].nn.Linear8bitLt(256, 128, bias=False, has_fp16_weights=False)\n"
+            "lin.weight = sys.modules['bitsandbytes'].nn.Int8Params(w, requires_grad=False)\n"
+            "lin = lin.to('cpu')\n"
+            "assert lin(torch.randn(2, 256)).shape == (2, 128)\n"
             "print([m for m in ('torch._dynamo', 'torch._inductor', 'sympy', 'networkx') if m in sys.modules])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_bitsandbytes_kernels_keep_dynamo_off_once_it_is_loaded(monkeypatch):
+    """Once TorchDynamo is imported (someone compiles), a kernel goes through torch's own `_disable_dynamo`, so a
+    compiled caller never traces into it; before that, the kernel is called as it is."""
+    import lit_qlora.quantize as q
+
+    guarded = []
+    monkeypatch.setattr(q, "_real_disable_dynamo",
+                        lambda fn, recursive=True: lambda *a: guarded.append(recursive) or fn(*a))
+    kernel = q._dynamo_off_when_loaded(lambda x: x + 1)
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    assert kernel(1) == 2 and guarded == []
+    monkeypatch.setitem(sys.modules, "torch._dynamo", object())
+    assert kernel(2) == 3 and guarded == [True]
+    assert q._dynamo_off_when_loaded(recursive=False)(lambda x: x)(5) == 5 and guarded == [True, False]
 
 
 def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
@@ -268,24 +298,60 @@ def test_loader_quantizes_from_the_file_a_chunk_at_a_time(small_ckpt, monkeypatc
     assert len(quantized_reads) > 2 * len(quantized_layers(model)) and max(quantized_reads) <= 5 * 64
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
+def test_generation_reads_an_untied_embedding_from_the_file(tmp_path, stored, precision):
+    """Loaded for generation with 4-bit layers on CPU, an untied embedding is read from the checkpoint a row per
+    token looked up: no vocabulary x hidden table in memory, lookups (hence logits) bit for bit those of the
+    embedding loaded whole, the memory report says where it is, and the file stays open: a checkpoint converted
+    again meanwhile (a new file under the same name) does not change the running model."""
+    from lit_qlora.quantize import FileEmbedding
+
+    folder = write_checkpoint(tmp_path / "ckpt", Config(**SMALL), dtype=stored)
+    kw = dict(precision=precision, quantize="bnb.nf4", quantize_lm_head=True)
+    model = load_model(folder, embedding_from_head=True, **kw).eval()
+    ref = load_model(folder, **kw).eval()
+    c = model.config
+    assert isinstance(model.transformer.wte, FileEmbedding) and type(ref.transformer.wte) is nn.Embedding
+    assert not any(t.numel() == c.vocab_size * c.n_embd for t in [*model.parameters(), *model.buffers()])
+    assert f"embedding: {c.vocab_size * c.n_embd * stored.itemsize / 2**20:.1f} MiB left in the checkpoint" in (
+        format_memory_report(memory_report(model)))
+    idx = tokens(2, 9)
+    idx[1, :3] = idx[0, 4]  # repeated ids: read once, looked up three times
+    assert torch.equal(model.transformer.wte(idx), ref.transformer.wte(idx))
+    with torch.no_grad():
+        assert torch.equal(model(idx), ref(idx))
+    write_checkpoint(tmp_path / "other", Config(**SMALL), seed=5, dtype=stored)
+    (tmp_path / "other" / LIT_WEIGHTS).replace(folder / LIT_WEIGHTS)
+    assert torch.equal(model.transformer.wte(idx), ref.transformer.wte(idx))
+    with pytest.raises(IndexError):
+        model.transformer.wte(torch.tensor([c.vocab_size]))
+
+
 def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
-    """Loaded for generation with 4-bit layers at 32-true, an untied bf16 embedding stays bf16 (half the memory of
-    fp32), and its lookups, hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit
-    compute dtype or an fp32 checkpoint keep the plain embedding."""
+    """Where the embedding is not read from the file (weights given as tensors: on CUDA, or scripts/bench_gpu.py),
+    an untied bf16 embedding loaded for generation at 32-true stays bf16 (half the memory of fp32), and its lookups,
+    hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit compute dtype or an fp32
+    checkpoint keep the plain embedding."""
     from lit_qlora.quantize import StoredEmbedding
 
     folder = write_checkpoint(tmp_path / "bf16", Config(**SMALL), dtype=torch.bfloat16)
-    kw = dict(quantize="bnb.nf4", quantize_lm_head=True)
-    model = load_model(folder, precision="32-true", embedding_from_head=True, **kw).eval()
-    ref = load_model(folder, precision="32-true", **kw).eval()
+    fp32 = write_checkpoint(tmp_path / "fp32", Config(**SMALL))
+    kw = dict(quantize="bnb.nf4", quantize_lm_head=True, config=Config(**SMALL))
+
+    def given(ckpt: Path):  # the tensors handed over as they are read, not FileTensors
+        return list(read_safetensors(ckpt / LIT_WEIGHTS))
+
+    model = load_model(folder, precision="32-true", embedding_from_head=True, tensors=given(folder), **kw).eval()
+    ref = load_model(folder, precision="32-true", tensors=given(folder), **kw).eval()
     assert isinstance(model.transformer.wte, StoredEmbedding) and model.transformer.wte.weight.dtype == torch.bfloat16
     assert type(ref.transformer.wte) is nn.Embedding and ref.transformer.wte.weight.dtype == torch.float32
     idx = tokens(2, 9)
     assert torch.equal(model.transformer.wte(idx), ref.transformer.wte(idx))
     with torch.no_grad():
         assert torch.equal(model(idx), ref(idx))
-    for ckpt, precision in ((folder, "bf16-true"), (write_checkpoint(tmp_path / "fp32", Config(**SMALL)), "32-true")):
-        wte = load_model(ckpt, precision=precision, embedding_from_head=True, **kw).transformer.wte
+    for ckpt, precision in ((folder, "bf16-true"), (fp32, "32-true")):
+        wte = load_model(ckpt, precision=precision, embedding_from_head=True, tensors=given(ckpt), **kw).transformer.wte
         assert type(wte) is nn.Embedding
 
 

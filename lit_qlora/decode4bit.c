@@ -16,6 +16,14 @@
  *
  * Three builds of the same loop: AVX512F (16-entry table lookup with one vpermps), AVX2 (two 8-entry lookups and
  * a blend) and portable C. Rows of W are shared out between OpenMP threads.
+ *
+ * With AVX512-BF16, bf16 activations and whole 64-weight blocks per row (bitsandbytes' default), a fourth loop
+ * reads 128 weights (two blocks) per 64-byte load: every 16-bit word of it holds four nibbles, which three shifts
+ * bring to its low bits, and `vpermw` looks each up in the 16 code values as bf16 (it reads 5 index bits: the
+ * table is held twice). `vdpbf16ps` multiplies 32 of them by the activations per instruction, the activations
+ * being permuted once per call into the order the nibbles come out in, and each block's fp32 sum is scaled by its
+ * absmax. The weights are thus bf16(code) * absmax, within bf16 rounding of bitsandbytes' values (a dense bf16
+ * model holds bf16(code * absmax)), summed in fp32; the fp32 loops keep bitsandbytes' fp32 weights exactly.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +43,13 @@
 #define Q4_ISA 0
 #endif
 
+#if Q4_ISA == 512 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define Q4_BF16DOT 1
+#else
+#define Q4_BF16DOT 0
+#endif
+
 #define MAX_TILE 4 /* activation rows that share one decoding of a weight row */
 
 /* One quantized layer; mirrored field for field by a ctypes.Structure in decode4bit.py. */
@@ -51,6 +66,7 @@ typedef struct {
 } q4_layer;
 
 int q4_isa(void) { return Q4_ISA; }
+int q4_bf16dot(void) { return Q4_BF16DOT; }
 
 /* b2_shift: log2(blocksize2) when it is a power of two (bitsandbytes always uses 256), else -1. A 64-bit
  * division per block costs more than decoding the block, so there is none on the fast path. */
@@ -150,9 +166,47 @@ static inline __attribute__((always_inline)) void segment(const float *code, con
     }
 }
 
-/* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs) into out[0..mt). */
+#if Q4_BF16DOT
+/* Where word w of a 128-weight chunk (bytes 2w and 2w+1) keeps its nibbles: bits 0-3 hold element 4w+1 (the low
+ * nibble of byte 2w), bits 4-7 element 4w, bits 8-11 element 4w+3, bits 12-15 element 4w+2. */
+static const int NIBBLE_ELEMENT[4] = {1, 0, 3, 2};
+
+/* One activation row (k bf16 values) in the bf16 loop's order: per 128-element chunk four runs of 32, run r holding
+ * elements 4w + NIBBLE_ELEMENT[r] (w = 0..31); a last lone block of 64 the same with runs of 16. */
+static void permute_for_bf16dot(const uint16_t *x, uint16_t *xp, int64_t k) {
+    int64_t c = 0;
+    for (; c + 128 <= k; c += 128)
+        for (int r = 0; r < 4; r++)
+            for (int w = 0; w < 32; w++) xp[c + 32 * r + w] = x[c + 4 * w + NIBBLE_ELEMENT[r]];
+    if (c < k)
+        for (int r = 0; r < 4; r++)
+            for (int w = 0; w < 16; w++) xp[c + 16 * r + w] = x[c + 4 * w + NIBBLE_ELEMENT[r]];
+}
+#endif
+
+#if Q4_ISA == 512
+/* Where dword d of a 128-weight chunk (bytes 4d..4d+3) keeps its nibbles: bits 4r..4r+3 hold element
+ * 8d + DWORD_ELEMENT[r] (the low nibble of a byte is the odd element). */
+static const int DWORD_ELEMENT[8] = {1, 0, 3, 2, 5, 4, 7, 6};
+
+/* One activation row (k fp32 values, k % 64 == 0) in the fp32 chunk loop's order: per 128-element chunk eight runs
+ * of 16, run r holding elements 8d + DWORD_ELEMENT[r] (d = 0..15); a last lone block of 64 fills lanes 0-7 of each
+ * run and zeros the rest. `xp` holds k rounded up to 128. */
+static void permute_for_chunks(const void *x, int dtype, float *xp, int64_t k) {
+    for (int64_t c = 0; c < k; c += 128)
+        for (int r = 0; r < 8; r++)
+            for (int d = 0; d < 16; d++) {
+                const int64_t j = c + 8 * d + DWORD_ELEMENT[r];
+                xp[c + 16 * r + d] = j >= k ? 0.0f
+                                            : dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+            }
+}
+#endif
+
+/* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs, or, for the bf16 loop, as bf16
+ * bits in xs16) into out[0..mt). */
 static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int64_t o, const float *xs,
-                                                           int mt, int b2_shift, float *out) {
+                                                           const uint16_t *xs16, int mt, int b2_shift, float *out) {
     const int64_t k = L->k, bs = L->blocksize;
     acc_t acc;
     for (int m = 0; m < mt; m++) {
@@ -163,7 +217,79 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
 #endif
         acc.s[m] = 0.0f;
     }
-#if Q4_ISA == 512
+#if Q4_BF16DOT
+    if (xs16) { /* bf16 activations, 64-weight blocks (q4_linear checked): see the comment at the top */
+        const int64_t nblk = k / 64, b0 = o * nblk;
+        const uint8_t *wp = L->w + o * (k / 2);
+        const __m512i t = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(L->code)));
+        int64_t c = 0;
+        for (; c + 128 <= k; c += 128, wp += 64) {
+            const __m512i b = _mm512_loadu_si512(wp);
+            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(b, t);
+            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
+            const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
+            const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), t);
+            const int64_t blk = b0 + c / 64; /* lanes 0-7 sum the first block's products, 8-15 the second's */
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(block_scale(L, blk, b2_shift)),
+                                                 _mm256_set1_ps(block_scale(L, blk + 1, b2_shift)), 1);
+            for (int m = 0; m < mt; m++) {
+                const uint16_t *xp = xs16 + (int64_t)m * k + c;
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(xp));
+                __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, (__m512bh)_mm512_loadu_si512(xp + 32));
+                p = _mm512_dpbf16_ps(p, w2, (__m512bh)_mm512_loadu_si512(xp + 64));
+                q = _mm512_dpbf16_ps(q, w3, (__m512bh)_mm512_loadu_si512(xp + 96));
+                acc.v[m][0] = _mm512_fmadd_ps(_mm512_add_ps(p, q), sc, acc.v[m][0]);
+            }
+        }
+        if (c < k) { /* a last lone block: the same with 256-bit vectors (its table is the first 16 words) */
+            const __m256i b = _mm256_loadu_si256((const __m256i *)wp), t16 = _mm512_castsi512_si256(t);
+            const __m256bh w0 = (__m256bh)_mm256_permutexvar_epi16(b, t16);
+            const __m256bh w1 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 4), t16);
+            const __m256bh w2 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 8), t16);
+            const __m256bh w3 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 12), t16);
+            const __m512 sc = _mm512_set1_ps(block_scale(L, b0 + nblk - 1, b2_shift));
+            for (int m = 0; m < mt; m++) {
+                const uint16_t *xp = xs16 + (int64_t)m * k + c;
+                __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w0, (__m256bh)_mm256_loadu_si256((const __m256i *)xp));
+                __m256 q = _mm256_dpbf16_ps(_mm256_setzero_ps(), w1,
+                                            (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 16)));
+                p = _mm256_dpbf16_ps(p, w2, (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 32)));
+                q = _mm256_dpbf16_ps(q, w3, (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 48)));
+                acc.v[m][1] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_add_ps(p, q)), sc, acc.v[m][1]);
+            }
+        }
+    } else
+#endif
+#if Q4_ISA == 512 && !defined(Q4_OLD512)
+    if (bs == 64 && k % 64 == 0) { /* bitsandbytes' default block: see "the fp32 chunk loop" at the top */
+        const int64_t nblk = k / 64, b0 = o * nblk, kp = (k + 127) & ~(int64_t)127;
+        const uint8_t *wp = L->w + o * (k / 2);
+        const __m512 code = _mm512_loadu_ps(L->code);
+        for (int64_t i = 0, c = 0; i < nblk; i += 2, c += 128, wp += 64) {
+            const int two = i + 1 < nblk; /* else a last lone block: the second half's activations are zeros */
+            const __m512i b = two ? _mm512_loadu_si512(wp) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)wp));
+            /* vpermps reads the low 4 bits of each index: a shift brings each nibble there, no mask */
+            __m512 w[8];
+            w[0] = _mm512_permutexvar_ps(b, code);
+            for (int r = 1; r < 8; r++) w[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * r), code);
+            const float s0 = block_scale(L, b0 + i, b2_shift), s1 = two ? block_scale(L, b0 + i + 1, b2_shift) : 0.0f;
+            const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0)),
+                                                                  _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
+            for (int m = 0; m < mt; m++) {
+                const float *xp = xs + (int64_t)m * kp + c;
+                __m512 p0 = _mm512_mul_ps(w[0], _mm512_loadu_ps(xp)), p1 = _mm512_mul_ps(w[1], _mm512_loadu_ps(xp + 16));
+                p0 = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(xp + 32), p0);
+                p1 = _mm512_fmadd_ps(w[3], _mm512_loadu_ps(xp + 48), p1);
+                p0 = _mm512_fmadd_ps(w[4], _mm512_loadu_ps(xp + 64), p0);
+                p1 = _mm512_fmadd_ps(w[5], _mm512_loadu_ps(xp + 80), p1);
+                p0 = _mm512_fmadd_ps(w[6], _mm512_loadu_ps(xp + 96), p0);
+                p1 = _mm512_fmadd_ps(w[7], _mm512_loadu_ps(xp + 112), p1);
+                acc.v[m][0] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), sc, acc.v[m][0]);
+            }
+        }
+    } else
+#endif
+#if Q4_ISA == 512 && defined(Q4_OLD512)
     if (bs == 64 && k % 64 == 0) { /* bitsandbytes' default block: one 32-byte step per block, nothing else */
         const int64_t nblk = k / 64, b0 = o * nblk;
         const uint8_t *wp = L->w + o * (k / 2);
@@ -216,8 +342,9 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
 
 /* A tile of `mt` rows with mt a compile-time constant, so that the accumulators stay in registers. */
 #define DEFINE_TILE(MT) \
-    static void tile_##MT(const q4_layer *L, int64_t o, const float *xs, int b2_shift, float *out) { \
-        row_dot(L, o, xs, MT, b2_shift, out); \
+    static void tile_##MT(const q4_layer *L, int64_t o, const float *xs, const uint16_t *xs16, int b2_shift, \
+                          float *out) { \
+        row_dot(L, o, xs, xs16, MT, b2_shift, out); \
     }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
@@ -230,9 +357,32 @@ DEFINE_TILE(4)
 int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
     const int64_t n = L->n, k = L->k, kh = k / 2;
     if (k % 2) return -1;
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * k > 0 ? M * k : 1));
-    if (!xs) return -1;
-    for (int64_t m = 0; m < M; m++) {
+    /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
+    const int bf16dot = Q4_BF16DOT && dtype == 1 && L->blocksize == 64 && k % 64 == 0;
+    uint16_t *xs16 = NULL;
+    float *xs = NULL;
+    if (bf16dot) {
+        xs16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * k > 0 ? M * k : 1));
+        if (!xs16) return -1;
+#if Q4_BF16DOT
+        for (int64_t m = 0; m < M; m++) permute_for_bf16dot((const uint16_t *)x + m * k, xs16 + m * k, k);
+#endif
+    } else {
+        const int64_t kp = (k + 127) & ~(int64_t)127; /* room for the chunk loop's padding */
+        xs = (float *)malloc(sizeof(float) * (size_t)(M * kp > 0 ? M * kp : 1));
+        if (!xs) return -1;
+    }
+#if Q4_ISA == 512 && !defined(Q4_OLD512)
+    const int chunks = !bf16dot && L->blocksize == 64 && k % 64 == 0;
+    if (chunks) {
+        const int64_t kp = (k + 127) & ~(int64_t)127;
+        for (int64_t m = 0; m < M; m++)
+            permute_for_chunks((const char *)x + m * k * (dtype == 1 ? 2 : 4), dtype, xs + m * kp, k);
+    }
+#else
+    const int chunks = 0;
+#endif
+    for (int64_t m = 0; xs && !chunks && m < M; m++) {
         float *xe = xs + m * k, *xo = xe + kh;
         if (dtype == 1) {
             const uint16_t *xb = (const uint16_t *)x + m * k;
@@ -256,12 +406,13 @@ int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, i
         float out[MAX_TILE];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
             const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
-            const float *xt = xs + m0 * k;
+            const float *xt = xs ? xs + m0 * (chunks ? (k + 127) & ~(int64_t)127 : k) : NULL;
+            const uint16_t *xt16 = xs16 ? xs16 + m0 * k : NULL;
             switch (mt) {
-                case 1: tile_1(L, o, xt, b2_shift, out); break;
-                case 2: tile_2(L, o, xt, b2_shift, out); break;
-                case 3: tile_3(L, o, xt, b2_shift, out); break;
-                default: tile_4(L, o, xt, b2_shift, out); break;
+                case 1: tile_1(L, o, xt, xt16, b2_shift, out); break;
+                case 2: tile_2(L, o, xt, xt16, b2_shift, out); break;
+                case 3: tile_3(L, o, xt, xt16, b2_shift, out); break;
+                default: tile_4(L, o, xt, xt16, b2_shift, out); break;
             }
             for (int64_t m = 0; m < mt; m++) {
                 float v = out[m] + (L->bias ? L->bias[o] : 0.0f);
@@ -271,5 +422,6 @@ int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, i
         }
     }
     free(xs);
+    free(xs16);
     return 0;
 }

@@ -54,7 +54,7 @@ PARALLEL_MIN_WEIGHTS = 1 << 17
 DENSE_CHUNK_WEIGHTS = 1 << 22
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what the C kernel reads and writes natively
 # Builds the tests compile besides the native one (the C file picks its code path from the compiler's macros).
-VARIANTS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-DQ4_PORTABLE"]}
+VARIANTS = {"native": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"], "portable": ["-DQ4_PORTABLE"]}
 
 
 class _Layer(ctypes.Structure):
@@ -171,13 +171,21 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int, ctypes.c_int]
     lib.q4_linear.restype = ctypes.c_int
-    lib.q4_isa.restype = ctypes.c_int
+    lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
     return lib
 
 
 def isa_name(lib: ctypes.CDLL) -> str:
-    """Which code path a compiled library runs: 'avx512', 'avx2' or 'portable'."""
-    return {512: "avx512", 2: "avx2"}.get(lib.q4_isa(), "portable")
+    """Which code path a compiled library runs: 'avx512', 'avx2' or 'portable', with '+bf16' where bf16
+    activations are multiplied by AVX512-BF16 dot products (`bf16_dot`)."""
+    return {512: "avx512", 2: "avx2"}.get(lib.q4_isa(), "portable") + ("+bf16" if bf16_dot(lib) else "")
+
+
+def bf16_dot(lib: ctypes.CDLL) -> bool:
+    """Whether the library multiplies bf16 activations by bf16 weights with AVX512-BF16 (layers of whole 64-weight
+    blocks per row): bitsandbytes' weights rounded to bf16 (as a dense bf16 model of them holds them), products
+    summed in fp32. Otherwise, and always for fp32 activations, the weights are bitsandbytes' fp32 values."""
+    return bool(lib.q4_bf16dot())
 
 
 def supports(module: nn.Module) -> bool:

@@ -12,7 +12,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] 
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick the next token from `logits` [V]: argmax when temperature is 0, else sample. Returns a LongTensor [1]."""
     if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
+        # in fp32: the same index (the conversion is exact, ties go to the first), and torch's CPU argmax of a
+        # 16-bit vector takes 3-4x as long (49152 bf16 logits: 178 against 49 us, a 1% of a 4-bit decoding step)
+        return logits.float().argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k).values[-1]

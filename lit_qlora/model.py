@@ -200,8 +200,9 @@ class CausalSelfAttention(nn.Module):
         # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
         gqa = c.n_query_groups != c.n_head
         scale = 1.0 / math.sqrt(c.head_size)
-        if cpu_half.attention_in_fp32(q):
-            # a 16-bit CPU tensor without native 16-bit matmuls: fp32 kernels are several times faster
+        if cpu_half.attention_in_fp32(q, decoding=cached):
+            # 16-bit CPU tensors without native 16-bit matmuls, or a decoding step: fp32 kernels are several times
+            # faster
             return cpu_half.attention32(q, k, v, mask, mask is None and T > 1, scale, gqa)
         if mask is None and not cached and T > 1 and cpu_attention.usable(q, k, v):
             if gqa:

@@ -147,6 +147,28 @@ def test_small_matmuls_keep_the_16_bit_kernel(monkeypatch):
     assert not cpu_half.attention_in_fp32(q)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_16bit_decoding_step_attends_in_fp32(monkeypatch, native):
+    """One query per row against the KV cache, 16-bit, outside autograd: attention by the fp32 kernel on any CPU
+    (torch's 16-bit one costs several times more there), the result the fp32 attention of the same inputs rounded
+    once. With a gradient, more queries, or without the cache, the rule for the CPU kind applies as before."""
+    from lit_qlora.config import Config
+    from lit_qlora.model import CausalSelfAttention
+
+    monkeypatch.setattr(cpu_half, "native", lambda dtype: native)
+    attn = CausalSelfAttention(Config(n_embd=576, n_head=9, n_query_groups=3, vocab_size=64, n_layer=1,
+                                      block_size=64))
+    q, k, v = randn(2, 9, 1, 64, seed=0), randn(2, 3, 40, 64, seed=1), randn(2, 3, 40, 64, seed=2)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125, enable_gqa=True).to(BF16)
+    with torch.no_grad():
+        assert cpu_half.attention_in_fp32(q, decoding=True)
+        assert torch.equal(attn.attend(q, k, v, None, cached=True), want)
+        assert not cpu_half.attention_in_fp32(randn(2, 9, 2, 64, seed=3), decoding=True)  # two queries
+        assert not cpu_half.attention_in_fp32(q.float(), decoding=True)
+        assert not cpu_half.attention_in_fp32(q)  # not a decoding step
+    assert not cpu_half.attention_in_fp32(q, decoding=True)  # with gradients
+
+
 # ---- 2 and 3. a whole bf16-true training step ---------------------------------------------------------
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
              "_scaled_dot_product_attention_math"}

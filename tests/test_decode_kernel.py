@@ -52,8 +52,8 @@ def _cpu_has(*flags: str) -> bool:
 
 def _variant_params():
     """Each kernel build that this machine can run, with the reason when it cannot."""
-    reasons = {"native": None, "avx2": None if _cpu_has("avx2", "fma") else "this CPU has no AVX2+FMA",
-               "portable": None}
+    reasons = {"native": None, "avx512": None if _cpu_has("avx512f") else "this CPU has no AVX512F",
+               "avx2": None if _cpu_has("avx2", "fma") else "this CPU has no AVX2+FMA", "portable": None}
     return [pytest.param(v, marks=pytest.mark.skipif(r is not None, reason=r or "")) for v, r in reasons.items()]
 
 
@@ -102,14 +102,23 @@ def reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y + layer.bias.double() if layer.bias is not None else y
 
 
-def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor) -> None:
+def bf16_weights(lib, layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the kernel multiplies this layer's bf16 activations by bf16 weights (`decode4bit.bf16_dot`)."""
+    qs = layer.weight.quant_state
+    return dtype == torch.bfloat16 and d.bf16_dot(lib) and qs.blocksize == 64 and layer.in_features % 64 == 0
+
+
+def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor, lib=None) -> None:
     """Tolerance: fp32 accumulation error, 1e-5 x sum|x_k w_k| per output (an fp32 sum of up to 192 products stays
-    well inside it), plus, for bf16 outputs, the bf16 rounding of the result (2^-8 relative)."""
+    well inside it), plus, for bf16 outputs, the bf16 rounding of the result (2^-8 relative), and where the kernel
+    multiplies by bf16 weights (`bf16_weights`), their rounding (2^-8 relative each: 2^-8 x sum|x_k w_k|)."""
     ref = reference(layer, x)
     scale = x.double().abs() @ bnb_weight(layer).double().abs().T
     tol = 1e-5 * scale + 1e-7
     if y.dtype == torch.bfloat16:
         tol = tol + ref.abs() * 2.0**-8
+    if lib is not None and bf16_weights(lib, layer, y.dtype):
+        tol = tol + scale * 2.0**-8
     err = (y.double() - ref).abs()
     assert y.dtype == x.dtype and y.shape == ref.shape
     assert (err <= tol).all(), f"max error {float(err.max()):.3g}, worst ratio {float((err / tol).max()):.3g}"
@@ -151,7 +160,30 @@ def test_kernel_output_matches_bnb_dequantized_matmul(mode, shape, rows, dtype, 
     layer = quantized_layer(mode, *shape, dtype=dtype, bias=shape[0] % 2 == 1)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
     y = d.run_kernel(lib, d._State(layer, lib), x, shape[0])
-    assert_close_to_reference(y, layer, x)
+    assert_close_to_reference(y, layer, x, lib)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(96, 192), (33, 128), (8, 320)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mode", MODES_4BIT)
+def test_bf16_dot_weights_are_bf16_codes_times_the_block_scale(mode, shape):
+    """With AVX512-BF16 and bf16 activations the kernel's weight is bf16(code[nibble]) * absmax: the bf16 identity
+    shows each, rounded to bf16, bit for bit (one product per output), for whole 128-weight chunks and a lone last
+    block (192 = 128 + 64). Elsewhere it is bitsandbytes' fp32 weight, rounded to bf16 by the output."""
+    lib = lib_for("native")
+    layer = quantized_layer(mode, *shape, dtype=torch.bfloat16)
+    got = d.run_kernel(lib, d._State(layer, lib), torch.eye(shape[1]).to(torch.bfloat16), shape[0]).T
+    if not d.bf16_dot(lib):
+        assert torch.equal(got, bnb_weight(layer).to(torch.bfloat16))
+        pytest.skip("this CPU or compiler has no AVX512-BF16 path; checked the fp32 weights instead")
+    qs = layer.weight.quant_state
+    packed = layer.weight.data.reshape(-1).view(torch.uint8)
+    nibbles = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1).long()
+    codes = qs.code.float().to(torch.bfloat16).float()[nibbles]
+    scales = d.block_scales(layer).float().repeat_interleave(64)
+    want = (codes * scales).view(shape).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, bnb_weight(layer).to(torch.bfloat16))  # the test tells the two apart
 
 
 @needs_kernel
@@ -174,7 +206,7 @@ def test_converted_layer_dispatch(monkeypatch, mode, dtype):
             assert len(calls) == (1 if b * t <= d.MAX_KERNEL_ROWS else 0), (b, t)
             on_kernel = b * t <= d.MAX_KERNEL_ROWS
             if on_kernel and dtype != torch.float16:
-                assert_close_to_reference(y.reshape(-1, shape[0]), layer, x.reshape(-1, shape[1]))
+                assert_close_to_reference(y.reshape(-1, shape[0]), layer, x.reshape(-1, shape[1]), d.kernel())
                 continue
             ref = reference(layer, x.reshape(-1, shape[1])).view(b, t, -1)
             if on_kernel:  # fp16: computed in fp32 from the fp16 input, rounded to fp16 (2^-11) at the end

@@ -340,6 +340,68 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
     }
 }
 
+#if Q4_BF16DOT
+/* Four weight rows o..o+3 against one bf16 activation row (decoding), in the bf16 loop: each chunk's activations
+ * are loaded once for the four rows, and the four sums are reduced together (a row's own horizontal sum costs about
+ * as much as a 128-weight chunk, and these rows are a few chunks long). */
+static void rows4_bf16dot(const q4_layer *L, int64_t o, const uint16_t *xp, int b2_shift, float *out) {
+    const int64_t k = L->k, nblk = k / 64;
+    const __m512i t = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(L->code)));
+    __m512 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 128 <= k; c += 128) {
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + c), x1 = (__m512bh)_mm512_loadu_si512(xp + c + 32);
+        const __m512bh x2 = (__m512bh)_mm512_loadu_si512(xp + c + 64), x3 = (__m512bh)_mm512_loadu_si512(xp + c + 96);
+        for (int j = 0; j < 4; j++) {
+            const int64_t blk = (o + j) * nblk + c / 64;
+            const __m512i b = _mm512_loadu_si512(L->w + (o + j) * (k / 2) + c / 2);
+            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(b, t);
+            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
+            const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
+            const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), t);
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(block_scale(L, blk, b2_shift)),
+                                                 _mm256_set1_ps(block_scale(L, blk + 1, b2_shift)), 1);
+            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0), q = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1);
+            p = _mm512_dpbf16_ps(p, w2, x2);
+            q = _mm512_dpbf16_ps(q, w3, x3);
+            a[j] = _mm512_fmadd_ps(_mm512_add_ps(p, q), sc, a[j]);
+        }
+    }
+    if (c < k) { /* a last lone block per row, as in row_dot */
+        const __m256i t16 = _mm512_castsi512_si256(t);
+        const __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c));
+        const __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 16));
+        const __m256bh x2 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 32));
+        const __m256bh x3 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 48));
+        for (int j = 0; j < 4; j++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(L->w + (o + j) * (k / 2) + c / 2));
+            const __m256bh w0 = (__m256bh)_mm256_permutexvar_epi16(b, t16);
+            const __m256bh w1 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 4), t16);
+            const __m256bh w2 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 8), t16);
+            const __m256bh w3 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 12), t16);
+            __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w0, x0), q = _mm256_dpbf16_ps(_mm256_setzero_ps(), w1, x1);
+            p = _mm256_dpbf16_ps(p, w2, x2);
+            q = _mm256_dpbf16_ps(q, w3, x3);
+            a[j] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_add_ps(p, q)),
+                                   _mm512_set1_ps(block_scale(L, (o + j + 1) * nblk - 1, b2_shift)), a[j]);
+        }
+    }
+    /* the four horizontal sums at once: pairwise interleaves leave [row 0, 1, 2, 3] partial sums in every 128-bit
+     * lane, then the lanes are added */
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
+static inline void put(void *y, int dtype, int64_t i, float v) {
+    if (dtype == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
 /* A tile of `mt` rows with mt a compile-time constant, so that the accumulators stay in registers. */
 #define DEFINE_TILE(MT) \
     static void tile_##MT(const q4_layer *L, int64_t o, const float *xs, const uint16_t *xs16, int b2_shift, \
@@ -396,28 +458,36 @@ int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, i
     /* Rows are handed out in chunks as threads ask for them: on a machine shared with other work one core may
      * be busy, and a static split would leave the whole layer waiting for it. */
     int64_t chunk = n / (16 * (int64_t)threads);
-    chunk = chunk < 16 ? 16 : chunk;
+    chunk = chunk < 16 ? 16 : chunk;  /* rows */
     int b2_shift = -1; /* see block_scale */
     if (L->blocksize2 > 0 && (L->blocksize2 & (L->blocksize2 - 1)) == 0)
         b2_shift = __builtin_ctzll((unsigned long long)L->blocksize2);
-    (void)chunk; /* unused without OpenMP */
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
-    for (int64_t o = 0; o < n; o++) {
-        float out[MAX_TILE];
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
-            const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
-            const float *xt = xs ? xs + m0 * (chunks ? (k + 127) & ~(int64_t)127 : k) : NULL;
-            const uint16_t *xt16 = xs16 ? xs16 + m0 * k : NULL;
-            switch (mt) {
-                case 1: tile_1(L, o, xt, xt16, b2_shift, out); break;
-                case 2: tile_2(L, o, xt, xt16, b2_shift, out); break;
-                case 3: tile_3(L, o, xt, xt16, b2_shift, out); break;
-                default: tile_4(L, o, xt, xt16, b2_shift, out); break;
-            }
-            for (int64_t m = 0; m < mt; m++) {
-                float v = out[m] + (L->bias ? L->bias[o] : 0.0f);
-                if (dtype == 1) ((uint16_t *)y)[(m0 + m) * n + o] = f32_to_bf16(v);
-                else ((float *)y)[(m0 + m) * n + o] = v;
+    const int64_t groups = (n + 3) / 4, group_chunk = chunk / 4; /* rows go out four at a time */
+    (void)group_chunk;
+#pragma omp parallel for schedule(dynamic, group_chunk) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t o0 = 4 * g, o1 = o0 + 4 < n ? o0 + 4 : n;
+#if Q4_BF16DOT
+        if (xs16 && M == 1 && o1 - o0 == 4) { /* decoding: four rows share their activation loads */
+            float out4[4];
+            rows4_bf16dot(L, o0, xs16, b2_shift, out4);
+            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, out4[j] + (L->bias ? L->bias[o0 + j] : 0.0f));
+            continue;
+        }
+#endif
+        for (int64_t o = o0; o < o1; o++) {
+            float out[MAX_TILE];
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+                const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
+                const float *xt = xs ? xs + m0 * (chunks ? (k + 127) & ~(int64_t)127 : k) : NULL;
+                const uint16_t *xt16 = xs16 ? xs16 + m0 * k : NULL;
+                switch (mt) {
+                    case 1: tile_1(L, o, xt, xt16, b2_shift, out); break;
+                    case 2: tile_2(L, o, xt, xt16, b2_shift, out); break;
+                    case 3: tile_3(L, o, xt, xt16, b2_shift, out); break;
+                    default: tile_4(L, o, xt, xt16, b2_shift, out); break;
+                }
+                for (int64_t m = 0; m < mt; m++) put(y, dtype, (m0 + m) * n + o, out[m] + (L->bias ? L->bias[o] : 0.0f));
             }
         }
     }

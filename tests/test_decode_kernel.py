@@ -169,7 +169,8 @@ def test_kernel_output_matches_bnb_dequantized_matmul(mode, shape, rows, dtype, 
 def test_bf16_dot_weights_are_bf16_codes_times_the_block_scale(mode, shape):
     """With AVX512-BF16 and bf16 activations the kernel's weight is bf16(code[nibble]) * absmax: the bf16 identity
     shows each, rounded to bf16, bit for bit (one product per output), for whole 128-weight chunks and a lone last
-    block (192 = 128 + 64). Elsewhere it is bitsandbytes' fp32 weight, rounded to bf16 by the output."""
+    block (192 = 128 + 64), through the many-row loop and the one-row (decoding) loop. Elsewhere it is bitsandbytes'
+    fp32 weight, rounded to bf16 by the output."""
     lib = lib_for("native")
     layer = quantized_layer(mode, *shape, dtype=torch.bfloat16)
     got = d.run_kernel(lib, d._State(layer, lib), torch.eye(shape[1]).to(torch.bfloat16), shape[0]).T
@@ -183,6 +184,11 @@ def test_bf16_dot_weights_are_bf16_codes_times_the_block_scale(mode, shape):
     scales = d.block_scales(layer).float().repeat_interleave(64)
     want = (codes * scales).view(shape).to(torch.bfloat16)
     assert torch.equal(got, want)
+    state = d._State(layer, lib)  # one activation row at a time: the decoding loop (four weight rows at once)
+    for j in range(0, shape[1], 5):
+        one = torch.zeros(1, shape[1], dtype=torch.bfloat16)
+        one[0, j] = 1
+        assert torch.equal(d.run_kernel(lib, state, one, shape[0])[0], want[:, j]), j
     assert not torch.equal(got, bnb_weight(layer).to(torch.bfloat16))  # the test tells the two apart
 
 

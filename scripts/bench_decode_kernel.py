@@ -1,12 +1,15 @@
 """Benchmarks behind the 4-bit decode kernel (lit_qlora/decode4bit.py); figures, not tests.
 
-    python scripts/bench_decode_kernel.py layers [--rows 1,16,32] [--threads 1] [--compiled true]
+    python scripts/bench_decode_kernel.py layers [--rows 1,16,32] [--threads 1] [--compiled true] [--shapes 4096x4096]
     python scripts/bench_decode_kernel.py paired --folder CKPT [--precision 32-true] [--threads 1] [--rounds 3]
     python scripts/bench_decode_kernel.py head --folder CKPT [--precision 32-true] [--threads 1] [--rounds 5]
 
-layers: one 1536x576 and one 49152x576 layer (SmolLM2-135M's MLP and output layer): dense fp32 and bf16
-  `nn.Linear`, bitsandbytes' `Linear4bit` (dequantize + matmul) and the kernel, per quantization, per row count;
-  optionally a torch.compile'd fused dequantize-and-multiply (the alternative that was measured and rejected).
+layers: one 1536x576 and one 49152x576 layer (SmolLM2-135M's MLP and output layer; others with --shapes): dense
+  fp32 and bf16 `nn.Linear`, bitsandbytes' `Linear4bit` (dequantize + matmul; on AVX512-BF16 CPUs also its
+  repacked layout with its own gemv, "bnb packed") and the kernel, per quantization, per row count; optionally a
+  torch.compile'd fused dequantize-and-multiply (the alternative that was measured and rejected). A layer timed
+  over and over stays in the CPU's cache: these are compute figures; decoding a model reads its weights from
+  memory (tutorials/quantize.md).
   With one thread the time is the thread's CPU time, so other processes on a shared machine count less.
 paired: decode tokens/s of one checkpoint (ours, e.g. written by bench_generate.py; transformers' nf4 from its
   `hf/` subfolder when present) in one process, the settings alternating round by round: dense, nf4 on the
@@ -57,17 +60,21 @@ def fused_gemv(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, x
 
 
 def layers(rows: str = "1", threads: int = 1, modes: str = "bnb.nf4,bnb.nf4-dq,bnb.fp4",
-           compiled: bool = False) -> None:
-    """Time one layer per shape, dtype and row count (see the module docstring)."""
+           compiled: bool = False, shapes: str = "1536x576,49152x576") -> None:
+    """Time one layer per shape (`out x in`, comma-separated), dtype and row count (see the module docstring). On a
+    CPU with AVX512-BF16 also bitsandbytes' own fast path ("bnb packed": its repacked layout and gemv kernel)."""
+    from bitsandbytes.functional import has_avx512bf16
+
     from lit_qlora import decode4bit as d
-    from lit_qlora.quantize import make_quantized_linear, quantize_into
+    from lit_qlora.quantize import enable_cpu_inference_packing, make_quantized_linear, quantize_into
 
     torch.set_num_threads(threads)
     clock = timer(threads)
     lib = d.kernel()
     print(f"torch threads {torch.get_num_threads()}, clock {clock.__name__}, kernel {d.isa_name(lib) if lib else None}")
     compiled_fn = torch.compile(fused_gemv, dynamic=False) if compiled else None
-    for out_f, in_f in [(1536, 576), (49152, 576)]:
+    packed_too = has_avx512bf16()
+    for out_f, in_f in [tuple(int(v) for v in shape.split("x")) for shape in shapes.split(",")]:
         w = 0.02 * torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0))
         for dtype in (torch.float32, torch.bfloat16):
             dense = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
@@ -76,14 +83,22 @@ def layers(rows: str = "1", threads: int = 1, modes: str = "bnb.nf4,bnb.nf4-dq,b
             for mode in modes.split(","):
                 q = make_quantized_linear(nn.Linear(in_f, out_f, bias=False, device="meta"), mode, dtype)
                 quantize_into(q, w.to(dtype), torch.device("cpu"))
-                quantized[mode] = (q.eval(), d._State(q, lib) if lib else None)
+                packed = None
+                if packed_too:  # a second copy, repacked by bitsandbytes at its first eval forward
+                    packed = make_quantized_linear(nn.Linear(in_f, out_f, bias=False, device="meta"), mode, dtype)
+                    quantize_into(packed, w.to(dtype), torch.device("cpu"))
+                    packed = nn.Sequential(packed).eval()
+                    enable_cpu_inference_packing(packed, True)
+                quantized[mode] = (q.eval(), d._State(q, lib) if lib else None, packed)
             for r in (int(v) for v in rows.split(",")):
                 x = torch.randn(1, r, in_f).to(dtype)
                 with torch.inference_mode():
                     dense_us = median_us(lambda: dense(x), clock)
                     line = [f"{out_f}x{in_f} {str(dtype)[6:]:8} rows {r:3}: dense {dense_us:9.1f}"]
-                    for mode, (q, state) in quantized.items():
+                    for mode, (q, state, packed) in quantized.items():
                         line.append(f"{mode}: bnb {median_us(lambda: q(x), clock):9.1f}")
+                        if packed is not None:
+                            line.append(f"bnb packed {median_us(lambda: packed(x), clock):8.1f}")
                         if state is not None:
                             line.append(f"kernel {median_us(lambda: d.run_kernel(lib, state, x, out_f), clock):8.1f}")
                     if compiled_fn is not None and r == 1 and dtype == torch.float32:

@@ -130,11 +130,16 @@ def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("mode", MODES_4BIT)
 def test_kernel_reproduces_bnb_weights_bit_for_bit(mode, shape, variant):
-    """Row k of I @ W^T is column k of W: one product per output, so the kernel's fp32 weights show exactly."""
+    """Row k of I @ W^T is column k of W: one product per output, so the kernel's fp32 weights show exactly; also
+    one activation row at a time (the decoding loop, four weight rows at once on AVX512)."""
     lib = lib_for(variant)
     layer = quantized_layer(mode, *shape)
-    got = d.run_kernel(lib, d._State(layer, lib), torch.eye(shape[1]), shape[0]).T
-    assert torch.equal(got, bnb_weight(layer))
+    state = d._State(layer, lib)
+    got = d.run_kernel(lib, state, torch.eye(shape[1]), shape[0]).T
+    want = bnb_weight(layer)
+    assert torch.equal(got, want)
+    for j in range(0, shape[1], 5):
+        assert torch.equal(d.run_kernel(lib, state, torch.eye(shape[1])[j:j + 1], shape[0])[0], want[:, j]), j
 
 
 def test_flat_reference_is_the_right_one():

@@ -63,10 +63,10 @@ def layers(rows: str = "1", threads: int = 1, modes: str = "bnb.nf4,bnb.nf4-dq,b
            compiled: bool = False, shapes: str = "1536x576,49152x576") -> None:
     """Time one layer per shape (`out x in`, comma-separated), dtype and row count (see the module docstring). On a
     CPU with AVX512-BF16 also bitsandbytes' own fast path ("bnb packed": its repacked layout and gemv kernel)."""
-    from bitsandbytes.functional import has_avx512bf16
-
     from lit_qlora import decode4bit as d
-    from lit_qlora.quantize import enable_cpu_inference_packing, make_quantized_linear, quantize_into
+    from lit_qlora.quantize import enable_cpu_inference_packing, make_quantized_linear, quantize_into, quiet_bnb_import
+
+    has_avx512bf16 = quiet_bnb_import().functional.has_avx512bf16
 
     torch.set_num_threads(threads)
     clock = timer(threads)

@@ -189,6 +189,52 @@ static void permute_for_bf16dot(const uint16_t *x, uint16_t *xp, int64_t k) {
         for (int r = 0; r < 4; r++)
             for (int w = 0; w < 16; w++) xp[c + 16 * r + w] = x[c + 4 * w + NIBBLE_ELEMENT[r]];
 }
+
+/* The 128 weights of 64 packed bytes at wp as four vectors of 32 bf16 code values (run r: nibble r of each word),
+ * looked up in t (the 16 code values as bf16, twice over). */
+typedef struct { __m512bh r[4]; } chunk_t;
+static inline __attribute__((always_inline)) chunk_t bf16_chunk(const uint8_t *wp, __m512i t) {
+    _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
+    const __m512i b = _mm512_loadu_si512(wp);
+    chunk_t w;
+    for (int r = 0; r < 4; r++) w.r[r] = (__m512bh)_mm512_permutexvar_epi16(r ? _mm512_srli_epi16(b, 4 * r) : b, t);
+    return w;
+}
+
+/* Its products with the activations (four runs of 32 at xp) summed per lane pair, unscaled: lanes 0-7 hold the
+ * first block's partial sums, 8-15 the second's. */
+static inline __attribute__((always_inline)) __m512 bf16_chunk_dot(chunk_t w, const uint16_t *xp) {
+    __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w.r[0], (__m512bh)_mm512_loadu_si512(xp));
+    __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), w.r[1], (__m512bh)_mm512_loadu_si512(xp + 32));
+    p = _mm512_dpbf16_ps(p, w.r[2], (__m512bh)_mm512_loadu_si512(xp + 64));
+    q = _mm512_dpbf16_ps(q, w.r[3], (__m512bh)_mm512_loadu_si512(xp + 96));
+    return _mm512_add_ps(p, q);
+}
+
+/* A last lone block (32 bytes): the same with 256-bit vectors, its table the first 16 words of t, its sum in the
+ * low 8 lanes. */
+static inline __attribute__((always_inline)) __m512 bf16_block_dot(const uint8_t *wp, __m512i t,
+                                                                  const uint16_t *xp) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)wp), t16 = _mm512_castsi512_si256(t);
+    __m256 p = _mm256_setzero_ps(), q = _mm256_setzero_ps();
+    for (int r = 0; r < 4; r++) {
+        const __m256bh w = (__m256bh)_mm256_permutexvar_epi16(r ? _mm256_srli_epi16(b, 4 * r) : b, t16);
+        const __m256bh x = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 16 * r));
+        if (r & 1) q = _mm256_dpbf16_ps(q, w, x);
+        else p = _mm256_dpbf16_ps(p, w, x);
+    }
+    return _mm512_zextps256_ps512(_mm256_add_ps(p, q));
+}
+
+/* The scales of blocks blk (lanes 0-7) and blk + 1 (lanes 8-15). */
+static inline __attribute__((always_inline)) __m512 pair_scales(const q4_layer *L, int64_t blk, int b2_shift) {
+    return _mm512_insertf32x8(_mm512_set1_ps(block_scale(L, blk, b2_shift)),
+                              _mm256_set1_ps(block_scale(L, blk + 1, b2_shift)), 1);
+}
+
+static inline __m512i bf16_table(const q4_layer *L) {
+    return _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(L->code)));
+}
 #endif
 
 /* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs, or, for the bf16 loop, as bf16
@@ -209,43 +255,18 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
     if (xs16) { /* bf16 activations, 64-weight blocks (q4_linear checked): see the comment at the top */
         const int64_t nblk = k / 64, b0 = o * nblk;
         const uint8_t *wp = L->w + o * (k / 2);
-        const __m512i t = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(L->code)));
+        const __m512i t = bf16_table(L);
         int64_t c = 0;
         for (; c + 128 <= k; c += 128, wp += 64) {
-            _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
-            const __m512i b = _mm512_loadu_si512(wp);
-            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(b, t);
-            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
-            const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
-            const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), t);
-            const int64_t blk = b0 + c / 64; /* lanes 0-7 sum the first block's products, 8-15 the second's */
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(block_scale(L, blk, b2_shift)),
-                                                 _mm256_set1_ps(block_scale(L, blk + 1, b2_shift)), 1);
-            for (int m = 0; m < mt; m++) {
-                const uint16_t *xp = xs16 + (int64_t)m * k + c;
-                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(xp));
-                __m512 q = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, (__m512bh)_mm512_loadu_si512(xp + 32));
-                p = _mm512_dpbf16_ps(p, w2, (__m512bh)_mm512_loadu_si512(xp + 64));
-                q = _mm512_dpbf16_ps(q, w3, (__m512bh)_mm512_loadu_si512(xp + 96));
-                acc.v[m][0] = _mm512_fmadd_ps(_mm512_add_ps(p, q), sc, acc.v[m][0]);
-            }
+            const chunk_t w = bf16_chunk(wp, t);
+            const __m512 sc = pair_scales(L, b0 + c / 64, b2_shift);
+            for (int m = 0; m < mt; m++)
+                acc.v[m][0] = _mm512_fmadd_ps(bf16_chunk_dot(w, xs16 + (int64_t)m * k + c), sc, acc.v[m][0]);
         }
-        if (c < k) { /* a last lone block: the same with 256-bit vectors (its table is the first 16 words) */
-            const __m256i b = _mm256_loadu_si256((const __m256i *)wp), t16 = _mm512_castsi512_si256(t);
-            const __m256bh w0 = (__m256bh)_mm256_permutexvar_epi16(b, t16);
-            const __m256bh w1 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 4), t16);
-            const __m256bh w2 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 8), t16);
-            const __m256bh w3 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 12), t16);
+        if (c < k) {
             const __m512 sc = _mm512_set1_ps(block_scale(L, b0 + nblk - 1, b2_shift));
-            for (int m = 0; m < mt; m++) {
-                const uint16_t *xp = xs16 + (int64_t)m * k + c;
-                __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w0, (__m256bh)_mm256_loadu_si256((const __m256i *)xp));
-                __m256 q = _mm256_dpbf16_ps(_mm256_setzero_ps(), w1,
-                                            (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 16)));
-                p = _mm256_dpbf16_ps(p, w2, (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 32)));
-                q = _mm256_dpbf16_ps(q, w3, (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + 48)));
-                acc.v[m][1] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_add_ps(p, q)), sc, acc.v[m][1]);
-            }
+            for (int m = 0; m < mt; m++)
+                acc.v[m][1] = _mm512_fmadd_ps(bf16_block_dot(wp, t, xs16 + (int64_t)m * k + c), sc, acc.v[m][1]);
         }
     } else
 #endif
@@ -347,49 +368,18 @@ static void rows4_fp32(const q4_layer *L, int64_t o, const float *xs, int b2_shi
  * as much as a 128-weight chunk, and these rows are a few chunks long). */
 static void rows4_bf16dot(const q4_layer *L, int64_t o, const uint16_t *xp, int b2_shift, float *out) {
     const int64_t k = L->k, nblk = k / 64;
-    const __m512i t = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(L->code)));
+    const __m512i t = bf16_table(L);
     __m512 a[4];
     for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     int64_t c = 0;
-    for (; c + 128 <= k; c += 128) {
-        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + c), x1 = (__m512bh)_mm512_loadu_si512(xp + c + 32);
-        const __m512bh x2 = (__m512bh)_mm512_loadu_si512(xp + c + 64), x3 = (__m512bh)_mm512_loadu_si512(xp + c + 96);
-        for (int j = 0; j < 4; j++) {
-            const int64_t blk = (o + j) * nblk + c / 64;
-            const uint8_t *wp = L->w + (o + j) * (k / 2) + c / 2;
-            _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
-            const __m512i b = _mm512_loadu_si512(wp);
-            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(b, t);
-            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), t);
-            const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), t);
-            const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), t);
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(block_scale(L, blk, b2_shift)),
-                                                 _mm256_set1_ps(block_scale(L, blk + 1, b2_shift)), 1);
-            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0), q = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1);
-            p = _mm512_dpbf16_ps(p, w2, x2);
-            q = _mm512_dpbf16_ps(q, w3, x3);
-            a[j] = _mm512_fmadd_ps(_mm512_add_ps(p, q), sc, a[j]);
-        }
-    }
-    if (c < k) { /* a last lone block per row, as in row_dot */
-        const __m256i t16 = _mm512_castsi512_si256(t);
-        const __m256bh x0 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c));
-        const __m256bh x1 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 16));
-        const __m256bh x2 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 32));
-        const __m256bh x3 = (__m256bh)_mm256_loadu_si256((const __m256i *)(xp + c + 48));
-        for (int j = 0; j < 4; j++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(L->w + (o + j) * (k / 2) + c / 2));
-            const __m256bh w0 = (__m256bh)_mm256_permutexvar_epi16(b, t16);
-            const __m256bh w1 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 4), t16);
-            const __m256bh w2 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 8), t16);
-            const __m256bh w3 = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(b, 12), t16);
-            __m256 p = _mm256_dpbf16_ps(_mm256_setzero_ps(), w0, x0), q = _mm256_dpbf16_ps(_mm256_setzero_ps(), w1, x1);
-            p = _mm256_dpbf16_ps(p, w2, x2);
-            q = _mm256_dpbf16_ps(q, w3, x3);
-            a[j] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_add_ps(p, q)),
+    for (; c + 128 <= k; c += 128)
+        for (int j = 0; j < 4; j++) /* the activations' loads repeat per row: L1 hits, hoisted by the compiler */
+            a[j] = _mm512_fmadd_ps(bf16_chunk_dot(bf16_chunk(L->w + (o + j) * (k / 2) + c / 2, t), xp + c),
+                                   pair_scales(L, (o + j) * nblk + c / 64, b2_shift), a[j]);
+    if (c < k) /* a last lone block per row */
+        for (int j = 0; j < 4; j++)
+            a[j] = _mm512_fmadd_ps(bf16_block_dot(L->w + (o + j) * (k / 2) + c / 2, t, xp + c),
                                    _mm512_set1_ps(block_scale(L, (o + j + 1) * nblk - 1, b2_shift)), a[j]);
-        }
-    }
     reduce4(a[0], a[1], a[2], a[3], out);
 }
 #endif

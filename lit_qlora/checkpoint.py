@@ -79,16 +79,16 @@ class FileTensor:
         return self.read(0, self.numel()).reshape(self.shape)
 
     def read_rows(self, f: BinaryIO, rows: list[int]) -> torch.Tensor:
-        """Rows `rows` of this 2-D tensor, read from `f` (its file, opened binary and unbuffered), [len(rows), cols]:
-        one positioned read per row, so nothing else of the file is read or mapped."""
+        """Rows `rows` of this 2-D tensor, read from `f` (its file, opened binary), [len(rows), cols]: one positioned
+        read per row, so nothing else of the file is read or mapped."""
         row_bytes = self.shape[1] * self.itemsize
-        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)
-        buf = memoryview(out.numpy())
+        out = bytearray(len(rows) * row_bytes)
         for i, r in enumerate(rows):
-            row = buf[i * row_bytes:(i + 1) * row_bytes]
-            if os.preadv(f.fileno(), [row], self.offset + r * row_bytes) != row_bytes:
+            row = os.pread(f.fileno(), row_bytes, self.offset + r * row_bytes)
+            if len(row) != row_bytes:
                 raise UserError(f"{self.path} is shorter than its header says; convert the checkpoint again")
-        return out.view(self.dtype).view(len(rows), self.shape[1])
+            out[i * row_bytes:(i + 1) * row_bytes] = row
+        return torch.frombuffer(out, dtype=self.dtype).view(len(rows), self.shape[1])
 
 
 def as_tensor(t: "torch.Tensor | FileTensor") -> torch.Tensor:

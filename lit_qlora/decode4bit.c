@@ -24,6 +24,9 @@
  * being permuted once per call into the order the nibbles come out in, and each block's fp32 sum is scaled by its
  * absmax. The weights are thus bf16(code) * absmax, within bf16 rounding of bitsandbytes' values (a dense bf16
  * model holds bf16(code * absmax)), summed in fp32; the fp32 loops keep bitsandbytes' fp32 weights exactly.
+ *
+ * Decoding (one activation row) on AVX512 takes four weight rows at a time, sharing the activations' loads and one
+ * combined horizontal sum, and the AVX512 loops prefetch the weights a few KB ahead.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -55,7 +55,7 @@
 
 #define MAX_TILE 4 /* activation rows that share one decoding of a weight row */
 /* Bytes ahead of the weights being read that the AVX512 loops ask into the cache: decoding streams every weight
- * from memory once, and the hardware prefetcher alone left them 10-25% slower (SmolLM2-135M, AMD EPYC, one thread,
+ * from memory once, and the hardware prefetcher alone left them 10-28% slower (SmolLM2-135M, AMD EPYC, one thread,
  * kernel time per token: fp32 10.7 against 9.7 ms, bf16 8.7 against 6.8 ms; 2 to 16 KB ahead all did as well).
  * The AVX2 loop has none: it measured no faster with it (on the same CPU). */
 #ifndef Q4_PREFETCH

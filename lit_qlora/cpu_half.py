@@ -174,5 +174,19 @@ def attention32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
                 scale: float, enable_gqa: bool) -> torch.Tensor:
     """F.scaled_dot_product_attention of 16-bit q, k, v by fp32 kernels, the result in q's dtype."""
     if not torch.is_grad_enabled():  # the same forward without the autograd Function's ~15 us (a decoding step)
-        return _sdpa32(q.float(), k.float(), v.float(), mask, is_causal, scale, enable_gqa).to(q.dtype)
+        return _sdpa32(q.float(), _fp32_copy(k, 0), _fp32_copy(v, 1), mask, is_causal, scale, enable_gqa).to(q.dtype)
     return _Attention.apply(q, k, v, mask, is_causal, scale, enable_gqa)
+
+
+_scratch: list[Optional[torch.Tensor]] = [None, None]  # fp32 buffers for the keys and values outside autograd
+
+
+def _fp32_copy(t: torch.Tensor, slot: int) -> torch.Tensor:
+    """`t` in fp32, written into a buffer kept for the next call, which grows by doubling. Decoding converts the
+    cached keys and values of every layer at every step, one position longer each time: fresh tensors of ever
+    larger sizes fragmented the heap (SmolLM2-135M, 400 new tokens: +51 MiB resident against +13 without)."""
+    n = t.numel()
+    buf = _scratch[slot]
+    if buf is None or buf.numel() < n:
+        buf = _scratch[slot] = torch.empty(max(n, 2 * (buf.numel() if buf is not None else 0)))
+    return buf[:n].view(t.shape).copy_(t)

@@ -169,6 +169,23 @@ def test_a_16bit_decoding_step_attends_in_fp32(monkeypatch, native):
     assert not cpu_half.attention_in_fp32(q, decoding=True)  # with gradients
 
 
+def test_decoding_attention_reuses_its_fp32_buffers(monkeypatch):
+    """Outside autograd the keys and values are converted into two buffers that grow by doubling, not into fresh
+    tensors one position longer at every step (which fragmented the heap); the attention is the same."""
+    monkeypatch.setattr(cpu_half, "_scratch", [None, None])
+    q = randn(1, 4, 1, 16, seed=0)
+    kv = randn(2, 1, 2, 100, 16, seed=1)
+    buffers = set()
+    with torch.no_grad():
+        for L in range(1, 101):
+            k, v = kv[0, :, :, :L], kv[1, :, :, :L]  # views of a cache, as decoding passes them
+            got = cpu_half.attention32(q, k, v, None, False, 0.25, True)
+            want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.25, enable_gqa=True)
+            assert torch.equal(got, want.to(BF16)), L
+            buffers.add(cpu_half._scratch[0].data_ptr())
+    assert len(buffers) <= 8  # 2 x 1 x 16 -> 3200 elements, doubling: 7 allocations
+
+
 # ---- 2 and 3. a whole bf16-true training step ---------------------------------------------------------
 ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
              "_scaled_dot_product_attention_math"}

@@ -240,6 +240,21 @@ static inline __m512i bf16_table(const q4_layer *L) {
 }
 #endif
 
+#if Q4_ISA == 512
+/* One 64-weight block (32 bytes at wp, scale s) as fp32: the block's 16 values scaled once (code[i] * absmax, as
+ * bitsandbytes computes them), looked up with one vpermps per 16 weights, which reads only the low 4 bits of each
+ * index (the low nibble needs no mask). hi0/lo0: elements 0, 2, ..., 30 / 1, 3, ..., 31; hi1/lo1 the next 32. */
+typedef struct { __m512 hi0, lo0, hi1, lo1; } block_t;
+static inline __attribute__((always_inline)) block_t fp32_block(const uint8_t *wp, __m512 code, float s) {
+    _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
+    const __m512 t = _mm512_mul_ps(code, _mm512_set1_ps(s));
+    const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wp));
+    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16)));
+    return (block_t){_mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), _mm512_permutexvar_ps(i0, t),
+                     _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), _mm512_permutexvar_ps(i1, t)};
+}
+#endif
+
 /* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs, or, for the bf16 loop, as bf16
  * bits in xs16) into out[0..mt). */
 static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int64_t o, const float *xs,
@@ -279,18 +294,13 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
         const uint8_t *wp = L->w + o * (k / 2);
         const __m512 code = _mm512_loadu_ps(L->code);
         for (int64_t i = 0; i < nblk; i++, wp += 32) {
-            _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
-            const __m512 t = _mm512_mul_ps(code, _mm512_set1_ps(block_scale(L, b0 + i, b2_shift)));
-            __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wp));
-            __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16)));
-            __m512 hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), lo0 = _mm512_permutexvar_ps(i0, t);
-            __m512 hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), lo1 = _mm512_permutexvar_ps(i1, t);
+            const block_t w = fp32_block(wp, code, block_scale(L, b0 + i, b2_shift));
             for (int m = 0; m < mt; m++) {
                 const float *xe = xs + (int64_t)m * k + 32 * i, *xo = xe + k / 2;
-                acc.v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc.v[m][0]);
-                acc.v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc.v[m][1]);
-                acc.v[m][2] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc.v[m][2]);
-                acc.v[m][3] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc.v[m][3]);
+                acc.v[m][0] = _mm512_fmadd_ps(w.hi0, _mm512_loadu_ps(xe), acc.v[m][0]);
+                acc.v[m][1] = _mm512_fmadd_ps(w.lo0, _mm512_loadu_ps(xo), acc.v[m][1]);
+                acc.v[m][2] = _mm512_fmadd_ps(w.hi1, _mm512_loadu_ps(xe + 16), acc.v[m][2]);
+                acc.v[m][3] = _mm512_fmadd_ps(w.lo1, _mm512_loadu_ps(xo + 16), acc.v[m][3]);
             }
         }
     } else
@@ -349,15 +359,12 @@ static void rows4_fp32(const q4_layer *L, int64_t o, const float *xs, int b2_shi
         const __m512 xe0 = _mm512_loadu_ps(xe), xe1 = _mm512_loadu_ps(xe + 16);
         const __m512 xo0 = _mm512_loadu_ps(xo), xo1 = _mm512_loadu_ps(xo + 16);
         for (int j = 0; j < 4; j++) {
-            const uint8_t *wp = L->w + (o + j) * kh + 32 * i;
-            _mm_prefetch((const char *)(wp + Q4_PREFETCH), _MM_HINT_T0);
-            const __m512 t = _mm512_mul_ps(code, _mm512_set1_ps(block_scale(L, (o + j) * nblk + i, b2_shift)));
-            const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)wp));
-            const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16)));
-            a[j][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t), xe0, a[j][0]);
-            a[j][1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, t), xo0, a[j][1]);
-            a[j][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t), xe1, a[j][0]);
-            a[j][1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, t), xo1, a[j][1]);
+            const block_t w = fp32_block(L->w + (o + j) * kh + 32 * i, code,
+                                         block_scale(L, (o + j) * nblk + i, b2_shift));
+            a[j][0] = _mm512_fmadd_ps(w.hi0, xe0, a[j][0]);
+            a[j][1] = _mm512_fmadd_ps(w.lo0, xo0, a[j][1]);
+            a[j][0] = _mm512_fmadd_ps(w.hi1, xe1, a[j][0]);
+            a[j][1] = _mm512_fmadd_ps(w.lo1, xo1, a[j][1]);
         }
     }
     reduce4(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[1][0], a[1][1]), _mm512_add_ps(a[2][0], a[2][1]),

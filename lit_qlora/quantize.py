@@ -566,11 +566,9 @@ def format_memory_report(r: dict) -> str:
 
 
 def quiet_bnb_import():
-    """bitsandbytes, imported without the optional-kernel warning it prints on CPU (noise for our users)."""
+    """bitsandbytes (`load_bnb`, whose import is quiet), its later warnings silenced too (noise for our users)."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return load_bnb()
+    return load_bnb()
 
 
 def dequantize_weight(module: nn.Module) -> torch.Tensor:

@@ -49,7 +49,7 @@ from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_sharded
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
-from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
+from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.prepare import DataSettings, ensure_prepared
 from lit_qlora.quantize import (
     assert_trainable_4bit,
@@ -144,6 +144,7 @@ class Session:
 
 def setup(args: FinetuneArgs) -> None:
     """Check every input up front, then start one process per device (Fabric) running `main`."""
+    bound_cpu_matmul_caches()  # why: on CPU each batch's new shape would keep 1-2 MB of prepared 16-bit matmuls
     inputs = check_inputs(args)
     if inputs is None:  # --estimate_only printed the estimate
         return

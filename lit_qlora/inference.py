@@ -19,7 +19,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.decode4bit import enable_fast_decode
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.precision import parse_precision, resolve_precision, slow_precision_warning
+from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
 from lit_qlora.templates import CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
@@ -41,6 +41,7 @@ def pick_device(accelerator: str) -> torch.device:
 def resolve_generation_precision(precision: str, device: torch.device) -> tuple[str, str]:
     """--precision of a generate script: `auto` resolved for this device (with the reason), and a warning printed for
     a 16-bit precision the CPU has no native support for."""
+    bound_cpu_matmul_caches()  # every new prompt length is a new matmul shape
     precision, why = resolve_precision(precision, device.type)
     warning = slow_precision_warning(precision, device.type)
     if warning:

@@ -22,6 +22,9 @@ Settings:
                         exported to a transformers folder; transformers keeps its output layer dense
 Decode tokens/s counts the new tokens after the first (the prefill's): (n - 1) / (time of the last - time of the
 first). Prefill is the median of 3 forwards over a `prefill_len`-token prompt with the KV cache.
+"runtime GB" is the child's resident memory after its imports (python, torch, bitsandbytes, ours or transformers),
+before any weight: the part of the peak no choice of weights changes, which dominates below ~300M parameters.
+"above runtime vs dense" compares peak minus runtime: what the model itself costs to load and generate with.
 """
 from __future__ import annotations
 
@@ -48,6 +51,12 @@ def vm_hwm_gb() -> float:
     """Peak resident memory of this process (its own, from exec on), GiB."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+
+
+def vm_rss_gb() -> float:
+    """Resident memory of this process now, GiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
 
 
 def cpu_description() -> str:
@@ -83,6 +92,7 @@ def child_ours(folder: str, setting: str, precision: str, new_tokens: int, promp
     from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
     from lit_qlora.loader import load_model
 
+    runtime = vm_rss_gb()  # python, torch, bitsandbytes and our modules: paid before any weight
     quantize, _, flag = setting.partition(":")
     quantize = None if quantize == "none" else quantize
     t0 = time.perf_counter()
@@ -104,13 +114,16 @@ def child_ours(folder: str, setting: str, precision: str, new_tokens: int, promp
                                       long_prompt)
     n = len(out) - prompt_len
     return dict(tokens_per_sec=(n - 1) / (stamps[-1] - stamps[0]), new_tokens=n, prefill_s=prefill_s, load_s=load_s,
-                layers_on_kernel=on_kernel, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb())
+                layers_on_kernel=on_kernel, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb(),
+                runtime_rss_gb=runtime)
 
 
 def child_hf(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int, prefill_len: int) -> dict:
     """transformers' model from the exported folder, 4-bit by its bitsandbytes integration."""
+    import bitsandbytes  # noqa: F401  (transformers imports it while loading: part of its runtime)
     import transformers
 
+    runtime = vm_rss_gb()
     dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[precision]
     mode = setting.split(".", 1)[1]
     bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=mode.split("-")[0],
@@ -140,7 +153,7 @@ def child_hf(folder: str, setting: str, precision: str, new_tokens: int, prompt_
         prefill_s = timed_prefill(lambda p: model(p, use_cache=True), lambda: None, lambda: None, long_prompt)
     n = out.shape[1] - prompt_len
     return dict(tokens_per_sec=(n - 1) / (stamps[-1] - stamps[0]), new_tokens=n, prefill_s=prefill_s, load_s=load_s,
-                layers_on_kernel=0, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb())
+                layers_on_kernel=0, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb(), runtime_rss_gb=runtime)
 
 
 def child(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int, prefill_len: int,
@@ -155,7 +168,9 @@ def child(folder: str, setting: str, precision: str, new_tokens: int, prompt_len
 
 def hf_available() -> bool:
     try:
-        import bitsandbytes  # noqa: F401
+        from lit_qlora.quantize import load_bnb
+
+        load_bnb()  # its import-time notes silenced
         import transformers  # noqa: F401
     except Exception:
         return False
@@ -223,12 +238,21 @@ def print_table(rows: list[dict]) -> None:
     def rel(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}x" if a and b else "-"
 
+    def fmt(x: float | None) -> str:
+        return f"{x:.2f}" if x is not None else "-"
+
+    def above_runtime(**match) -> float | None:  # the model's own memory: peak less what the imports alone hold
+        vals = [r["peak_rss_gb"] - r["runtime_rss_gb"] for r in rows
+                if "runtime_rss_gb" in r and all(r.get(k) == v for k, v in match.items())]
+        return statistics.median(vals) if vals else None
+
     print("\n| model | threads | precision | setting | runs | decode tokens/s | vs dense | vs hf.nf4 | prefill ms | "
-          "peak RSS GB | vs dense |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "peak RSS GB | vs dense | runtime GB | above runtime vs dense |\n" + "|---" * 13 + "|")
     keys = list(dict.fromkeys((r.get("model", "-"), r.get("threads"), r["precision"], r["setting"]) for r in rows))
     for model, threads, prec in dict.fromkeys((m, t, p) for m, t, p, _ in keys):
         base = dict(model=model, threads=threads, precision=prec)
         dense_tps, dense_rss = med("tokens_per_sec", **base, setting="none"), med("peak_rss_gb", **base, setting="none")
+        dense_above = above_runtime(**base, setting="none")
         hf_tps = med("tokens_per_sec", **base, setting="hf.nf4")
         for m, t, p, s in keys:
             if (m, t, p) != (model, threads, prec):
@@ -238,7 +262,8 @@ def print_table(rows: list[dict]) -> None:
             name = "dense" if s == "none" else s
             print(f"| {model} | {threads} | {prec} | {name} | {runs} | {tps:.1f} | {rel(tps, dense_tps)} | "
                   f"{rel(tps, hf_tps)} | {1000 * med('prefill_s', **base, setting=s):.0f} | {rss:.2f} | "
-                  f"{rel(rss, dense_rss)} |")
+                  f"{rel(rss, dense_rss)} | {fmt(med('runtime_rss_gb', **base, setting=s))} | "
+                  f"{rel(above_runtime(**base, setting=s), dense_above)} |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import sys
 import threading
@@ -33,7 +34,27 @@ def random_checkpoint(folder: Path, config: Config, seed: int = 0) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a rendezvous that binds it a moment later. Not port 0's pick: that comes from the
+    kernel's ephemeral range, which every outgoing connection (the other xdist worker's DDP runs, gloo's own
+    sockets) also draws from, so by the time torchrun binds it another socket may hold it, and the other 'machine'
+    waits for a master that never comes until the test's timeout. Below that range the kernel hands out nothing;
+    each xdist worker gets its own block of it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    start = 15000 + 1000 * (int(worker) % 16 if worker.isdigit() else 0)
+    candidates = list(range(start, min(start + 1000, low)))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a system with an unusual port range: the kernel's pick after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -178,7 +179,15 @@ def attention32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
     return _Attention.apply(q, k, v, mask, is_causal, scale, enable_gqa)
 
 
-_scratch: list[Optional[torch.Tensor]] = [None, None]  # fp32 buffers for the keys and values outside autograd
+_scratch = threading.local()  # per thread: fp32 buffers for the keys and values outside autograd
+
+
+def _buffers() -> list[Optional[torch.Tensor]]:
+    """This thread's two buffers: torch releases the GIL inside ops, so two threads generating at once (a server)
+    would otherwise write each other's keys into a buffer the other is about to read."""
+    if not hasattr(_scratch, "bufs"):
+        _scratch.bufs = [None, None]
+    return _scratch.bufs
 
 
 def _fp32_copy(t: torch.Tensor, slot: int) -> torch.Tensor:
@@ -186,7 +195,8 @@ def _fp32_copy(t: torch.Tensor, slot: int) -> torch.Tensor:
     cached keys and values of every layer at every step, one position longer each time: fresh tensors of ever
     larger sizes fragmented the heap (SmolLM2-135M, 400 new tokens: +51 MiB resident against +13 without)."""
     n = t.numel()
-    buf = _scratch[slot]
+    bufs = _buffers()
+    buf = bufs[slot]
     if buf is None or buf.numel() < n:
-        buf = _scratch[slot] = torch.empty(max(n, 2 * (buf.numel() if buf is not None else 0)))
+        buf = bufs[slot] = torch.empty(max(n, 2 * (buf.numel() if buf is not None else 0)))
     return buf[:n].view(t.shape).copy_(t)

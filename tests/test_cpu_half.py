@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_a_16bit_decoding_step_attends_in_fp32(monkeypatch, native):
 def test_decoding_attention_reuses_its_fp32_buffers(monkeypatch):
     """Outside autograd the keys and values are converted into two buffers that grow by doubling, not into fresh
     tensors one position longer at every step (which fragmented the heap); the attention is the same."""
-    monkeypatch.setattr(cpu_half, "_scratch", [None, None])
+    monkeypatch.setattr(cpu_half, "_scratch", threading.local())
     q = randn(1, 4, 1, 16, seed=0)
     kv = randn(2, 1, 2, 100, 16, seed=1)
     buffers = set()
@@ -182,8 +183,34 @@ def test_decoding_attention_reuses_its_fp32_buffers(monkeypatch):
             got = cpu_half.attention32(q, k, v, None, False, 0.25, True)
             want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.25, enable_gqa=True)
             assert torch.equal(got, want.to(BF16)), L
-            buffers.add(cpu_half._scratch[0].data_ptr())
+            buffers.add(cpu_half._buffers()[0].data_ptr())
     assert len(buffers) <= 8  # 2 x 1 x 16 -> 3200 elements, doubling: 7 allocations
+
+
+def test_threads_decoding_at_once_keep_their_own_buffers():
+    """Two threads generating at the same time (torch lets go of the GIL inside ops) each convert into buffers of
+    their own, and each gets its own attention while the other runs."""
+    q = randn(1, 4, 1, 16, seed=0)
+    kvs = [randn(2, 1, 2, 64, 16, seed=s) for s in (1, 2)]
+    wants = [F.scaled_dot_product_attention(q.float(), kv[0].float(), kv[1].float(), scale=0.25,
+                                            enable_gqa=True).to(BF16) for kv in kvs]
+    seen, wrong, start = {}, [], threading.Barrier(2)
+
+    def decode(i: int) -> None:
+        start.wait()
+        with torch.no_grad():
+            for _ in range(300):
+                got = cpu_half.attention32(q, kvs[i][0], kvs[i][1], None, False, 0.25, True)
+                if not torch.equal(got, wants[i]):
+                    wrong.append(i)
+        seen[i] = {b.data_ptr() for b in cpu_half._buffers()}
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not seen[0] & seen[1] and not wrong
 
 
 # ---- 2 and 3. a whole bf16-true training step ---------------------------------------------------------

@@ -492,6 +492,7 @@ def validate(s: Session) -> float:
         counted = float(bool(chunk))  # FSDP: every rank takes part in every forward; an empty share counts nothing
         batch = collate(chunk or val_data[:1], pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX)
         tgt = shift_labels(batch["labels"], IGNORE_INDEX)
+        batch, tgt = unpad(batch, tgt)  # as in training: the same losses without computing the padding
         total += torch.stack([_batch_loss(s, batch, tgt).float(),
                               (tgt != IGNORE_INDEX).sum().float().to(fabric.device)]) * counted
     total = fabric.all_reduce(total, reduce_op="sum") if world > 1 else total

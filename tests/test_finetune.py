@@ -23,6 +23,7 @@ import shutil
 import helpers_train as h
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
@@ -222,3 +223,29 @@ def test_packed_run_resumes_exactly_and_computes_little_padding(train_setup, tmp
     assert [metrics[run]["real_token_share"] for run in (a, unpacked)] == [1.0, 1.0], metrics
     fill = {run: metrics[run]["row_fill"] for run in (a, unpacked)}
     assert fill[a] > 0.85 and fill[a] > fill[unpacked] + 0.1, fill
+
+
+def test_starting_validation_loss_is_transformers_loss_on_the_validation_samples(train_setup, tmp_path):
+    """The validation loss at iteration 0 (lora_B = 0: the base model) is the token-weighted cross-entropy that
+    transformers' model of the same checkpoint gives on the validation batches finetune evaluates (the first
+    eval_iters x micro_batch_size prepared samples, of different lengths), each sample run on its own."""
+    import transformers
+
+    data = h.fresh_data_dir(train_setup["data"], tmp_path / "data")
+    out = tmp_path / "out"
+    h.train({**train_setup, "data": data}, out, max_iters=1, eval_iters=3, micro_batch_size=2)
+    with open(out / "metrics.csv", newline="") as f:
+        start = next(r for r in csv.DictReader(f) if r["iter"] == "0")
+    (val_file,) = data.rglob("val.pt")
+    val = torch.load(val_file, weights_only=True)[:6]
+    assert len({len(s["input_ids"]) for s in val}) > 1  # batches with padding
+    model = transformers.AutoModelForCausalLM.from_pretrained(train_setup["ckpt"], dtype=torch.float32).eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for s in val:
+            logits = model(s["input_ids"][None]).logits[0, :-1]
+            tgt = s["labels"][1:]
+            keep = tgt != -100
+            total += float(F.cross_entropy(logits[keep], tgt[keep], reduction="sum"))
+            count += int(keep.sum())
+    assert float(start["val_loss"]) == pytest.approx(total / count, abs=2e-5)  # fp32: 1e-6 apart

@@ -50,7 +50,7 @@ from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.precision import Precision, parse_precision
-from lit_qlora.quantize import _CPU_CHUNK, QUANTIZE_MODES
+from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, QUANTIZE_MODES
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -570,13 +570,13 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
 def _load_temp(c: Config, quantize: Optional[str], prec, device_type: str) -> int:
     """What loading holds beyond the weights it has placed. On a GPU the largest tensor, read on the CPU, is
     quantized from its copy on the device. On CPU quantized layers are quantized from the file a chunk at a time
-    (`quantize._CPU_CHUNK` elements; bitsandbytes' quantizers make ~16 bytes of fp32/int32 copies per element) and
+    (`CPU_QUANTIZE_CHUNK` elements; bitsandbytes' quantizers make ~16 bytes of fp32/int32 copies per element) and
     dense tensors are cast as they are read: a few MiB whatever the model (SmolLM2-135M's shape, every mode
     measured: 3-5 MiB above the loaded weights)."""
     if device_type == "cuda":
         big = max(c.vocab_size * c.n_embd, c.intermediate_size * c.n_embd, sum(c.qkv_sizes) * c.n_embd)
         return big * (2 + 1) if quantize == "bnb.int8" else big * 2 if quantize else 0
-    return _CPU_CHUNK * 16 if quantize else 0
+    return CPU_QUANTIZE_CHUNK * 16 if quantize else 0
 
 
 def pick_micro_batch_size(budget_bytes: float, max_micro_batch_size: int = 1024, **kw) -> tuple[int, Estimate]:

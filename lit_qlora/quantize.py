@@ -232,17 +232,17 @@ def quantize_into(module: nn.Module, weight: torch.Tensor | FileTensor, device: 
 
 # bitsandbytes' CPU quantizers are plain torch code that makes fp32/int32 copies of the whole weight: about 16 bytes
 # per parameter at once (24 for fp4), which for a large output layer alone broke the loader's memory budget.
-# On CPU we therefore quantize _CPU_CHUNK elements at a time into preallocated outputs. 4-bit blocks and int8 rows
-# never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the result
-# is bit-identical. 128K elements per chunk: ~2.5 MB of temporaries (a 4-bit generation's peak RSS is its load's
+# On CPU we therefore quantize CPU_QUANTIZE_CHUNK elements at a time into preallocated outputs. 4-bit blocks and
+# int8 rows never straddle a chunk, and the double quantization of the block scales runs once over all of them, so the
+# result is bit-identical. 128K elements per chunk: ~2.5 MB of temporaries (a 4-bit generation's peak RSS is its load's
 # peak when they are larger: 1M elements added 17 MB to 0.32 GB), and as fast as 256K or 1M elements (8192 x 4096
 # bf16 to nf4: 0.41-0.43 s each; 64K elements: 0.48 s).
-_CPU_CHUNK = 1 << 17
+CPU_QUANTIZE_CHUNK = 1 << 17
 def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> None:
     F = bnb.functional
     if isinstance(module, bnb.nn.Linear8bitLt):
         cols = weight.shape[1]
-        rows, read = max(1, _CPU_CHUNK // cols), _flat_reader(weight)
+        rows, read = max(1, CPU_QUANTIZE_CHUNK // cols), _flat_reader(weight)
         cb = torch.empty(weight.shape, dtype=torch.int8)
         scb = torch.empty(weight.shape[0], dtype=torch.float32)
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
@@ -271,11 +271,11 @@ def _flat_reader(weight: torch.Tensor | FileTensor) -> Callable[[int, int], torc
 def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict,
                        dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, object]:
     """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`
-    converted to `dtype` (default: its own), in chunks (see _CPU_CHUNK)."""
+    converted to `dtype` (default: its own), in chunks (see CPU_QUANTIZE_CHUNK)."""
     dtype = dtype or weight.dtype
     read = _flat_reader(weight)
     n, bs, quant_type = weight.numel(), settings["blocksize"], settings["quant_type"]
-    step = max(1, _CPU_CHUNK // bs) * bs
+    step = max(1, CPU_QUANTIZE_CHUNK // bs) * bs
     packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
     absmax = torch.empty(-(n // -bs), dtype=torch.float32)
     for start in range(0, n, step):

@@ -104,7 +104,7 @@ def test_each_rank_holds_about_half_the_base(sharded_loads):
     """The medium model: ~64M parameters, 33 MiB at nf4-dq (bf16 embeddings and norms). Loaded sharded over two
     ranks, each rank's resident memory grows by about half of that (its shards, the block scales every rank keeps
     whole, FSDP's bookkeeping), where the unsharded load (what every DDP rank does) grows by all of it; at the peak
-    both add the same working memory of the quantizer (a few MiB on CPU, lit_qlora.quantize._CPU_CHUNK)."""
+    both add the same working memory of the quantizer (a few MiB on CPU, lit_qlora.quantize.CPU_QUANTIZE_CHUNK)."""
     r0, r1 = sharded_loads["medium nf4-dq bf16"]
     ref = sharded_loads["unsharded medium"]
     full, ref_growth, ref_peak = r0["full_bytes"], ref["rss_growth"], ref["rss_peak_growth"]

@@ -187,7 +187,7 @@ def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
     """quantize_into works through big weights a few blocks / rows at a time on CPU (peak memory); force many chunks."""
     import lit_qlora.quantize as q
 
-    monkeypatch.setattr(q, "_CPU_CHUNK", 5 * 64)
+    monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
     w = (0.02 * torch.randn(*shape, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
     sizes = []
     with monkeypatch.context() as mp:  # bitsandbytes only ever sees one chunk at a time
@@ -265,7 +265,7 @@ def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch,
     import lit_qlora.quantize as q
     from lit_qlora.checkpoint import FileTensor
 
-    monkeypatch.setattr(q, "_CPU_CHUNK", 5 * 64)
+    monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
     w = (0.02 * torch.randn(96, 192, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
     write_safetensors_stream(tmp_path / "w.safetensors", [("w", w.shape, w.dtype)], [("w", w)])
     (_, source), = read_safetensors(tmp_path / "w.safetensors", deferred=True)
@@ -287,7 +287,7 @@ def test_loader_quantizes_from_the_file_a_chunk_at_a_time(small_ckpt, monkeypatc
     import lit_qlora.quantize as q
     from lit_qlora.checkpoint import FileTensor
 
-    monkeypatch.setattr(q, "_CPU_CHUNK", 5 * 64)
+    monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
     reads = []
     monkeypatch.setattr(FileTensor, "read", lambda self, start, count, _f=FileTensor.read:
                         reads.append((tuple(self.shape), count)) or _f(self, start, count))

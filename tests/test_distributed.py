@@ -127,10 +127,29 @@ COMMON = dict(quantize="bnb.nf4-dq", precision="32-true", accelerator="cpu", lea
               max_iters=10)  # min_lr == learning_rate: a constant rate, so a resumed run may extend --max_iters
 
 
+def _outputs_of_killed(procs: list[subprocess.Popen], done: list[str]) -> str:
+    """The tail of what each node printed to stderr (`done`: of the nodes that had finished, in order), after
+    `_kill_all`: where a rendezvous or a collective was stuck."""
+    parts = []
+    for i, q in enumerate(procs):
+        if i < len(done):
+            err = done[i]
+        else:
+            try:
+                err = q.communicate(timeout=10)[1]
+            except subprocess.TimeoutExpired:
+                err = "(not readable)"
+        parts.append(f"--- node {i}, exit {q.returncode}, stderr tail:\n{(err or '')[-3000:]}")
+    return "\n".join(parts)
+
+
 def _kill_all(procs: list[subprocess.Popen]) -> None:
     for q in procs:
-        for child in psutil.Process(q.pid).children(recursive=True):
-            child.kill()
+        try:
+            for child in psutil.Process(q.pid).children(recursive=True):
+                child.kill()
+        except psutil.NoSuchProcess:  # this node had finished
+            pass
         q.kill()
 
 
@@ -152,7 +171,8 @@ def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tu
             stdout, stderr = p.communicate(timeout=240)
         except subprocess.TimeoutExpired:  # e.g. processes out of step in a collective: end them all, workers too
             _kill_all(procs)  # (torchrun starts its workers in sessions of their own)
-            raise
+            raise AssertionError(f"the {nnodes} nodes (port {port}) did not finish in 240 s:\n"
+                                 + _outputs_of_killed(procs, [r.stderr for r in results])) from None
         results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     for i, r in enumerate(results):
         assert not check or r.returncode == 0, f"node {i} exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
@@ -227,12 +247,15 @@ def test_machines_that_found_different_checkpoints_refuse_to_start(train_setup, 
                                            "resume": "auto"})]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**h.env(), "NODE_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
         cwd=h.ROOT) for r in range(2)]
+    seen: list[str] = []
     for p in procs:
         try:
             _, stderr = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             _kill_all(procs)
-            raise
+            raise AssertionError(f"the 2 nodes (port {port}) did not stop in 120 s:\n"
+                                 + _outputs_of_killed(procs, seen)) from None
+        seen.append(stderr)
         lines = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
         assert p.returncode == 2 and lines == [
             "error: the processes of this run would start at different iterations (0 to 5): each machine found "

@@ -269,11 +269,6 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
                      lambda p: p.write_text(json.dumps(hparams, indent=2, default=str)))
     fit(s)
     summarize(s)
-    if torch.distributed.is_initialized():
-        # why: left to the interpreter's exit, the process group is torn down while its threads still run: a rank of
-        # a two-machine run ended in "terminate called without an active exception" and the other waited for it
-        fabric.barrier()
-        torch.distributed.destroy_process_group()
 
 
 def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session:

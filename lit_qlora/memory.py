@@ -395,7 +395,7 @@ def estimate_training_memory(
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
     load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
-                 + _load_temp(c, quantize, prec, device_type))
+                 + _load_temp(c, quantize, device_type))
     if load_peak > sum(parts.values()):
         parts["temporaries"] += load_peak - sum(parts.values())
         phase, temp_note = "loading", "reading + converting the largest tensor"
@@ -567,7 +567,7 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
     }
 
 
-def _load_temp(c: Config, quantize: Optional[str], prec, device_type: str) -> int:
+def _load_temp(c: Config, quantize: Optional[str], device_type: str) -> int:
     """What loading holds beyond the weights it has placed. On a GPU the largest tensor, read on the CPU, is
     quantized from its copy on the device. On CPU quantized layers are quantized from the file a chunk at a time
     (`CPU_QUANTIZE_CHUNK` elements; bitsandbytes' quantizers make ~16 bytes of fp32/int32 copies per element) and

@@ -232,7 +232,7 @@ def main(model: str = "", n_layer: int = 12, n_embd: int = 768, n_head: int = 12
 def print_table(rows: list[dict]) -> None:
     """Medians per (model, precision, setting), relative to dense and to transformers' nf4 of the same precision."""
     def med(key: str, **match) -> float | None:
-        vals = [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
+        vals = [r[key] for r in rows if key in r and all(r.get(k) == v for k, v in match.items())]
         return statistics.median(vals) if vals else None
 
     def rel(a: float | None, b: float | None) -> str:
@@ -241,10 +241,9 @@ def print_table(rows: list[dict]) -> None:
     def fmt(x: float | None) -> str:
         return f"{x:.2f}" if x is not None else "-"
 
-    def above_runtime(**match) -> float | None:  # the model's own memory: peak less what the imports alone hold
-        vals = [r["peak_rss_gb"] - r["runtime_rss_gb"] for r in rows
-                if "runtime_rss_gb" in r and all(r.get(k) == v for k, v in match.items())]
-        return statistics.median(vals) if vals else None
+    for r in rows:  # the model's own memory: peak less what the imports alone hold (rows of older runs lack it)
+        if "runtime_rss_gb" in r:
+            r["above_runtime_gb"] = r["peak_rss_gb"] - r["runtime_rss_gb"]
 
     print("\n| model | threads | precision | setting | runs | decode tokens/s | vs dense | vs hf.nf4 | prefill ms | "
           "peak RSS GB | vs dense | runtime GB | above runtime vs dense |\n" + "|---" * 13 + "|")
@@ -252,7 +251,7 @@ def print_table(rows: list[dict]) -> None:
     for model, threads, prec in dict.fromkeys((m, t, p) for m, t, p, _ in keys):
         base = dict(model=model, threads=threads, precision=prec)
         dense_tps, dense_rss = med("tokens_per_sec", **base, setting="none"), med("peak_rss_gb", **base, setting="none")
-        dense_above = above_runtime(**base, setting="none")
+        dense_above = med("above_runtime_gb", **base, setting="none")
         hf_tps = med("tokens_per_sec", **base, setting="hf.nf4")
         for m, t, p, s in keys:
             if (m, t, p) != (model, threads, prec):
@@ -263,7 +262,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {model} | {threads} | {prec} | {name} | {runs} | {tps:.1f} | {rel(tps, dense_tps)} | "
                   f"{rel(tps, hf_tps)} | {1000 * med('prefill_s', **base, setting=s):.0f} | {rss:.2f} | "
                   f"{rel(rss, dense_rss)} | {fmt(med('runtime_rss_gb', **base, setting=s))} | "
-                  f"{rel(above_runtime(**base, setting=s), dense_above)} |")
+                  f"{rel(med('above_runtime_gb', **base, setting=s), dense_above)} |")
 
 
 if __name__ == "__main__":

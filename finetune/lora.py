@@ -37,6 +37,7 @@ from lit_qlora.distributed import (
     check_same_start,
     check_strategy,
     check_world,
+    end_all_ranks,
     full_lora_state_dict,
     fully_shard_gpt,
     is_sharded,
@@ -269,6 +270,8 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
                      lambda p: p.write_text(json.dumps(hparams, indent=2, default=str)))
     fit(s)
     summarize(s)
+    if fabric.world_size > 1:
+        end_all_ranks(fabric)  # not through the interpreter's teardown (see there)
 
 
 def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session:
@@ -383,7 +386,9 @@ def fit(s: Session) -> None:
         if stop_now and s.step < s.max_steps:
             path = checkpoint_path(args.run.out_dir, s.step) if saved else save(s, "interrupted")
             fabric.print(f"Stopped at iteration {s.step}; continue with --resume (checkpoint {path})", file=sys.stderr)
+            metrics.close()
             sys.exit(128 + (stop.signum or signal.SIGTERM))
+    metrics.close()
 
 
 def train_step(s: Session) -> Optional[tuple[float, int]]:

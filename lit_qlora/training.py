@@ -229,6 +229,12 @@ class MetricsLog:
                 if k not in ("iter", "step") and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["iter"])
 
+    def close(self) -> None:
+        """Write out what TensorBoard still buffers (its writer flushes on its own every two minutes)."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
     def _read_rows(self) -> list[dict]:
         """Whole rows only: the last line of a run killed while appending may be cut short. A row holds a training
         loss, or (iteration 0, the starting point) a validation loss alone."""

@@ -18,6 +18,7 @@ per-rank estimate in tests/test_memory.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -153,17 +154,20 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
         q.kill()
 
 
-def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tuple = (), **kw
-              ) -> list[subprocess.CompletedProcess]:
+def run_nodes(setup: dict, out, nnodes: int = 2, check: bool = True, node_kw: tuple = (), pythonpath: str = "",
+              **kw) -> list[subprocess.CompletedProcess]:
     """finetune/lora.py on `nnodes` localhost 'machines' through torchrun, one process each (`node_kw`: flags that
-    differ per machine)."""
+    differ per machine; `pythonpath`: a folder searched before the repository's)."""
     port = hd.free_port()
     flags = [{**COMMON, "devices": 1, "num_nodes": nnodes, "micro_batch_size": 2, **kw, **(node_kw[r] if node_kw
                                                                                              else {})}
              for r in range(nnodes)]
     args = [h.train_args(setup, f.pop("out_dir", out), **f) for f in flags]
+    env = h.env()
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env["PYTHONPATH"]])
     procs = [subprocess.Popen(hd.torchrun_node(r, nnodes, port, h.FINETUNE, args[r]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=h.env(), cwd=h.ROOT)
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=h.ROOT)
              for r in range(nnodes)]
     results = []
     for p in procs:
@@ -189,9 +193,16 @@ def one_process(train_setup, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_nodes(train_setup, tmp_path_factory):
-    """DDP over two torchrun 'machines': 10 iterations, checkpoints at 5 and 10."""
+    """DDP over two torchrun 'machines': 10 iterations, checkpoints at 5 and 10. Every worker would abort in its
+    interpreter's teardown (a sitecustomize registers os.abort at exit), as gloo's teardown of the process group
+    sometimes did ("terminate called without an active exception", then the other machine waited forever): a run
+    must be over, every rank exited 0, before that teardown (distributed.end_all_ranks)."""
+    site = tmp_path_factory.mktemp("abort_at_exit")
+    (site / "sitecustomize.py").write_text("import atexit, os\n"
+                                           "if 'LOCAL_RANK' in os.environ:  # torchrun's workers, not its agents\n"
+                                           "    atexit.register(os.abort)\n")
     out = tmp_path_factory.mktemp("nodes") / "out"
-    return out, run_nodes(train_setup, out)
+    return out, run_nodes(train_setup, out, pythonpath=str(site))
 
 
 def test_two_machines_equal_one_process(one_process, two_nodes):

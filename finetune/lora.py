@@ -387,7 +387,10 @@ def fit(s: Session) -> None:
             path = checkpoint_path(args.run.out_dir, s.step) if saved else save(s, "interrupted")
             fabric.print(f"Stopped at iteration {s.step}; continue with --resume (checkpoint {path})", file=sys.stderr)
             metrics.close()
-            sys.exit(128 + (stop.signum or signal.SIGTERM))
+            code = 128 + (stop.signum or signal.SIGTERM)
+            if world > 1:
+                end_all_ranks(fabric, code)  # every rank, with the code of the signal (see there)
+            sys.exit(code)
     metrics.close()
 
 

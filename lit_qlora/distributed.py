@@ -185,9 +185,10 @@ def load_optimizer_state(model: nn.Module, optimizer, saved: dict, sharded: bool
     set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
 
 
-def end_all_ranks(fabric) -> None:
-    """The last call of a multi-process run, on every rank once its part of the outputs is written: wait for all
-    ranks, then leave at once (os._exit(0)) instead of through the interpreter's teardown of the process group.
+def end_all_ranks(fabric, code: int = 0) -> None:
+    """The last call of a multi-process run, on every rank once its part of the outputs is written (the end of
+    training, or the checkpoint of a run stopped by a signal, `code` 128 + its number): wait for all ranks, then leave
+    at once (os._exit) instead of through the interpreter's teardown of the process group.
 
     Why: that teardown raced with the other ranks'. In about 1 in 8 two-machine runs (tests/test_distributed.py on
     one host) a rank died at exit in "terminate called without an active exception", after the adapter had been
@@ -198,4 +199,4 @@ def end_all_ranks(fabric) -> None:
     fabric.barrier()  # rank 0 writes the adapter and metrics.json after the others are done: wait for it
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

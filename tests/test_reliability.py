@@ -9,7 +9,8 @@ What is shown here:
 4. not enough disk space is found before training and a failed checkpoint write keeps the previous checkpoint;
 5. SIGKILL at random moments of a run that checkpoints every iteration: every checkpoint file on disk is intact and the
    next run resumes from the newest one, ten times in a row, and the last run finishes;
-6. SIGTERM saves a checkpoint and exits with 143; resuming retraces an uninterrupted run exactly;
+6. SIGTERM saves a checkpoint and exits with 143; resuming retraces an uninterrupted run exactly; with two DDP
+   processes a signal to one stops both at the same iteration;
 7. an exploding learning rate in 16-true stops with the NaN message, and the last good checkpoint loads.
 
 The error cases call finetune/lora.py's CLI entry point (`cli()`) in-process, which is what `python
@@ -25,6 +26,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -521,6 +523,46 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(train_setup, tmp_path_f
     r = h.train(train_setup, c, resume="true", **h.RESUME_ARGS)
     assert f"Resuming from {path} at iteration {step}" in r.stderr
     h.assert_same_run(a, c)
+
+
+def test_sigterm_to_one_of_two_ddp_processes_stops_both_and_resume_continues(train_setup, tmp_path):
+    """Two DDP processes (Fabric starts the second): SIGTERM reaches the first only, yet both stop at the same
+    iteration after one checkpoint, exit, and leave nothing running; two processes resuming from it end where one
+    uninterrupted process over the same global batches does."""
+    import psutil
+
+    args = dict(h.RESUME_ARGS, max_iters=12, lora_dropout=0.0, accelerator="cpu")
+    ref = tmp_path / "one"
+    h.train(train_setup, ref, **dict(args, micro_batch_size=4))
+    out = tmp_path / "ddp"
+    proc = h.spawn_script(h.FINETUNE, h.train_args(train_setup, out, devices=2, **args))
+    err, ranks = [], []
+    for line in proc.stderr:
+        err.append(line)
+        if line.startswith("Training "):  # both processes run by now, each with its signal handler in place
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGTERM)
+            break
+    try:
+        _, rest = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        for p in [proc, *ranks]:
+            p.kill()
+        raise
+    err = "".join(err) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert ranks and not psutil.wait_procs(ranks, timeout=30)[1], "the second process is still running"
+    m = re.search(r"Stopped at iteration (\d+); continue with --resume \(checkpoint (.+)\)", err)
+    assert m, err
+    step, path = int(m.group(1)), Path(m.group(2))
+    assert 1 <= step < args["max_iters"] and path == out / f"checkpoints/iter-{step:06d}.pth" and path.is_file()
+    assert not (out / "lit_model_lora_finetuned.pth").exists()
+    r = h.train(train_setup, out, resume="true", devices=2, **args)
+    assert f"Resuming from {path} at iteration {step}" in r.stderr
+    la, lb = h.losses_by_iter(ref), h.losses_by_iter(out)
+    assert sorted(la) == sorted(lb) == list(range(1, 13)) and all(abs(la[i] - lb[i]) < 1e-5 for i in la), (la, lb)
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(ref / final), h.load_lora(out / final)) < 1e-5
 
 
 # ---- 7. NaN ---------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ first). Prefill is the median of 3 forwards over a `prefill_len`-token prompt wi
 "runtime GB" is the child's resident memory after its imports (python, torch, bitsandbytes, ours or transformers),
 before any weight: the part of the peak no choice of weights changes, which dominates below ~300M parameters.
 "above runtime vs dense" compares peak minus runtime: what the model itself costs to load and generate with.
+"load s" is the time `load_model` (or from_pretrained) takes: for 4-bit settings mostly quantizing on the CPU.
 """
 from __future__ import annotations
 
@@ -246,7 +247,7 @@ def print_table(rows: list[dict]) -> None:
             r["above_runtime_gb"] = r["peak_rss_gb"] - r["runtime_rss_gb"]
 
     print("\n| model | threads | precision | setting | runs | decode tokens/s | vs dense | vs hf.nf4 | prefill ms | "
-          "peak RSS GB | vs dense | runtime GB | above runtime vs dense |\n" + "|---" * 13 + "|")
+          "peak RSS GB | vs dense | runtime GB | above runtime vs dense | load s |\n" + "|---" * 14 + "|")
     keys = list(dict.fromkeys((r.get("model", "-"), r.get("threads"), r["precision"], r["setting"]) for r in rows))
     for model, threads, prec in dict.fromkeys((m, t, p) for m, t, p, _ in keys):
         base = dict(model=model, threads=threads, precision=prec)
@@ -262,7 +263,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"| {model} | {threads} | {prec} | {name} | {runs} | {tps:.1f} | {rel(tps, dense_tps)} | "
                   f"{rel(tps, hf_tps)} | {1000 * med('prefill_s', **base, setting=s):.0f} | {rss:.2f} | "
                   f"{rel(rss, dense_rss)} | {fmt(med('runtime_rss_gb', **base, setting=s))} | "
-                  f"{rel(med('above_runtime_gb', **base, setting=s), dense_above)} |")
+                  f"{rel(med('above_runtime_gb', **base, setting=s), dense_above)} | "
+                  f"{fmt(med('load_s', **base, setting=s))} |")
 
 
 if __name__ == "__main__":

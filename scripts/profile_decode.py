@@ -1,0 +1,105 @@
+"""Profile: where the time of one decoding step (batch 1, one new token with the KV cache) goes, by part of the model.
+
+    python scripts/profile_decode.py --checkpoint_dir /tmp/bench-generate-XXXX --quantize bnb.nf4
+    python scripts/profile_decode.py --checkpoint_dir ... --quantize none --precision 32-true
+
+Loads the model as generate/*.py does (4-bit output layer, a tied embedding read from it, the decode kernel), fills
+the KV cache with a `--prompt_len`-token prompt, then times `--steps` decoding steps, with a wall-clock timer around
+each part of every block: the norms, the projections (dense, or the 4-bit kernel and its call), rotary embedding, the
+KV cache update, attention and the MLP. Parts nest (an "attn" includes its "qkv", "rope", ...);
+"outside" is the step's time not inside any block, embedding or output layer. The timers add about 1 us per part
+call. Prints figures only (not a test); `scripts/bench_generate.py` measures tokens/s without timers.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import torch
+
+import lit_qlora.model as gpt_module
+from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
+from lit_qlora.loader import load_model
+
+
+def timed(spent: collections.Counter, label: str, fn):
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent[label] += time.perf_counter() - t0
+        return out
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint_dir", type=Path, required=True)
+    p.add_argument("--precision", default="bf16-true")
+    p.add_argument("--quantize", default="bnb.nf4", help="a --quantize mode, or none")
+    p.add_argument("--prompt_len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    quantize = None if a.quantize == "none" else a.quantize
+    model = load_model(a.checkpoint_dir, precision=a.precision, quantize=quantize, quantize_lm_head=True,
+                       embedding_from_head=True).eval()
+    on_kernel = fast_cpu_4bit_decoding(model) if quantize else 0
+
+    spent: collections.Counter = collections.Counter()
+    # Every projection goes through model.linear (dense or 4-bit): one timer there, labelled by the layer it runs
+    labels = {id(model.lm_head): "output layer"}
+    for block in model.transformer.h:  # instance attributes shadow the class's methods, for this model only
+        labels[id(block.attn.qkv)], labels[id(block.attn.proj)] = "attn: qkv", "attn: proj"
+        for layer in block.mlp.children():
+            labels[id(layer)] = "mlp: projections"
+        parts = [(block, "forward", "block"), (block.attn, "forward", "attn"), (block.norm_1, "forward", "norms"),
+                 (block.attn, "attend", "attn: attention"), (block.mlp, "forward", "mlp")]
+        if block.norm_2 is not None:
+            parts.append((block.norm_2, "forward", "norms"))
+        for obj, name, label in parts:
+            setattr(obj, name, timed(spent, label, getattr(obj, name)))
+    for obj, label in ((model.transformer.wte, "embedding"), (model.transformer.ln_f, "final norm")):
+        obj.forward = timed(spent, label, obj.forward)
+    rope, update, linear = gpt_module.apply_rope, gpt_module.KVCache.update, gpt_module.linear
+
+    def timed_linear(module, x):
+        t0 = time.perf_counter()
+        out = linear(module, x)
+        spent[labels.get(id(module), "other projections")] += time.perf_counter() - t0
+        return out
+
+    gpt_module.apply_rope = timed(spent, "attn: rope", rope)
+    gpt_module.KVCache.update = timed(spent, "attn: kv cache update", update)
+    gpt_module.linear = timed_linear
+    try:
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(1))
+        with autocast_for(a.precision, torch.device("cpu")), torch.inference_mode():
+            model.set_kv_cache(1, a.prompt_len + a.steps + 8)
+            model(prompt, input_pos=torch.arange(a.prompt_len))
+            for i in range(8):  # warm-up steps: first calls map code and size buffers
+                model(torch.tensor([[i]]), input_pos=torch.tensor([a.prompt_len + i]))
+            spent.clear()
+            t0 = time.perf_counter()
+            for i in range(a.steps):
+                pos = a.prompt_len + 8 + i
+                model(torch.tensor([[(7 * i) % vocab]]), input_pos=torch.tensor([pos]))
+            wall = time.perf_counter() - t0
+    finally:
+        gpt_module.apply_rope, gpt_module.KVCache.update, gpt_module.linear = rope, update, linear
+    n = a.steps
+    print(f"{model.config.name}: {a.quantize}, {a.precision}, {torch.get_num_threads()} thread(s), "
+          f"{on_kernel} layers on the 4-bit decode kernel; {n} steps after a {a.prompt_len}-token prompt")
+    print(f"| part | ms per token | share |\n|---|---|---|\n| step (wall) | {1e3 * wall / n:.2f} | 100% |")
+    rows = dict(spent)
+    rows["outside"] = wall - sum(rows.get(k, 0.0) for k in ("block", "embedding", "output layer", "final norm"))
+    for label, s in sorted(rows.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {1e3 * s / n:.2f} | {100 * s / wall:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -580,3 +580,25 @@ def test_bf16_prefill_uses_fp32_kernels_without_native_bf16(mode):
     with torch.no_grad(), cpu_half.forced(False):
         y16 = d.dequantized_linear(layer, x)
     assert not torch.equal(y16, y)  # the test can tell the kernels apart
+
+
+def test_profile_decode_times_every_part_of_a_step(train_setup):
+    """scripts/profile_decode.py (a benchmark, figures only) still reaches every part it names: each row is there,
+    timed (> 0), no part longer than the step, and the 4-bit layers ran on the kernel."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "profile_decode.py"), "--checkpoint_dir",
+                        str(train_setup["ckpt"]), "--quantize", "bnb.nf4", "--precision", "32-true", "--steps", "3"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
+    on_kernel = int(re.search(r"(\d+) layers on the 4-bit decode kernel", r.stdout).group(1))
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| ([^|]+?) \| ([\d.]+) \|", r.stdout, re.M)}
+    parts = ["block", "attn", "mlp", "norms", "attn: qkv", "attn: proj", "attn: rope", "attn: attention",
+             "attn: kv cache update", "mlp: projections", "output layer", "embedding", "final norm"]
+    assert on_kernel > 0 and all(rows.get(p, 0) > 0 for p in parts), (on_kernel, rows)
+    assert all(v <= rows["step (wall)"] for v in rows.values()), rows
+    assert "other projections" not in rows, rows  # every projection labelled

@@ -12,7 +12,6 @@ call. Prints figures only (not a test); `scripts/bench_generate.py` measures tok
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import lit_qlora.model as gpt_module
 from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
 from lit_qlora.loader import load_model
+from lit_qlora.utils import run_cli
 
 
 def timed(spent: collections.Counter, label: str, fn):
@@ -33,21 +33,16 @@ def timed(spent: collections.Counter, label: str, fn):
     return call
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint_dir", type=Path, required=True)
-    p.add_argument("--precision", default="bf16-true")
-    p.add_argument("--quantize", default="bnb.nf4", help="a --quantize mode, or none")
-    p.add_argument("--prompt_len", type=int, default=16)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    quantize = None if a.quantize == "none" else a.quantize
-    model = load_model(a.checkpoint_dir, precision=a.precision, quantize=quantize, quantize_lm_head=True,
+def main(checkpoint_dir: Path, precision: str = "bf16-true", quantize: str = "bnb.nf4", prompt_len: int = 16,
+         steps: int = 100, threads: int = 1) -> None:
+    """Time `steps` decoding steps part by part, after a `prompt_len`-token prompt, with `threads` torch threads (0:
+    torch's default). `quantize`: a --quantize mode, or none."""
+    if threads:
+        torch.set_num_threads(threads)
+    mode = None if quantize == "none" else quantize
+    model = load_model(checkpoint_dir, precision=precision, quantize=mode, quantize_lm_head=True,
                        embedding_from_head=True).eval()
-    on_kernel = fast_cpu_4bit_decoding(model) if quantize else 0
+    on_kernel = fast_cpu_4bit_decoding(model) if mode else 0
 
     spent: collections.Counter = collections.Counter()
     # Every projection goes through model.linear (dense or 4-bit): one timer there, labelled by the layer it runs
@@ -77,23 +72,23 @@ def main() -> None:
     gpt_module.linear = timed_linear
     try:
         vocab = model.config.vocab_size
-        prompt = torch.randint(0, vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(1))
-        with autocast_for(a.precision, torch.device("cpu")), torch.inference_mode():
-            model.set_kv_cache(1, a.prompt_len + a.steps + 8)
-            model(prompt, input_pos=torch.arange(a.prompt_len))
+        prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+        with autocast_for(precision, torch.device("cpu")), torch.inference_mode():
+            model.set_kv_cache(1, prompt_len + steps + 8)
+            model(prompt, input_pos=torch.arange(prompt_len))
             for i in range(8):  # warm-up steps: first calls map code and size buffers
-                model(torch.tensor([[i]]), input_pos=torch.tensor([a.prompt_len + i]))
+                model(torch.tensor([[i]]), input_pos=torch.tensor([prompt_len + i]))
             spent.clear()
             t0 = time.perf_counter()
-            for i in range(a.steps):
-                pos = a.prompt_len + 8 + i
+            for i in range(steps):
+                pos = prompt_len + 8 + i
                 model(torch.tensor([[(7 * i) % vocab]]), input_pos=torch.tensor([pos]))
             wall = time.perf_counter() - t0
     finally:
         gpt_module.apply_rope, gpt_module.KVCache.update, gpt_module.linear = rope, update, linear
-    n = a.steps
-    print(f"{model.config.name}: {a.quantize}, {a.precision}, {torch.get_num_threads()} thread(s), "
-          f"{on_kernel} layers on the 4-bit decode kernel; {n} steps after a {a.prompt_len}-token prompt")
+    n = steps
+    print(f"{model.config.name}: {quantize}, {precision}, {torch.get_num_threads()} thread(s), "
+          f"{on_kernel} layers on the 4-bit decode kernel; {n} steps after a {prompt_len}-token prompt")
     print(f"| part | ms per token | share |\n|---|---|---|\n| step (wall) | {1e3 * wall / n:.2f} | 100% |")
     rows = dict(spent)
     rows["outside"] = wall - sum(rows.get(k, 0.0) for k in ("block", "embedding", "output layer", "final norm"))
@@ -102,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

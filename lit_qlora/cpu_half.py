@@ -14,7 +14,6 @@ they keep it. Under autocast (*-mixed precisions) autocast decides.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from typing import Iterator, Optional
 
@@ -29,10 +28,19 @@ FP32_CHUNK = 1 << 22  # weight elements converted to fp32 at once (16 MB; a 4915
 _forced: Optional[bool] = None  # set by `forced` (tests): apply (True) or not (False) whatever the CPU and size
 
 
-@functools.lru_cache(maxsize=None)
 def native(dtype: torch.dtype) -> bool:
-    """precision.cpu_has_native, read once (it is asked for every matmul)."""
-    return precision.cpu_has_native(dtype)
+    """precision.cpu_has_native, read once (it is asked for every matmul). A plain dict, filled at import, rather than
+    functools.lru_cache: torch.compile traces through an lru_cache wrapper, warning about it on every compiled run."""
+    found = _native.get(dtype)
+    if found is None:
+        found = _native[dtype] = precision.cpu_has_native(dtype)
+    return found
+
+
+_native: dict[torch.dtype, bool] = {}
+native.cache_clear = _native.clear  # tests that fake the CPU's flags make it read them again
+native(torch.bfloat16)  # filled now, before a compiled graph could meet it empty
+native(torch.float16)
 
 
 def emulated_dtype(dtype: torch.dtype) -> bool:

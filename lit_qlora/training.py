@@ -112,12 +112,12 @@ def make_optimizer(name: str, params: list, lr: float, weight_decay: float, devi
     bnb = load_bnb()
 
     if name.startswith("Paged") and device_type == "cpu":
-        # bitsandbytes falls back to the non-paged optimizer on CPU and warns every time; say it once, plainly
+        # bitsandbytes falls back to the non-paged optimizer on CPU and warns about it (at the first step, when it
+        # makes the state); say it once, plainly, and not again in its words
         print(f"note: {name} pages optimizer state to CPU memory only on CUDA; on CPU it runs as the non-paged variant",
               file=sys.stderr)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
-        return getattr(bnb.optim, name)(params, lr=lr, weight_decay=weight_decay)
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+    return getattr(bnb.optim, name)(params, lr=lr, weight_decay=weight_decay)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------

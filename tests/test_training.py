@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 
 import bitsandbytes as bnb
 import pytest
@@ -23,8 +24,10 @@ def test_optimizers_are_what_they_say(name):
     assert type(opt) is cls
     big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
     before = big.detach().clone()
-    opt.step()
+    with warnings.catch_warnings(record=True) as seen:  # the current filters: pytest's, and what make_optimizer set
+        opt.step()
     assert not torch.equal(big, before)  # it updates
+    assert not [str(w.message) for w in seen if "Paged" in str(w.message)]  # our note said it, once (paged on CPU)
     if cls is torch.optim.AdamW:
         assert opt.state[big]["exp_avg"].dtype == torch.float32
         return

@@ -393,12 +393,13 @@ def estimate_training_memory(
     if device_type == "cpu":
         parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
     phase, temp_note = peak.name, peak.note
-    # Loading can peak higher for tiny batches: the largest tensor read plus its converted/quantized copy
+    # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted
     load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
                  + _load_temp(c, quantize, device_type))
     if load_peak > sum(parts.values()):
         parts["temporaries"] += load_peak - sum(parts.values())
-        phase, temp_note = "loading", "reading + converting the largest tensor"
+        phase, temp_note = "loading", ("quantizing the largest tensor on the device" if device_type == "cuda"
+                                       else "reading + quantizing a chunk of a tensor")
     notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
                    device_type)
     if shard_world > 1:

@@ -52,6 +52,7 @@ from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_
 from lit_qlora.memory import plan_micro_batch_size
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.prepare import DataSettings, ensure_prepared
+from lit_qlora.prequantized import load_note
 from lit_qlora.quantize import (
     assert_trainable_4bit,
     check_quantize,
@@ -294,9 +295,10 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
         gpt.compile_blocks()
     report = memory_report(gpt)
     rss_after_load = psutil.Process().memory_info().rss / 2**30
-    fabric.print(f"Loaded {inputs.config.name} in {time.perf_counter() - t0:.1f}s | "
-                 f"{inputs.quantize or 'no quantization'}, {run.precision}"
-                 f"{f' ({inputs.precision_why})' if inputs.precision_why else ''} | {format_memory_report(report)}",
+    seconds = time.perf_counter() - t0
+    fabric.print(f"Loaded {inputs.config.name} in {seconds:.1f}s | {inputs.quantize or 'no quantization'}, "
+                 f"{run.precision}{f' ({inputs.precision_why})' if inputs.precision_why else ''} | "
+                 f"{format_memory_report(report)}{load_note(gpt, inputs.quantize, fabric.device, seconds)}",
                  file=sys.stderr)
     trainable = [p for p in gpt.parameters() if p.requires_grad]
     optimizer = make_optimizer(t.optimizer, trainable, t.learning_rate, t.weight_decay, fabric.device.type)

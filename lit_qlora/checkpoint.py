@@ -33,6 +33,19 @@ TensorSpec = tuple[str, torch.Size, torch.dtype]
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """The tensor entries of a safetensors file's JSON header (without `__metadata__`) and the byte offset where the
     tensor data starts. ValueError when the file is too short for its header or the header is not readable JSON."""
+    header, base = _raw_header(path)
+    header.pop("__metadata__", None)
+    return header, base
+
+
+def safetensors_metadata(path: Path) -> dict:
+    """The `__metadata__` strings of a safetensors file's header ({} without any); ValueError as
+    `safetensors_header`."""
+    return _raw_header(path)[0].get("__metadata__") or {}
+
+
+def _raw_header(path: Path) -> tuple[dict, int]:
+    """The whole JSON header (`__metadata__` included) and where the tensor data starts."""
     size = Path(path).stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -42,7 +55,6 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         header = json.loads(f.read(n))  # UnicodeDecodeError and JSONDecodeError are ValueErrors
     if not isinstance(header, dict):
         raise ValueError("a header that is not a JSON object")
-    header.pop("__metadata__", None)
     return header, 8 + n
 
 

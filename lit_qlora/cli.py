@@ -20,6 +20,7 @@ COMMANDS = {
     "convert": ("scripts/convert_hf_checkpoint.py", "convert a Hugging Face checkpoint"),
     "prepare": ("scripts/prepare_json.py", "prepare a JSON / JSONL / CSV data set"),
     "prepare-alpaca": ("scripts/prepare_alpaca.py", "prepare an Alpaca data set"),
+    "quantize": ("scripts/quantize_checkpoint.py", "quantize a checkpoint once, for fast CPU loads with --quantize"),
     "merge": ("scripts/merge_lora.py", "merge an adapter into its base"),
     "export-hf": ("scripts/export_hf.py", "export a (merged) model as a transformers folder"),
     "export-peft": ("scripts/export_peft.py", "export an adapter as a PEFT folder"),

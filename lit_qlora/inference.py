@@ -20,6 +20,7 @@ from lit_qlora.decode4bit import enable_fast_decode
 from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
+from lit_qlora.prequantized import load_note
 from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
 from lit_qlora.templates import CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
@@ -76,9 +77,10 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     if quantize and device.type == "cpu" and fast_cpu_4bit:
         fast_cpu_4bit_decoding(model)  # this model is never trained: decode from the packed 4-bit weights
     why = f" ({precision_why})" if precision_why else ""
-    say(f"Loaded {config.name} in {time.perf_counter() - t0:.2f}s ({quantize or 'no quantization'}, {precision}{why}"
+    seconds = time.perf_counter() - t0
+    say(f"Loaded {config.name} in {seconds:.2f}s ({quantize or 'no quantization'}, {precision}{why}"
         f"{', adapter ' + str(lora_path) + (' merged' if merge else '') if adapter else ''}) | "
-        f"{format_memory_report(memory_report(model))}")
+        f"{format_memory_report(memory_report(model))}{load_note(model, quantize, device, seconds)}")
     return model, tokenizer, adapter
 
 

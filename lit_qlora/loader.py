@@ -22,6 +22,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, meta_model
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
+from lit_qlora.prequantized import StoredQuantization, open_stored
 from lit_qlora.quantize import (
     FileEmbedding,
     StoredEmbedding,
@@ -50,7 +51,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
                merge_adapter: Optional[Adapter] = None,
                tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
-               embedding_from_head: bool = False) -> GPT:
+               embedding_from_head: bool = False, use_stored: bool = True) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
     LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
 
@@ -63,7 +64,11 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     `embedding_from_head` (generation, never training): a tied model with a 4-bit output layer reads its input
     embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept; an untied quantized
     model on CPU reads its embedding rows from the checkpoint file as tokens are looked up (`FileEmbedding`), and
-    elsewhere keeps a 16-bit embedding as stored while computing in fp32 (`StoredEmbedding`)."""
+    elsewhere keeps a 16-bit embedding as stored while computing in fp32 (`StoredEmbedding`).
+
+    On CPU, quantized layers are read from the checkpoint's stored quantization when it has a matching one
+    (lit_qlora/prequantized.py; `use_stored=False`: quantize regardless); `model.stored_quantization` names the file
+    used, or is None."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
@@ -73,13 +78,16 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         tensors = read_safetensors(weights, deferred=bool(quantize) and device.type == "cpu")
     else:
         weights = Path("<the given tensors>")  # only named in error messages
+    stored = None
+    if use_stored and quantize and device.type == "cpu" and weights.is_file():
+        stored = open_stored(weights, quantize, prec.dtype)  # quantized once by scripts/quantize_checkpoint.py
     model = meta_model(config, lora)
     if quantize:
         swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
 
     for key, t in tensors:
-        if merge_adapter is not None and merge_adapter.changes(key):
-            # rounded once, to the dtype or grid it is loaded into
+        merged = merge_adapter is not None and merge_adapter.changes(key)
+        if merged:  # rounded once, to the dtype or grid it is loaded into
             t = merge_adapter.merged(key, as_tensor(t), torch.float32)
         try:
             module, param = _owner(model, key)
@@ -87,22 +95,24 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
                             f"model_config.json: convert the checkpoint again")
         if is_quantized(module) and param == "weight":
-            quantize_into(module, t, device, prec.dtype)
+            if merged or not (stored and stored.fill(module, key)):
+                quantize_into(module, t, device, prec.dtype)
             continue
         if key == "transformer.wte.weight" and _embedding_from_head(model, config, lora, embedding_from_head,
                                                                     merge_adapter):
             head = model.lm_head.base if isinstance(model.lm_head, LoRALinear) else model.lm_head
-            quantize_into(head, t, device, prec.dtype)  # the one copy: the head's 4 bits
+            if merged or not (stored and stored.fill(head, "lm_head.weight")):
+                quantize_into(head, t, device, prec.dtype)  # the one copy: the head's 4 bits
             model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
             del t
             continue
-        stored = (key == "transformer.wte.weight" and embedding_from_head and quantize and not config.tie_embeddings
-                  and type(module) is nn.Embedding)
-        if stored and isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
+        as_stored = (key == "transformer.wte.weight" and embedding_from_head and quantize
+                     and not config.tie_embeddings and type(module) is nn.Embedding)
+        if as_stored and isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
             model.transformer.wte = FileEmbedding(t, prec.frozen_other_dtype)
             continue
         t = as_tensor(t)  # everything else is kept as it is read (a FileTensor only feeds quantize_into)
-        if stored and StoredEmbedding.fits(t, prec.frozen_other_dtype):
+        if as_stored and StoredEmbedding.fits(t, prec.frozen_other_dtype):
             model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
             del t
             continue
@@ -113,9 +123,10 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         del t
 
     head_adapter = merge_adapter if merge_adapter is not None and "lm_head" in merge_adapter.targets() else None
-    _tie_and_check(model, config, prec, device, weights, head_adapter)
+    _tie_and_check(model, config, prec, device, weights, head_adapter, stored)
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed)
+    model.stored_quantization = stored.path if stored else None
     return model
 
 
@@ -131,7 +142,7 @@ def _embedding_from_head(model: GPT, config: Config, lora: Optional[LoRAConfig],
 
 
 def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weights: Path,
-                   head_adapter: Optional[Adapter] = None) -> None:
+                   head_adapter: Optional[Adapter] = None, stored: Optional[StoredQuantization] = None) -> None:
     if config.tie_embeddings and not isinstance(model.transformer.wte, TiedEmbedding4bit):
         head, param = _owner(model, "lm_head.weight")
         wte = model.transformer.wte.weight
@@ -142,7 +153,8 @@ def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weigh
             else:
                 head.weight = nn.Parameter(w.to(device=device, dtype=prec.frozen_linear_dtype), requires_grad=False)
         elif is_quantized(head):
-            quantize_into(head, wte.detach().to(prec.dtype), device)
+            if not (stored and stored.fill(head, "lm_head.weight")):
+                quantize_into(head, wte.detach().to(prec.dtype), device)
         else:
             head.weight = wte
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):

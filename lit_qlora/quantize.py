@@ -248,16 +248,27 @@ def _quantize_into_cpu(bnb, module: nn.Module, weight: torch.Tensor, dtype: torc
         for r in range(0, weight.shape[0], rows):  # what Int8Params does (on fp16), a few rows at a time
             rows_fp16 = read(r * cols, rows * cols).view(-1, cols).to(dtype).to(torch.float16)
             cb[r:r + rows], scb[r:r + rows], _ = F.int8_vectorwise_quant(rows_fp16)
-        module.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        set_int8_weight(module, cb, scb)
         release_freed_memory()  # quantizing leaves freed buffers in heap holes
         return
-    w = module.weight  # the meta Params4bit carries the settings
     packed, state = _quantize_4bit_cpu(F, weight, four_bit_settings(module), dtype)
-    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=w.blocksize,
-                                      compress_statistics=w.compress_statistics, quant_type=w.quant_type,
-                                      quant_storage=w.quant_storage, module=module, bnb_quantized=True)
-    module.quant_state = state
+    set_4bit_weight(module, packed, state)
     release_freed_memory()  # quantizing leaves freed buffers in heap holes
+
+
+def set_int8_weight(module: nn.Module, cb: torch.Tensor, scb: torch.Tensor) -> None:
+    """Give the (meta) Linear8bitLt `module` its quantized weight: int8 rows `cb` and their fp32 scales `scb`."""
+    module.weight = load_bnb().nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+
+
+def set_4bit_weight(module: nn.Module, packed: torch.Tensor, state) -> None:
+    """Give the (meta) Linear4bit `module` its quantized weight: the `packed` bytes and their QuantState, with the
+    settings its meta Params4bit carries."""
+    w = module.weight
+    module.weight = load_bnb().nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=w.blocksize,
+                                             compress_statistics=w.compress_statistics, quant_type=w.quant_type,
+                                             quant_storage=w.quant_storage, module=module, bnb_quantized=True)
+    module.quant_state = state
 
 
 def _flat_reader(weight: torch.Tensor | FileTensor) -> Callable[[int, int], torch.Tensor]:

@@ -18,6 +18,8 @@ Settings:
   <mode>:nokernel       the same without the kernel, and with a dense embedding: bitsandbytes dequantizes every
                         weight per call (its packed layout where the CPU has AVX512-BF16): generation before both
   <mode>:densehead      the output layer is not quantized (for a tied model: shared with the dense embedding)
+  <mode>:stored         as <mode>, loading the quantized weights scripts/quantize_checkpoint.py stored (written
+                        first, once per mode and precision); every other setting quantizes while it loads
   hf.nf4, hf.nf4-dq     Hugging Face transformers + bitsandbytes (`BitsAndBytesConfig`), from the same weights
                         exported to a transformers folder; transformers keeps its output layer dense
 Decode tokens/s counts the new tokens after the first (the prefill's): (n - 1) / (time of the last - time of the
@@ -98,8 +100,11 @@ def child_ours(folder: str, setting: str, precision: str, new_tokens: int, promp
     quantize = None if quantize == "none" else quantize
     t0 = time.perf_counter()
     model = load_model(Path(folder), precision=precision, quantize=quantize, quantize_lm_head=flag != "densehead",
-                       embedding_from_head=flag != "nokernel").eval()  # as generate/*.py load (but "before")
+                       embedding_from_head=flag != "nokernel",  # as generate/*.py load (but "before")
+                       use_stored=flag == "stored").eval()
     load_s = time.perf_counter() - t0
+    if (flag == "stored") != (getattr(model, "stored_quantization", None) is not None):
+        raise RuntimeError(f"{setting}: the stored quantization was {'not ' if flag == 'stored' else ''}used")
     on_kernel = fast_cpu_4bit_decoding(model) if quantize and flag != "nokernel" else 0
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1))
@@ -207,6 +212,10 @@ def main(model: str = "", n_layer: int = 12, n_embd: int = 768, n_head: int = 12
             from lit_qlora.convert import convert_lit_checkpoint
 
             convert_lit_checkpoint(folder, folder / "hf")
+    for prec in precision.split(","):  # what the :stored settings load
+        for mode in dict.fromkeys(s.partition(":")[0] for s in wanted if s.endswith(":stored")):
+            subprocess.run([sys.executable, str(Path(__file__).with_name("quantize_checkpoint.py")),
+                            "--checkpoint_dir", str(folder), "--quantize", mode, "--precision", prec], check=True)
     params = sum(s.numel() for s in lit_param_shapes(config).values())
     print(f"model: {config.name}, {params / 1e6:.0f}M parameters ({config.n_layer} layers, n_embd {config.n_embd}, "
           f"vocab {config.vocab_size}, {'tied' if config.tie_embeddings else 'untied'} head), bf16 on disk; batch 1, "

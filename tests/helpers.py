@@ -1,5 +1,6 @@
 """Tiny Hugging Face models of every supported family, built locally with random weights (no downloads), and the
-small helpers the model, LoRA, PEFT and merge tests share."""
+small helpers the model, LoRA, PEFT and merge tests share, and bitsandbytes' own layers as the quantization
+reference."""
 from __future__ import annotations
 
 import runpy
@@ -154,3 +155,33 @@ def load_ours(folder: Path) -> GPT:
     assert not unexpected
     assert set(missing) == ({"lm_head.weight"} if config.tie_embeddings else set())  # tied: stored once, as wte
     return model.eval()
+
+
+# ---- bitsandbytes references (tests/test_quantize.py, tests/test_prequantized.py) -------------------------------
+def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """A bitsandbytes layer built the way its documentation does it, from the full-precision weight `w` [out, in]."""
+    import bitsandbytes as bnb
+
+    out_f, in_f = w.shape
+    if mode == "bnb.int8":
+        ref = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=6.0)
+        ref.weight = bnb.nn.Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
+    else:
+        quant_type = "nf4" if "nf4" in mode else "fp4"
+        dq = mode.endswith("-dq")
+        ref = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=compute_dtype, quant_type=quant_type,
+                                compress_statistics=dq)
+        ref.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type=quant_type, compress_statistics=dq)
+    return ref.to("cpu")
+
+
+def assert_same_stored(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+    assert torch.equal(ours.weight.data, ref.weight.data)
+    qs, rs = getattr(ours.weight, "quant_state", None), getattr(ref.weight, "quant_state", None)
+    if qs is None:  # int8: the per-row scales
+        assert torch.equal(ours.weight.SCB, ref.weight.SCB)
+        return
+    assert torch.equal(qs.absmax, rs.absmax) and torch.equal(qs.code, rs.code)
+    assert qs.nested == rs.nested and qs.quant_type == rs.quant_type and qs.blocksize == rs.blocksize
+    if qs.nested:
+        assert torch.equal(qs.state2.absmax, rs.state2.absmax) and torch.equal(qs.offset, rs.offset)

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_same_stored, reference_layer
 
 from lit_qlora import cpu_half
 from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, read_safetensors, write_safetensors_stream
@@ -118,21 +119,6 @@ def lora_params(model: nn.Module, which: str = "lora_") -> dict[str, nn.Paramete
     return {n: p for n, p in model.named_parameters() if which in n}
 
 
-def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> nn.Module:
-    """A bitsandbytes layer built the way its documentation does it, from the full-precision weight `w` [out, in]."""
-    out_f, in_f = w.shape
-    if mode == "bnb.int8":
-        ref = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=6.0)
-        ref.weight = bnb.nn.Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
-    else:
-        quant_type = "nf4" if "nf4" in mode else "fp4"
-        dq = mode.endswith("-dq")
-        ref = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=compute_dtype, quant_type=quant_type,
-                                compress_statistics=dq)
-        ref.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type=quant_type, compress_statistics=dq)
-    return ref.to("cpu")
-
-
 def our_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> nn.Module:
     out_f, in_f = w.shape
     q = make_quantized_linear(nn.Linear(in_f, out_f, bias=False, device="meta"), mode, compute_dtype)
@@ -155,18 +141,6 @@ def assert_same_forward_backward(ours: nn.Module, ref: nn.Module, dtype: torch.d
     assert outs[0].dtype == outs[1].dtype == dtype
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(grads[0], grads[1])
-
-
-def assert_same_stored(ours: nn.Module, ref: nn.Module) -> None:
-    assert torch.equal(ours.weight.data, ref.weight.data)
-    qs, rs = getattr(ours.weight, "quant_state", None), getattr(ref.weight, "quant_state", None)
-    if qs is None:  # int8: the per-row scales
-        assert torch.equal(ours.weight.SCB, ref.weight.SCB)
-        return
-    assert torch.equal(qs.absmax, rs.absmax) and torch.equal(qs.code, rs.code)
-    assert qs.nested == rs.nested and qs.quant_type == rs.quant_type and qs.blocksize == rs.blocksize
-    if qs.nested:
-        assert torch.equal(qs.state2.absmax, rs.state2.absmax) and torch.equal(qs.offset, rs.offset)
 
 
 # ---- 1. bit-identical to the bitsandbytes reference ---------------------------------------------

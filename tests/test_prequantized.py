@@ -1,0 +1,201 @@
+"""scripts/quantize_checkpoint.py and the loader reading what it stores (lit_qlora/prequantized.py).
+
+1. A load that reads the stored file never runs a quantizer, and every layer is bitsandbytes' own quantization of the
+   checkpoint's weight (the reference layers of tests/test_quantize.py), for every mode at bf16 and fp32, the tied
+   4-bit head included in both of its loading paths; bitsandbytes' own `Params4bit.from_prequantized` reads the file.
+2. A file that no longer matches (the checkpoint rewritten, another bitsandbytes, a damaged file) is ignored with one
+   line, and the layers are quantized from the new weights.
+3. Layers an adapter changes while it merges are quantized from the merged weights, the others read; a LoRA
+   (training) load reads them too.
+4. generate/base.py reads it (its "Loaded" line says so) and prints the same text as without it.
+5. Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    adapter_of,
+    assert_same_stored,
+    lora_cfg,
+    random_tokens,
+    randomize_lora,
+    reference_layer,
+    run_script_here,
+)
+from safetensors.torch import load_file
+
+from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors, safetensors_specs, write_safetensors_stream
+from lit_qlora.loader import load_model
+from lit_qlora.lora import LoRALinear
+from lit_qlora.precision import parse_precision
+from lit_qlora.prequantized import stored_path
+from lit_qlora.quantize import QUANTIZE_MODES, is_quantized, quiet_bnb_import
+
+quiet_bnb_import()
+import bitsandbytes as bnb  # noqa: E402
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    """A private copy of a shared checkpoint folder (the stored file is written next to its weights)."""
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def quantize_checkpoint(folder: Path, mode: str, precision: str) -> Path:
+    code = run_script_here("quantize_checkpoint.py", "--checkpoint_dir", folder, "--quantize", mode,
+                           "--precision", precision)
+    assert code == 0
+    path = stored_path(folder / LIT_WEIGHTS, mode, parse_precision(precision).dtype)
+    assert path.is_file()
+    return path
+
+
+def forbid_quantizing(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a quantizer ran")
+
+    for name in ("quantize_4bit", "quantize_blockwise", "int8_vectorwise_quant"):
+        monkeypatch.setattr(bnb.functional, name, refuse)
+
+
+def quantized_layers(model) -> dict[str, torch.nn.Module]:
+    return {n.removesuffix(".base"): m for n, m in model.named_modules() if is_quantized(m)}
+
+
+def checkpoint_weight(folder: Path, key: str, tied: bool) -> torch.Tensor:
+    key = "transformer.wte.weight" if tied and key == "lm_head.weight" else key
+    return next(t for _, t in read_safetensors(folder / LIT_WEIGHTS, {key}))
+
+
+# ---- 1. the stored layers are bitsandbytes' own quantization ---------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied, tmp_path, monkeypatch, mode,
+                                                                       precision):
+    folder = copy_of(lora_tied.folder, tmp_path)
+    path = quantize_checkpoint(folder, mode, precision)
+    dtype = parse_precision(precision).dtype
+    for generation in (False, True):  # the tied 4-bit head: filled after the embedding, or serving it
+        forbid_quantizing(monkeypatch)
+        model = load_model(folder, precision=precision, quantize=mode, quantize_lm_head=True,
+                           embedding_from_head=generation)
+        monkeypatch.undo()
+        assert model.stored_quantization == path
+        layers = quantized_layers(model)
+        assert "lm_head" in layers and len(layers) == 1 + 5 * lora_tied.config.n_layer  # qkv, proj, fc_1, fc_2, proj
+        for name, layer in layers.items():
+            w = checkpoint_weight(folder, name + ".weight", tied=True).to(dtype)
+            assert_same_stored(layer, reference_layer(mode, w, dtype))
+    if mode == "bnb.int8":
+        return
+    stored = load_file(path)  # the safetensors library's reader, and bitsandbytes' own loader of its serialization
+    F = bnb.functional
+    for name in ("lm_head", "transformer.h.1.mlp.fc_2"):
+        key = name + ".weight"
+        stats = {k[len(key) + 1:]: v for k, v in stored.items() if k.startswith(key + ".")}
+        theirs = bnb.nn.Params4bit.from_prequantized(stored[key], stats, device="cpu")
+        ref = reference_layer(mode, checkpoint_weight(folder, key, tied=True).to(dtype), dtype).weight
+        assert torch.equal(F.dequantize_4bit(theirs.data, theirs.quant_state), F.dequantize_4bit(ref.data,
+                                                                                                 ref.quant_state))
+
+
+# ---- 2. a file that no longer matches is ignored, in one line ---------------------------------------------------
+def rewrite_scaled(weights: Path, factor: float) -> None:
+    """The checkpoint again with every tensor scaled (same names, shapes and dtypes: only the data differs)."""
+    tensors = {k: t.clone() for k, t in read_safetensors(weights)}
+    write_safetensors_stream(weights, safetensors_specs(weights), ((k, t * factor) for k, t in tensors.items()))
+
+
+def test_a_stored_file_that_no_longer_matches_is_ignored_with_one_line(lora_llama, tmp_path, monkeypatch, capsys):
+    folder = copy_of(lora_llama.folder, tmp_path)
+    mode, precision, dtype = "bnb.nf4", "bf16-true", torch.bfloat16
+    path = quantize_checkpoint(folder, mode, precision)
+    capsys.readouterr()
+
+    def load(expect: str):
+        model = load_model(folder, precision=precision, quantize=mode)
+        note = capsys.readouterr().err.strip().splitlines()
+        assert model.stored_quantization is None
+        assert len(note) == 1 and note[0].startswith("note: ") and expect in note[0], note
+        return model
+
+    rewrite_scaled(folder / LIT_WEIGHTS, 1.5)  # converted again, or another model of the same shape
+    model = load("changed since it was written")
+    for name, layer in quantized_layers(model).items():  # quantized from the new weights
+        assert_same_stored(layer, reference_layer(mode, checkpoint_weight(folder, name + ".weight", False).to(dtype),
+                                                  dtype))
+
+    path = quantize_checkpoint(folder, mode, precision)
+    assert load_model(folder, precision=precision, quantize=mode).stored_quantization == path
+    capsys.readouterr()
+    monkeypatch.setattr(bnb, "__version__", "0.0.1")
+    load("written by bitsandbytes")
+    monkeypatch.undo()
+
+    path.write_bytes(path.read_bytes()[:5])  # damaged
+    load("damaged")
+    capsys.readouterr()
+    # another compute dtype has its own file: none here, and nothing to say
+    assert load_model(folder, precision="32-true", quantize=mode).stored_quantization is None
+    assert capsys.readouterr().err == ""
+
+
+# ---- 3. merged adapters and LoRA loads --------------------------------------------------------------------------
+def test_layers_an_adapter_changes_are_quantized_from_the_merged_weights(lora_llama, tmp_path):
+    folder = copy_of(lora_llama.folder, tmp_path)
+    path = quantize_checkpoint(folder, "bnb.nf4", "32-true")
+    lora = lora_cfg(query=True, value=True)
+    trained = load_model(folder, precision="32-true", lora=lora)
+    randomize_lora(trained)
+    adapter = adapter_of(trained, lora)
+    kw = dict(precision="32-true", quantize="bnb.nf4", merge_adapter=adapter)
+    merged, reference = load_model(folder, **kw), load_model(folder, use_stored=False, **kw)
+    assert merged.stored_quantization == path and reference.stored_quantization is None
+    changed = [n for n in quantized_layers(merged) if adapter.changes(n + ".weight")]
+    assert changed and len(changed) < len(quantized_layers(merged))
+    for name, layer in quantized_layers(merged).items():
+        assert_same_stored(layer, quantized_layers(reference)[name])
+    x = random_tokens(2, 7)
+    assert torch.equal(merged(x), reference(x))
+
+    # a training load: LoRA layers around the stored bases
+    with_lora = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0)
+    assert with_lora.stored_quantization == path
+    assert any(isinstance(m, LoRALinear) and is_quantized(m.base) for m in with_lora.modules())
+    fresh = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0, use_stored=False)
+    for name, layer in quantized_layers(with_lora).items():
+        assert_same_stored(layer, quantized_layers(fresh)[name])
+
+
+# ---- 4. generation end to end ----------------------------------------------------------------------------------
+def test_generate_reads_the_stored_file_and_prints_the_same_text(train_setup, tmp_path):
+    import helpers_train as h
+
+    folder = copy_of(train_setup["ckpt"], tmp_path)
+    args = ["--checkpoint_dir", folder, "--prompt", "kind dog", "--max_new_tokens", 12, "--quantize", "bnb.nf4",
+            "--precision", "32-true"]
+    path = quantize_checkpoint(folder, "bnb.nf4", "32-true")
+    stored = h.run_script(h.GENERATE_BASE, args)
+    assert stored.returncode == 0, stored.stderr
+    assert f"quantized weights read from {path.name}" in stored.stderr
+    path.unlink()
+    fresh = h.run_script(h.GENERATE_BASE, args)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "read from" not in fresh.stderr
+    assert stored.stdout == fresh.stdout and stored.stdout.strip()
+
+
+# ---- 5. bad input -----------------------------------------------------------------------------------------------
+def test_quantize_checkpoint_refuses_bad_input_in_one_line(lora_llama, tmp_path, capsys):
+    for args, says in (
+        (["--checkpoint_dir", lora_llama.folder, "--quantize", "none"], "--quantize none stores nothing"),
+        (["--checkpoint_dir", lora_llama.folder, "--quantize", "bnb.nf5"], "bnb.nf5"),
+        (["--checkpoint_dir", tmp_path / "missing", "--quantize", "bnb.nf4"], "missing"),
+    ):
+        assert run_script_here("quantize_checkpoint.py", *args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    assert not list(Path(lora_llama.folder).glob("lit_model.*.*.safetensors"))

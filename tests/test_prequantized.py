@@ -89,6 +89,8 @@ def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied
         for name, layer in layers.items():
             w = checkpoint_weight(folder, name + ".weight", tied=True).to(dtype)
             assert_same_stored(layer, reference_layer(mode, w, dtype))
+    if precision == "bf16-true":  # the file is per compute dtype: bf16-mixed computes in bf16 too
+        assert load_model(folder, precision="bf16-mixed", quantize=mode).stored_quantization == path
     if mode == "bnb.int8":
         return
     stored = load_file(path)  # the safetensors library's reader, and bitsandbytes' own loader of its serialization

@@ -13,7 +13,6 @@ header is computed from shapes alone, then each tensor is read, converted and wr
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,10 +347,6 @@ def _write(path: Path, arch: str, metadata: Callable[[gguf.GGUFWriter], None], p
                 w.write_tensor_data(_encode(t, qtype))
         finally:
             w.close()
-        # the temporary file is private (0600); the model file is for other programs too (Ollama, a server)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)
 
     atomic_write(path, write)
 

@@ -61,6 +61,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp)
     try:
         write(tmp)
+        # mkstemp's file is private (0600); the final one gets what any new file gets (0644 under the usual umask),
+        # so a checkpoint folder shared by a team, or a model file read by another program, stays readable
+        tmp.chmod(0o666 & ~_umask())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -72,6 +75,18 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _umask() -> int:
+    """This process's umask, read where Linux shows it (setting it to read it back races with other threads creating
+    files); elsewhere set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

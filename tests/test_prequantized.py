@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -77,6 +78,9 @@ def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied
                                                                        precision):
     folder = copy_of(lora_tied.folder, tmp_path)
     path = quantize_checkpoint(folder, mode, precision)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as readable as any new file, not private
     dtype = parse_precision(precision).dtype
     for generation in (False, True):  # the tied 4-bit head: filled after the embedding, or serving it
         forbid_quantizing(monkeypatch)

@@ -40,7 +40,7 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.prepare import DataSettings, prepare_files
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.training import list_checkpoints, load_latest_checkpoint
-from lit_qlora.utils import UserError
+from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 
 @pytest.fixture
@@ -387,6 +387,19 @@ def test_adapter_for_another_base_model_is_refused(train_setup, tmp_path):
 
 
 # ---- 4. disk space -----------------------------------------------------------------------------------------------
+def test_files_written_atomically_get_the_umask_permissions_not_the_temporary_files(tmp_path):
+    """Checkpoints, converted weights, stored quantizations and exports are written through a private (0600) temporary
+    file; the file itself must be readable as any new file is (a checkpoint folder shared by a team)."""
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "a.bin", lambda p: p.write_bytes(b"x"))
+        atomic_torch_save({"x": 1}, tmp_path / "b.pt")
+    finally:
+        os.umask(old)
+    for name in ("a.bin", "b.pt"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
+
+
 def test_not_enough_disk_space_is_found_before_training(train_setup, prev_run, capfd, monkeypatch):
     import shutil as shutil_mod
 

@@ -197,6 +197,9 @@ def end_all_ranks(fabric, code: int = 0) -> None:
     left. Nothing remains to be done here: checkpoints, adapter and metrics are written (atomically) before the
     barrier, and what is buffered for stdout/stderr is flushed below."""
     fabric.barrier()  # rank 0 writes the adapter and metrics.json after the others are done: wait for it
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`... | head`) must not turn a finished run into a traceback
+            pass
     os._exit(code)

@@ -205,6 +205,30 @@ def two_nodes(train_setup, tmp_path_factory):
     return out, run_nodes(train_setup, out, pythonpath=str(site))
 
 
+def test_the_last_call_of_a_rank_exits_with_its_code_when_stdout_is_a_closed_pipe(monkeypatch):
+    """`... | head` closes the pipe early: flushing stdout then raises, and a rank must still leave with its code."""
+    from lit_qlora import distributed
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Fabric:
+        waited = False
+
+        def barrier(self):
+            Fabric.waited = True
+
+    exits = []
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    monkeypatch.setattr(distributed.os, "_exit", exits.append)
+    distributed.end_all_ranks(Fabric(), 143)
+    assert Fabric.waited and exits == [143]
+
+
 def test_two_machines_equal_one_process(one_process, two_nodes):
     out, (node0, node1) = two_nodes
     assert h.max_abs_diff(h.load_lora(one_process / "lit_model_lora_finetuned.pth"),

@@ -2,7 +2,8 @@
 
 1. A load that reads the stored file never runs a quantizer, and every layer is bitsandbytes' own quantization of the
    checkpoint's weight (the reference layers of tests/test_quantize.py), for every mode at bf16 and fp32, the tied
-   4-bit head included in both of its loading paths; bitsandbytes' own `Params4bit.from_prequantized` reads the file.
+   4-bit head included in both of its loading paths, on every family, and with 4-bit blocks straddling rows;
+   bitsandbytes' own `Params4bit.from_prequantized` reads the file.
 2. A file that no longer matches (the checkpoint rewritten, another bitsandbytes, a damaged file) is ignored with one
    line, and the layers are quantized from the new weights.
 3. Layers an adapter changes while it merges are quantized from the merged weights, the others read; a LoRA
@@ -21,6 +22,7 @@ import torch
 from helpers import (
     adapter_of,
     assert_same_stored,
+    converted_tiny,
     lora_cfg,
     random_tokens,
     randomize_lora,
@@ -106,6 +108,48 @@ def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied
         ref = reference_layer(mode, checkpoint_weight(folder, key, tied=True).to(dtype), dtype).weight
         assert torch.equal(F.dequantize_4bit(theirs.data, theirs.quant_state), F.dequantize_4bit(ref.data,
                                                                                                  ref.quant_state))
+
+
+def test_every_family_reads_bitsandbytes_own_quantization(family_ckpt, tmp_path, monkeypatch):
+    """Biases, fused or separate projections, GQA/MQA, tied or not: every quantized layer of every family, read
+    from the stored file, is bitsandbytes' own quantization of the checkpoint's weight."""
+    folder = copy_of(family_ckpt.folder, tmp_path)
+    path = quantize_checkpoint(folder, "bnb.nf4-dq", "bf16-true")
+    forbid_quantizing(monkeypatch)
+    model = load_model(folder, precision="bf16-true", quantize="bnb.nf4-dq", quantize_lm_head=True,
+                       embedding_from_head=True)
+    monkeypatch.undo()
+    assert model.stored_quantization == path
+    tied = model.config.tie_embeddings
+    for name, layer in quantized_layers(model).items():
+        w = checkpoint_weight(folder, name + ".weight", tied).to(torch.bfloat16)
+        assert_same_stored(layer, reference_layer("bnb.nf4-dq", w, torch.bfloat16))
+
+
+def test_blocks_straddling_rows_read_back_right(tmp_path_factory, monkeypatch):
+    """in_features 96 (like Llama's 1376-wide MLPs): 4-bit blocks straddle rows, bitsandbytes' CPU path needs our flat
+    dequantization; read from the file, the layers are bitsandbytes' own and generation decodes as before."""
+    from lit_qlora.generation import generate
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+
+    ckpt = converted_tiny(tmp_path_factory, "llama", "odd-llama", intermediate_size=96)
+    folder, mode = ckpt.folder, "bnb.nf4"
+    path = quantize_checkpoint(folder, mode, "32-true")
+    forbid_quantizing(monkeypatch)
+    model = load_model(folder, precision="32-true", quantize=mode, quantize_lm_head=True).eval()
+    monkeypatch.undo()
+    assert model.stored_quantization == path
+    layer = quantized_layers(model)["transformer.h.0.mlp.proj"]
+    assert layer.in_features == 96
+    assert_same_stored(layer, reference_layer(mode, checkpoint_weight(folder, "transformer.h.0.mlp.proj.weight",
+                                                                      False), torch.float32))
+    fresh = load_model(folder, precision="32-true", quantize=mode, quantize_lm_head=True, use_stored=False).eval()
+    prompt = random_tokens(5, seed=3)
+    outs = []
+    for m in (model, fresh):
+        fast_cpu_4bit_decoding(m)
+        outs.append(generate(m, prompt, max_new_tokens=12))
+    assert torch.equal(outs[0], outs[1])
 
 
 # ---- 2. a file that no longer matches is ignored, in one line ---------------------------------------------------

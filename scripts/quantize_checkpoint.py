@@ -10,6 +10,7 @@ every later CPU load of that folder with the same --quantize and a --precision c
 (the "Loaded" line names it). The output layer is stored too, for generation's 4-bit head. Run it again after
 converting or merging into the folder again: a stale file is noticed and ignored (one line says so).
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,11 +38,19 @@ def quantize_checkpoint(checkpoint_dir: Path, quantize: str = "bnb.nf4", precisi
     precision, _ = resolve_precision(precision, "cpu")
     check_quantize(quantize, precision, "cpu")
     ensure_converted(checkpoint_dir)
+    if not os.access(checkpoint_dir, os.W_OK):  # found before quantizing, which can take minutes
+        raise UserError(f"{checkpoint_dir} is not writable, and the quantized weights are stored in it; copy the "
+                        "checkpoint folder somewhere writable (or ask its owner to run this)")
     t0 = time.perf_counter()
     model = load_model(checkpoint_dir, precision=precision, quantize=quantize, quantize_lm_head=True,
                        use_stored=False)
     took = time.perf_counter() - t0
-    path, layers = write_stored(model, Path(checkpoint_dir) / LIT_WEIGHTS, quantize, parse_precision(precision).dtype)
+    try:
+        path, layers = write_stored(model, Path(checkpoint_dir) / LIT_WEIGHTS, quantize,
+                                    parse_precision(precision).dtype)
+    except OSError as e:  # written atomically: nothing half-written is left behind
+        raise UserError(f"could not write the quantized weights into {checkpoint_dir}: {e.strerror or e}; free some "
+                        "disk space and run this again") from None
     print(f"Quantized {layers} layers in {took:.1f}s; wrote {path} ({path.stat().st_size / 2**20:.1f} MiB). CPU loads "
           f"with --quantize {quantize} --precision {precision} now read it", file=sys.stderr)
     return path

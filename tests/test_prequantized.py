@@ -249,3 +249,27 @@ def test_quantize_checkpoint_refuses_bad_input_in_one_line(lora_llama, tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
     assert not list(Path(lora_llama.folder).glob("lit_model.*.*.safetensors"))
+
+
+def test_quantize_checkpoint_says_what_to_do_when_it_cannot_write(lora_llama, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import lit_qlora.prequantized as prequantized
+
+    folder = copy_of(lora_llama.folder, tmp_path)
+    args = ("quantize_checkpoint.py", "--checkpoint_dir", folder, "--quantize", "bnb.nf4")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    assert run_script_here(*args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not writable" in err[0], err
+    monkeypatch.undo()
+
+    def disk_full(path, *a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prequantized, "write_safetensors_stream", disk_full)
+    assert run_script_here(*args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: could not write") and "No space left" in err[0], err
+    assert not any(p.name.startswith(("lit_model.bnb", ".lit_model.bnb")) for p in folder.iterdir())

@@ -48,7 +48,7 @@ def fingerprint(weights: Path) -> str:
     st = Path(weights).stat()
     h = hashlib.sha256()
     with open(weights, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
+        n = min(int.from_bytes(f.read(8), "little"), st.st_size - 8)  # a damaged header is the loader's to report
         h.update(f.read(n))
         for i in range(_SAMPLES):
             f.seek(8 + n + (st.st_size - 8 - n) * i // _SAMPLES)
@@ -142,7 +142,7 @@ def open_stored(weights: Path, quantize: str, dtype: torch.dtype) -> Optional[St
     expected = _expected(weights, quantize, dtype)
     differs = [k for k, v in expected.items() if meta.get(k) != v]
     if differs:
-        why = {"source": f"{Path(weights).name} changed since it was written",
+        why = {"source": f"{Path(weights).name} is not the file it was made from: its size, time or data differ",
                "bitsandbytes": f"it was written by bitsandbytes {meta.get('bitsandbytes')}"}.get(differs[0], "")
         _note(f"{path.name} does not match ({why or ', '.join(differs)}); quantizing instead. Rerun "
               "scripts/quantize_checkpoint.py to store it again")

@@ -173,7 +173,7 @@ def test_a_stored_file_that_no_longer_matches_is_ignored_with_one_line(lora_llam
         return model
 
     rewrite_scaled(folder / LIT_WEIGHTS, 1.5)  # converted again, or another model of the same shape
-    model = load("changed since it was written")
+    model = load("is not the file it was made from")
     for name, layer in quantized_layers(model).items():  # quantized from the new weights
         assert_same_stored(layer, reference_layer(mode, checkpoint_weight(folder, name + ".weight", False).to(dtype),
                                                   dtype))

@@ -126,7 +126,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     _tie_and_check(model, config, prec, device, weights, head_adapter, stored)
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed)
-    model.stored_quantization = stored.path if stored else None
+    model.stored_quantization = stored.path if stored and stored.filled else None  # what the Loaded line names
     return model
 
 

@@ -88,10 +88,10 @@ def write_stored(model: nn.Module, weights: Path, quantize: str, dtype: torch.dt
 
 
 class StoredQuantization:
-    """An open stored file: `fill(module, key)` gives a quantized layer its stored weight."""
+    """An open stored file: `fill(module, key)` gives a quantized layer its stored weight; `filled` counts them."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.path, self.filled = path, 0
         header, base = safetensors_header(path)
         self.tensors = {k: FileTensor(path, base + e["data_offsets"][0], e["shape"], DTYPES[e["dtype"]])
                         for k, e in header.items()}
@@ -109,6 +109,7 @@ class StoredQuantization:
                                                                                    module.in_features):
                 return False
             set_int8_weight(module, stored.load(), scb.load())
+            self.filled += 1
             return True
         prefix = key + "."
         qs = {k[len(prefix):]: t.load() for k, t in self.tensors.items() if k.startswith(prefix)}
@@ -124,6 +125,7 @@ class StoredQuantization:
         if settings["quant_storage"] != torch.uint8:
             packed = packed.view(-1).view(settings["quant_storage"]).unsqueeze(1)
         set_4bit_weight(module, packed, state)
+        self.filled += 1
         return True
 
 

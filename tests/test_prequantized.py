@@ -210,6 +210,12 @@ def test_layers_an_adapter_changes_are_quantized_from_the_merged_weights(lora_ll
         assert_same_stored(layer, quantized_layers(reference)[name])
     x = random_tokens(2, 7)
     assert torch.equal(merged(x), reference(x))
+    # an adapter on every layer: nothing is read from the file, and the Loaded line must not say otherwise
+    everything = lora_cfg()
+    trained = load_model(folder, precision="32-true", lora=everything)
+    randomize_lora(trained)
+    assert load_model(folder, merge_adapter=adapter_of(trained, everything), precision="32-true",
+                      quantize="bnb.nf4").stored_quantization is None
 
     # a training load: LoRA layers around the stored bases
     with_lora = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0)

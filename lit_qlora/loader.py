@@ -68,7 +68,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
 
     On CPU, quantized layers are read from the checkpoint's stored quantization when it has a matching one
     (lit_qlora/prequantized.py; `use_stored=False`: quantize regardless); `model.stored_quantization` names the file
-    used, or is None."""
+    read, or is None, and `model.layers_quantized_at_load` counts the quantized layers that were not read from it."""
     device = torch.device(device)
     prec = parse_precision(precision)
     check_quantize(quantize, precision, device)
@@ -127,6 +127,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed)
     model.stored_quantization = stored.path if stored and stored.filled else None  # what the Loaded line names
+    model.layers_quantized_at_load = sum(map(is_quantized, model.modules())) - (stored.filled if stored else 0)
     return model
 
 

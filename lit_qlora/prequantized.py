@@ -158,12 +158,15 @@ def _note(msg: str) -> None:
 
 
 def load_note(model: nn.Module, quantize: Optional[str], device: torch.device, seconds: float) -> str:
-    """What a "Loaded" line adds about quantizing: the stored file read, or, after a CPU load that quantized for more
-    than 10 s, how to skip that next time; "" otherwise."""
-    used = getattr(model, "stored_quantization", None)
+    """What a "Loaded" line adds about quantizing: the stored file read (and how many layers were quantized anyway,
+    those a merged adapter changes), or, after a CPU load that quantized for more than 10 s, how to skip that next
+    time; "" otherwise."""
+    used, now = getattr(model, "stored_quantization", None), getattr(model, "layers_quantized_at_load", 0)
     if used is not None:
-        return f" | quantized weights read from {Path(used).name}"
+        also = f"; {now} layers the merged adapter changes quantized now" if now else ""
+        return f" | quantized weights read from {Path(used).name}{also}"
     if quantize and device.type == "cpu" and seconds > 10:
-        return (" | most of that was quantizing: scripts/quantize_checkpoint.py stores the result, and later loads "
-                "read it")
+        return (" | most of that was quantizing: scripts/quantize_checkpoint.py stores the result for later loads (an "
+                "adapter merged while loading: merge it into a folder once with scripts/merge_lora.py, and quantize "
+                "that)")
     return ""

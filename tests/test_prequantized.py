@@ -35,7 +35,7 @@ from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors, safetensors_spec
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
-from lit_qlora.prequantized import stored_path
+from lit_qlora.prequantized import load_note, stored_path
 from lit_qlora.quantize import QUANTIZE_MODES, is_quantized, quiet_bnb_import
 
 quiet_bnb_import()
@@ -206,6 +206,11 @@ def test_layers_an_adapter_changes_are_quantized_from_the_merged_weights(lora_ll
     assert merged.stored_quantization == path and reference.stored_quantization is None
     changed = [n for n in quantized_layers(merged) if adapter.changes(n + ".weight")]
     assert changed and len(changed) < len(quantized_layers(merged))
+    assert merged.layers_quantized_at_load == len(changed)
+    assert reference.layers_quantized_at_load == len(quantized_layers(reference))
+    note = load_note(merged, "bnb.nf4", torch.device("cpu"), 1.0)
+    assert note == f" | quantized weights read from {path.name}; {len(changed)} layers the merged adapter changes " \
+                   "quantized now"
     for name, layer in quantized_layers(merged).items():
         assert_same_stored(layer, quantized_layers(reference)[name])
     x = random_tokens(2, 7)

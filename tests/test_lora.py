@@ -1,22 +1,4 @@
 """LoRA: exactness of the adapter and of merging, PEFT interop both ways, HF export, base checks, cross-loading."""
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 import pytest
 import torch
 from helpers import VOCAB, lora_cfg, random_tokens, randomize_lora, run_script_here
@@ -24,7 +6,7 @@ from torch import nn
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.loader import load_model
-from lit_qlora.lora import _DropoutMatmul, lora_modules
+from lit_qlora.lora import LoRALinear, _DropoutMatmul, lora_modules
 from lit_qlora.model import activate, gated_activation
 
 
@@ -54,6 +36,30 @@ def test_zero_b_is_the_base_model_and_merging_is_exact(lora_ckpt, tmp_path):
     assert merged.config.tie_embeddings is False
     assert (merged(idx) - unmerged).abs().max().item() <= 1e-5
     assert load_model(out, precision="32-true", quantize="bnb.nf4")(idx).shape == (2, 12, VOCAB)  # re-quantizes
+
+
+def test_decoding_steps_compute_the_lora_products_in_fp32(lora_tied, monkeypatch):
+    """A bf16 generation step (a few rows, no autograd) computes the LoRA products in fp32 (tiny 16-bit CPU matmuls
+    are several times slower): every adapted layer takes that path, the logits agree with the general (autograd)
+    path to bf16 precision, and they are at least as close to an fp32 model with the same weights."""
+    cfg = lora_cfg()  # every target: a fused qkv with three parts, the MLP, the tied head's own LoRA
+    model = load_model(lora_tied.folder, precision="bf16-true", lora=cfg, seed=0).eval()
+    randomize_lora(model)
+    ref = load_model(lora_tied.folder, precision="32-true", lora=cfg, seed=0).eval()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    taken = []
+    decoding = LoRALinear._decoding
+    monkeypatch.setattr(LoRALinear, "_decoding", lambda self, x: taken.append(decoding(self, x)) or taken[-1])
+    idx = random_tokens(2, 5)
+    with torch.no_grad():
+        fast = model(idx).float()
+    assert len(taken) == len(lora_modules(model)) and all(taken)
+    general = model(idx).detach().float()  # autograd on: the training path
+    with torch.no_grad():
+        exact = ref(idx)
+    scale = exact.abs().max().item()
+    assert (fast - general).abs().max().item() <= 2e-2 * scale
+    assert (fast - exact).abs().max().item() <= 1.05 * (general - exact).abs().max().item() + 1e-3 * scale
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

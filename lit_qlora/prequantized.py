@@ -129,32 +129,37 @@ class StoredQuantization:
         return True
 
 
-def open_stored(weights: Path, quantize: str, dtype: torch.dtype) -> Optional[StoredQuantization]:
-    """The stored quantization of `weights` for `quantize` from `dtype`, when there is one that matches; None
-    otherwise, with a one-line note on stderr when a file is there but cannot be used (and why)."""
+def stored_mismatch(weights: Path, quantize: str, dtype: torch.dtype) -> Optional[str]:
+    """None when the stored quantization of `weights` for `quantize` from `dtype` is there and matches them; else why
+    it cannot be used ("" when there is no such file)."""
     path = stored_path(weights, quantize, dtype)
     if not path.is_file():
-        return None
+        return ""
     try:
         meta = safetensors_metadata(path)
     except (OSError, ValueError):
-        _note(f"{path} is damaged (unreadable header); quantizing {Path(weights).name} instead. Delete it, or rerun "
-              "scripts/quantize_checkpoint.py")
+        return "it is damaged (an unreadable header)"
+    differs = [k for k, v in _expected(weights, quantize, dtype).items() if meta.get(k) != v]
+    if not differs:
         return None
-    expected = _expected(weights, quantize, dtype)
-    differs = [k for k, v in expected.items() if meta.get(k) != v]
-    if differs:
-        why = {"source": f"{Path(weights).name} is not the file it was made from: its size, time or data differ",
-               "bitsandbytes": f"it was written by bitsandbytes {meta.get('bitsandbytes')}"}.get(differs[0], "")
-        _note(f"{path.name} does not match ({why or ', '.join(differs)}); quantizing instead. Rerun "
-              "scripts/quantize_checkpoint.py to store it again")
-        return None
-    return StoredQuantization(path)
+    return {"source": f"{Path(weights).name} is not the file it was made from: its size, time or data differ",
+            "bitsandbytes": f"it was written by bitsandbytes {meta.get('bitsandbytes')}"}.get(
+                differs[0], f"its {', '.join(differs)} differ")
+
+
+def open_stored(weights: Path, quantize: str, dtype: torch.dtype) -> Optional[StoredQuantization]:
+    """The stored quantization of `weights` for `quantize` from `dtype`, when there is one that matches; None
+    otherwise, with a one-line note on stderr when a file is there but cannot be used (and why)."""
+    why = stored_mismatch(weights, quantize, dtype)
+    path = stored_path(weights, quantize, dtype)
+    if why:
+        _note(f"{path.name} cannot be used ({why}); quantizing instead. Rerun scripts/quantize_checkpoint.py to "
+              "store it again")
+    return StoredQuantization(path) if why is None else None
 
 
 def _note(msg: str) -> None:
     print(f"note: {msg}", file=sys.stderr, flush=True)
-
 
 
 def load_note(model: nn.Module, quantize: Optional[str], device: torch.device, seconds: float) -> str:

@@ -18,8 +18,8 @@ Settings:
   <mode>:nokernel       the same without the kernel, and with a dense embedding: bitsandbytes dequantizes every
                         weight per call (its packed layout where the CPU has AVX512-BF16): generation before both
   <mode>:densehead      the output layer is not quantized (for a tied model: shared with the dense embedding)
-  <mode>:stored         as <mode>, loading the quantized weights scripts/quantize_checkpoint.py stored (written
-                        first, once per mode and precision); every other setting quantizes while it loads
+  <mode>:stored         as <mode>, loading the quantized weights scripts/quantize_checkpoint.py stores (run
+                        first for each mode and precision: a no-op once stored); the other settings quantize
   hf.nf4, hf.nf4-dq     Hugging Face transformers + bitsandbytes (`BitsAndBytesConfig`), from the same weights
                         exported to a transformers folder; transformers keeps its output layer dense
 Decode tokens/s counts the new tokens after the first (the prefill's): (n - 1) / (time of the last - time of the

@@ -8,7 +8,8 @@ for a dense load; minutes for a 7B model), and generate/*.py, chat and finetune/
 writes `<checkpoint_dir>/lit_model.<quantize>.<dtype>.safetensors` (lit_qlora/prequantized.py says what is in it);
 every later CPU load of that folder with the same --quantize and a --precision computing in the same dtype reads it
 (the "Loaded" line names it). The output layer is stored too, for generation's 4-bit head. Run it again after
-converting or merging into the folder again: a stale file is noticed and ignored (one line says so).
+converting or merging into the folder again: a stale file is noticed and ignored (one line says so); while the file
+matches, running it again does nothing.
 """
 import os
 import sys
@@ -19,7 +20,7 @@ from lit_qlora.checkpoint import LIT_WEIGHTS
 from lit_qlora.convert import ensure_converted
 from lit_qlora.loader import load_model
 from lit_qlora.precision import parse_precision, resolve_precision
-from lit_qlora.prequantized import write_stored
+from lit_qlora.prequantized import stored_mismatch, stored_path, write_stored
 from lit_qlora.quantize import check_quantize
 from lit_qlora.utils import UserError, run_cli
 
@@ -38,6 +39,11 @@ def quantize_checkpoint(checkpoint_dir: Path, quantize: str = "bnb.nf4", precisi
     precision, _ = resolve_precision(precision, "cpu")
     check_quantize(quantize, precision, "cpu")
     ensure_converted(checkpoint_dir)
+    weights, dtype = Path(checkpoint_dir) / LIT_WEIGHTS, parse_precision(precision).dtype
+    if stored_mismatch(weights, quantize, dtype) is None:  # nothing to do (a benchmark or a setup script rerun)
+        path = stored_path(weights, quantize, dtype)
+        print(f"{path} is up to date: made from this {LIT_WEIGHTS} with this bitsandbytes", file=sys.stderr)
+        return path
     if not os.access(checkpoint_dir, os.W_OK):  # found before quantizing, which can take minutes
         raise UserError(f"{checkpoint_dir} is not writable, and the quantized weights are stored in it; copy the "
                         "checkpoint folder somewhere writable (or ask its owner to run this)")
@@ -46,8 +52,7 @@ def quantize_checkpoint(checkpoint_dir: Path, quantize: str = "bnb.nf4", precisi
                        use_stored=False)
     took = time.perf_counter() - t0
     try:
-        path, layers = write_stored(model, Path(checkpoint_dir) / LIT_WEIGHTS, quantize,
-                                    parse_precision(precision).dtype)
+        path, layers = write_stored(model, weights, quantize, dtype)
     except OSError as e:  # written atomically: nothing half-written is left behind
         raise UserError(f"could not write the quantized weights into {checkpoint_dir}: {e.strerror or e}; free some "
                         "disk space and run this again") from None

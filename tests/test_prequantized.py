@@ -262,6 +262,22 @@ def test_quantize_checkpoint_refuses_bad_input_in_one_line(lora_llama, tmp_path,
     assert not list(Path(lora_llama.folder).glob("lit_model.*.*.safetensors"))
 
 
+def test_quantize_checkpoint_again_is_a_no_op_while_the_file_matches(lora_llama, tmp_path, monkeypatch, capsys):
+    folder = copy_of(lora_llama.folder, tmp_path)
+    path = quantize_checkpoint(folder, "bnb.nf4", "32-true")
+    written = path.stat().st_mtime_ns
+    capsys.readouterr()
+    forbid_quantizing(monkeypatch)
+    real_access = os.access  # a read-only shared folder whose owner quantized it: nothing to write, no error
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    assert quantize_checkpoint(folder, "bnb.nf4", "32-true") == path
+    assert "is up to date" in capsys.readouterr().err and path.stat().st_mtime_ns == written
+    monkeypatch.undo()
+    rewrite_scaled(folder / LIT_WEIGHTS, 2.0)  # no longer up to date: quantized and written again
+    quantize_checkpoint(folder, "bnb.nf4", "32-true")
+    assert "Quantized" in capsys.readouterr().err and path.stat().st_mtime_ns != written
+
+
 def test_quantize_checkpoint_says_what_to_do_when_it_cannot_write(lora_llama, tmp_path, monkeypatch, capsys):
     import errno
 

@@ -30,7 +30,14 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.checkpoint import DTYPES, FileTensor, safetensors_header, safetensors_metadata, write_safetensors_stream
-from lit_qlora.quantize import four_bit_settings, is_quantized, load_bnb, set_4bit_weight, set_int8_weight
+from lit_qlora.quantize import (
+    four_bit_settings,
+    is_quantized,
+    load_bnb,
+    repacked_4bit_layers,
+    set_4bit_weight,
+    set_int8_weight,
+)
 
 FORMAT = "lit-qlora quantized weights 1"
 _SAMPLES, _SAMPLE_BYTES = 32, 4096
@@ -74,11 +81,12 @@ def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
 def write_stored(model: nn.Module, weights: Path, quantize: str, dtype: torch.dtype) -> tuple[Path, int]:
     """Store every quantized layer of `model` (loaded from `weights` with `quantize` from `dtype`, before any CPU
     inference packing) next to `weights`, atomically. Returns (the file, the number of layers)."""
+    repacked = repacked_4bit_layers(model)
+    if repacked:  # bitsandbytes' CPU inference layout is not what a load reads back
+        raise RuntimeError(f"{repacked[0]} was repacked for CPU inference; store a model as it was loaded")
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, module in model.named_modules():
         if is_quantized(module):
-            if getattr(module.weight, "packing_format_for_cpu", False):
-                raise RuntimeError(f"{name} was repacked for CPU inference; store a model as it was loaded")
             key = name.removesuffix(".base") + ".weight"  # the checkpoint's name (a LoRA layer wraps its base)
             tensors += [(key + suffix, t) for suffix, t in _entries(module).items()]
     path = stored_path(weights, quantize, dtype)
@@ -93,26 +101,29 @@ class StoredQuantization:
     def __init__(self, path: Path) -> None:
         self.path, self.filled = path, 0
         header, base = safetensors_header(path)
-        self.tensors = {k: FileTensor(path, base + e["data_offsets"][0], e["shape"], DTYPES[e["dtype"]])
-                        for k, e in header.items()}
+        self.layers: dict[str, dict[str, FileTensor]] = {}  # weight name -> {"": the weight, ".absmax": ..., ...}
+        for k, e in header.items():
+            layer, _, entry = k.rpartition(".weight")  # "<layer>.weight" + "" / ".absmax" / ".SCB" / ...
+            self.layers.setdefault(layer + ".weight", {})[entry] = FileTensor(path, base + e["data_offsets"][0],
+                                                                               e["shape"], DTYPES[e["dtype"]])
 
     def fill(self, module: nn.Module, key: str) -> bool:
         """Give the (meta) quantized layer `module` the stored weight `key` (a checkpoint name); False (nothing
         done) when the file has none for it, or one of another shape or kind."""
         bnb = load_bnb()
-        if key not in self.tensors:
+        entries = dict(self.layers.get(key, {}))
+        stored = entries.pop("", None)
+        if stored is None:
             return False
-        stored = self.tensors[key]
         if isinstance(module, bnb.nn.Linear8bitLt):
-            scb = self.tensors.get(key + ".SCB")
+            scb = entries.get(".SCB")
             if stored.dtype != torch.int8 or scb is None or tuple(stored.shape) != (module.out_features,
                                                                                    module.in_features):
                 return False
             set_int8_weight(module, stored.load(), scb.load())
             self.filled += 1
             return True
-        prefix = key + "."
-        qs = {k[len(prefix):]: t.load() for k, t in self.tensors.items() if k.startswith(prefix)}
+        qs = {entry[1:]: t.load() for entry, t in entries.items()}  # bitsandbytes' QuantState entries
         if stored.dtype != torch.uint8 or not qs:
             return False
         state = bnb.functional.QuantState.from_dict(qs, device=torch.device("cpu"))

@@ -496,18 +496,26 @@ def validation_mode(model: nn.Module) -> None:
             m.training = True  # read by Linear8bitLt.forward only to pick the matmul (state.is_training)
 
 
-def assert_trainable_4bit(model: nn.Module) -> None:
-    """Fail loudly if any 4-bit layer was repacked for inference: gradients would silently stop there."""
+def repacked_4bit_layers(model: nn.Module) -> list[str]:
+    """The names of the 4-bit layers bitsandbytes repacked into its CPU inference layout."""
     bnb = load_bnb() if _bnb_loaded() else None
     if bnb is None:
-        return
+        return []
+    names = []
     for name, m in model.named_modules():
-        if not isinstance(m, bnb.nn.Linear4bit):
-            continue
-        state = getattr(m.weight, "quant_state", None) or m.quant_state  # sharded: the plain weight has none
-        if getattr(state, "packing_format_for_cpu", False):
-            raise RuntimeError(f"{name} was repacked for CPU inference and can no longer pass gradients; "
-                               "keep support_avx512bf16_for_cpu=False on layers that train")
+        if isinstance(m, bnb.nn.Linear4bit):
+            state = getattr(m.weight, "quant_state", None) or m.quant_state  # sharded: the plain weight has none
+            if getattr(state, "packing_format_for_cpu", False):
+                names.append(name)
+    return names
+
+
+def assert_trainable_4bit(model: nn.Module) -> None:
+    """Fail loudly if any 4-bit layer was repacked for inference: gradients would silently stop there."""
+    repacked = repacked_4bit_layers(model)
+    if repacked:
+        raise RuntimeError(f"{repacked[0]} was repacked for CPU inference and can no longer pass gradients; "
+                           "keep support_avx512bf16_for_cpu=False on layers that train")
 
 
 # ---- memory report ----------------------------------------------------------------------------

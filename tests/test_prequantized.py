@@ -262,6 +262,19 @@ def test_quantize_checkpoint_refuses_bad_input_in_one_line(lora_llama, tmp_path,
     assert not list(Path(lora_llama.folder).glob("lit_model.*.*.safetensors"))
 
 
+def test_a_model_repacked_for_cpu_inference_is_not_stored(lora_llama, tmp_path):
+    """bitsandbytes' AVX512-BF16 inference layout (an eval forward may repack a layer) is not what a load reads back."""
+    from lit_qlora.prequantized import write_stored
+
+    folder = copy_of(lora_llama.folder, tmp_path)
+    model = load_model(folder, precision="bf16-true", quantize="bnb.nf4")
+    layer = quantized_layers(model)["transformer.h.1.attn.proj"]
+    layer.weight.quant_state.packing_format_for_cpu = True  # what bitsandbytes' repacking sets
+    with pytest.raises(RuntimeError, match="transformer.h.1.attn.proj was repacked"):
+        write_stored(model, folder / LIT_WEIGHTS, "bnb.nf4", torch.bfloat16)
+    assert not stored_path(folder / LIT_WEIGHTS, "bnb.nf4", torch.bfloat16).exists()
+
+
 def test_quantize_checkpoint_again_is_a_no_op_while_the_file_matches(lora_llama, tmp_path, monkeypatch, capsys):
     folder = copy_of(lora_llama.folder, tmp_path)
     path = quantize_checkpoint(folder, "bnb.nf4", "32-true")

@@ -387,15 +387,21 @@ class TiedEmbedding4bit(nn.Module):
 
     def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
-        bnb = load_bnb()
         self._head = [head]  # not a submodule: the head stays where it is, once
         self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
-        state = head.weight.quant_state
-        absmax = state.absmax
-        if state.nested:  # double quantization: the block scales are 8-bit themselves; undone once, for every row
-            absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-        self.register_buffer("absmax", absmax.float().view(self.num_embeddings, -1), persistent=False)
+        self.blocks_per_row = self.embedding_dim // head.weight.quant_state.blocksize
         head.feeds_embedding = True
+
+    def row_scales(self, idx: torch.Tensor) -> torch.Tensor:
+        """The fp32 block scales of the rows `idx`, [..., C/blocksize]. With double quantization the head keeps
+        them 8-bit: only the asked-for rows' scales are undone (code2[q] * absmax2 + offset, bitsandbytes'
+        arithmetic), so no fp32 copy of every row's scales is kept (1.7 MB for SmolLM2's 49152 x 576 head)."""
+        state = self._head[0].weight.quant_state
+        if not state.nested:
+            return nn.functional.embedding(idx, state.absmax.view(self.num_embeddings, -1)).float()
+        blocks = idx[..., None] * self.blocks_per_row + torch.arange(self.blocks_per_row, device=idx.device)
+        inner = state.state2
+        return inner.code[state.absmax[blocks].long()] * inner.absmax[blocks // inner.blocksize] + state.offset
 
     @staticmethod
     def fits(head: nn.Module) -> bool:
@@ -408,7 +414,7 @@ class TiedEmbedding4bit(nn.Module):
         state = head.weight.quant_state
         packed = head.weight.data.view(torch.uint8).view(self.num_embeddings, self.embedding_dim // 2)
         rows = nn.functional.embedding(idx, packed)  # [..., C/2] packed bytes of the asked-for rows
-        scales = nn.functional.embedding(idx, self.absmax)  # [..., C/blocksize]
+        scales = self.row_scales(idx)  # [..., C/blocksize]
         rows_state = bnb.functional.QuantState(absmax=scales.reshape(-1), shape=torch.Size((*idx.shape,
                                                                                              self.embedding_dim)),
                                                code=state.code, blocksize=state.blocksize,

@@ -431,6 +431,8 @@ def test_tied_embedding_is_read_from_the_4bit_head(family_ckpts, kind, mode, mon
     c = model.config
     assert c.tie_embeddings and isinstance(model.transformer.wte, TiedEmbedding4bit)
     assert not any(t.shape == (c.vocab_size, c.n_embd) for t in chain(model.parameters(), model.buffers()))
+    # nor an fp32 copy of the head's block scales: with double quantization they stay 8-bit, undone per row read
+    assert not list(model.transformer.wte.buffers()) and not list(model.transformer.wte.parameters())
     idx = torch.randint(0, c.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model.transformer.wte(idx), nn.functional.embedding(idx, bnb_weight(model.lm_head)))
 

@@ -62,6 +62,39 @@ def test_decoding_steps_compute_the_lora_products_in_fp32(lora_tied, monkeypatch
     assert (fast - exact).abs().max().item() <= 1.05 * (general - exact).abs().max().item() + 1e-3 * scale
 
 
+def test_decoding_steps_see_every_change_of_the_adapter(lora_tied):
+    """Decoding steps keep fp32 copies of A and B; they are made again whenever the adapter changes (an in-place
+    update as an optimizer step makes it, a loaded state dict, a replaced parameter), so each step equals the same
+    step of a fresh model holding the same weights; train() drops them."""
+    cfg = lora_cfg()
+    model = load_model(lora_tied.folder, precision="bf16-true", lora=cfg, seed=0).eval()
+    randomize_lora(model)
+    idx = random_tokens(1, 3)
+
+    @torch.no_grad()
+    def fresh():
+        other = load_model(lora_tied.folder, precision="bf16-true", lora=cfg, seed=0).eval()
+        other.load_state_dict(model.state_dict())
+        return other(idx)
+
+    step = torch.no_grad()(lambda: model(idx))
+    before = step()
+    assert torch.equal(before, fresh())
+    mods = list(lora_modules(model).values())
+    assert all("_decode_cache" in m.__dict__ for m in mods)  # the copies were made
+    with torch.no_grad():
+        for m in mods:
+            m.lora_B.mul_(1.5)
+    after = step()
+    assert not torch.equal(after, before) and torch.equal(after, fresh())
+    model.load_state_dict({k: v * 0.5 if "lora_A" in k else v for k, v in model.state_dict().items()})
+    assert torch.equal(step(), fresh())
+    mods[0].lora_A = nn.Parameter(torch.randn_like(mods[0].lora_A))
+    assert torch.equal(step(), fresh())
+    model.train()
+    assert not any("_decode_cache" in m.__dict__ for m in mods)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_lora_dropout_function_equals_autograd_with_the_same_mask(p):
     """LoRALinear's dropout-and-matmul (it saves x and a one-byte mask) against plain autograd ops given the same mask

@@ -27,6 +27,10 @@
  *
  * Decoding (one activation row) on AVX512 takes four weight rows at a time, sharing the activations' loads and one
  * combined horizontal sum, and the AVX512 loops prefetch the weights a few KB ahead.
+ *
+ * `q4_linear_lora` adds a LoRA update in the same call: y = x @ W^T (+ bias) + (x @ A^T) @ B^T, A [r, K] and B
+ * [N, r] in fp32 (the LoRA scaling folded into B), everything summed in fp32 and rounded once. A decoding step
+ * then costs one call per adapted layer where separate torch ops cost five and their Python around them.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -394,6 +398,30 @@ static void rows4_bf16dot(const q4_layer *L, int64_t o, const uint16_t *xp, int 
 }
 #endif
 
+/* a[0..k) . b[0..k) in fp32 (vector partial sums, then the tail). */
+static float dot_f32(const float *a, const float *b, int64_t k) {
+    int64_t j = 0;
+    float s = 0.0f;
+#if Q4_ISA == 512
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= k; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+    s = _mm512_reduce_add_ps(acc);
+#elif Q4_ISA == 2
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= k; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; j < k; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* What is added to output (m, o) besides the weights' product: the bias and the LoRA update B[o] . ax[m]. */
+static inline float extra(const q4_layer *L, const float *B, const float *ax, int64_t r, int64_t m, int64_t o) {
+    return (L->bias ? L->bias[o] : 0.0f) + (ax ? dot_f32(B + o * r, ax + m * r, r) : 0.0f);
+}
+
 static inline void put(void *y, int dtype, int64_t i, float v) {
     if (dtype == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
     else ((float *)y)[i] = v;
@@ -410,25 +438,37 @@ DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
 
-/* y[M, N] = x[M, K] @ W^T (+ bias). x and y are fp32 (dtype 0) or bf16 (dtype 1), row-major and contiguous.
- * Accumulates in fp32; the rows of W are shared out between `nthreads` OpenMP threads. Returns 0, or -1 when K
- * is odd (rows would start mid-byte) or memory runs out. */
-int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
+/* y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows). x and y are fp32 (dtype 0)
+ * or bf16 (dtype 1), row-major and contiguous. Accumulates in fp32; the rows of W are shared out between
+ * `nthreads` OpenMP threads. Returns 0, or -1 when K is odd (rows would start mid-byte) or memory runs out. */
+static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
+                  const float *B, int64_t r) {
     const int64_t n = L->n, k = L->k, kh = k / 2;
     if (k % 2) return -1;
+    float *ax = NULL; /* the LoRA's x @ A^T [M, r], computed once before the rows are shared out */
+    if (A && r > 0) {
+        ax = (float *)malloc(sizeof(float) * (size_t)(M * r + k));
+        if (!ax) return -1;
+        float *xrow = ax + M * r;
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t j = 0; j < k; j++)
+                xrow[j] = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[m * k + j]) : ((const float *)x)[m * k + j];
+            for (int64_t j = 0; j < r; j++) ax[m * r + j] = dot_f32(A + j * k, xrow, k);
+        }
+    }
     /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
     const int bf16dot = Q4_BF16DOT && dtype == 1 && L->blocksize == 64 && k % 64 == 0;
     uint16_t *xs16 = NULL;
     float *xs = NULL;
     if (bf16dot) {
         xs16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * k > 0 ? M * k : 1));
-        if (!xs16) return -1;
+        if (!xs16) { free(ax); return -1; }
 #if Q4_BF16DOT
         for (int64_t m = 0; m < M; m++) permute_for_bf16dot((const uint16_t *)x + m * k, xs16 + m * k, k);
 #endif
     } else {
         xs = (float *)malloc(sizeof(float) * (size_t)(M * k > 0 ? M * k : 1));
-        if (!xs) return -1;
+        if (!xs) { free(ax); return -1; }
     }
     for (int64_t m = 0; xs && m < M; m++) {
         float *xe = xs + m * k, *xo = xe + kh;
@@ -462,7 +502,7 @@ int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, i
             else
 #endif
                 rows4_fp32(L, o0, xs, b2_shift, out4);
-            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, out4[j] + (L->bias ? L->bias[o0 + j] : 0.0f));
+            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, out4[j] + extra(L, B, ax, r, 0, o0 + j));
             continue;
         }
 #endif
@@ -478,11 +518,22 @@ int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, i
                     case 3: tile_3(L, o, xt, xt16, b2_shift, out); break;
                     default: tile_4(L, o, xt, xt16, b2_shift, out); break;
                 }
-                for (int64_t m = 0; m < mt; m++) put(y, dtype, (m0 + m) * n + o, out[m] + (L->bias ? L->bias[o] : 0.0f));
+                for (int64_t m = 0; m < mt; m++)
+                    put(y, dtype, (m0 + m) * n + o, out[m] + extra(L, B, ax, r, m0 + m, o));
             }
         }
     }
     free(xs);
     free(xs16);
+    free(ax);
     return 0;
+}
+
+int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
+    return linear(L, x, y, M, dtype, nthreads, NULL, NULL, 0);
+}
+
+int q4_linear_lora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
+                   const float *B, int64_t r) {
+    return linear(L, x, y, M, dtype, nthreads, A, B, r);
 }

@@ -11,7 +11,8 @@ through `fast_cpu_4bit_decoding`): their `Linear4bit` layers become `DecodeLinea
 runs the kernel for up to `MAX_KERNEL_ROWS` activation rows (decoding) and dequantize + dense matmul otherwise
 (prefill: faster for many rows), with bitsandbytes' own dequantization, a few million weights at a time. Whenever
 a gradient is needed it takes bitsandbytes' own forward, so a converted layer never silently stops gradients;
-training code never converts layers anyway.
+training code never converts layers anyway. An unmerged LoRA layer over such a layer becomes `DecodeLoRALinear`:
+its decoding steps add the update inside the same kernel call (`q4_linear_lora`).
 
 The compiled library is cached per source hash, compiler, flags and CPU flags under
 `$LIT_QLORA_CACHE` (default `$XDG_CACHE_HOME/lit_qlora` or `~/.cache/lit_qlora`). Without a working C compiler
@@ -38,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit_qlora import cpu_half
+from lit_qlora.lora import LoRALinear
 from lit_qlora.quantize import quiet_bnb_import
 
 bnb = quiet_bnb_import()
@@ -171,6 +173,8 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int, ctypes.c_int]
     lib.q4_linear.restype = ctypes.c_int
+    lib.q4_linear_lora.argtypes = lib.q4_linear.argtypes + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.q4_linear_lora.restype = ctypes.c_int
     lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
     return lib
 
@@ -237,13 +241,24 @@ class _State:
                 and params.get("bias") is self.bias_param)
 
 
-def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype."""
+def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int,
+               lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype. With `lora`
+    (A [r, in], B [out, r], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before the
+    one rounding to x's dtype."""
     x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], out_features))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     threads = 1 if state.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
-    if rows and lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads):
+    if not rows:
+        return y
+    if lora is None:
+        failed = lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
+    else:
+        A, B = lora
+        failed = lib.q4_linear_lora(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
+                                    A.data_ptr(), B.data_ptr(), A.size(0))
+    if failed:
         raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
     return y
 
@@ -305,19 +320,26 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
     _q4: Optional[_State] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel_forward(x)
+        return self._dense_forward(x) if y is None else y
+
+    def kernel_forward(self, x: torch.Tensor,
+                       lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+        """The layer's output (plus a LoRA update, see `run_kernel`) through the kernel, or None where the kernel
+        does not take x (more than MAX_KERNEL_ROWS rows, a gradient to compute, not on CPU, ...)."""
         lib = kernel()
         rows = x.numel() // self.in_features if self.in_features else 0
         if (lib is None or x.device.type != "cpu" or rows > MAX_KERNEL_ROWS
                 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
                 or torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)):
-            return self._dense_forward(x)
+            return None
         if self._q4 is None or not self._q4.current(self):
             if not supports(self):  # its weight was replaced by something the kernel cannot read
-                return self._dense_forward(x)
+                return None
             self._q4 = _State(self, lib)
         if x.dtype == torch.float16:  # the kernel reads fp32 and bf16; fp16 on CPU is rare (16-true)
-            return run_kernel(lib, self._q4, x.float(), self.out_features).to(torch.float16)
-        return run_kernel(lib, self._q4, x, self.out_features)
+            return run_kernel(lib, self._q4, x.float(), self.out_features, lora).to(torch.float16)
+        return run_kernel(lib, self._q4, x, self.out_features, lora)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill and anything else the kernel does not take: dequantize, then a dense matmul. With a gradient to
@@ -328,6 +350,21 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         if x.device.type != "cpu" or not supports(self) or needs_grad and whole_blocks:
             return super().forward(x)
         return dequantized_linear(self, x)
+
+
+class DecodeLoRALinear(LoRALinear):
+    """A `LoRALinear` over a `DecodeLinear4bit` base, for generation: a decoding step (eval, nothing to
+    differentiate, no autocast, up to MAX_KERNEL_ROWS rows) runs the base layer and the LoRA update in one kernel
+    call, in fp32 with one rounding; everything else is LoRALinear's own forward. Made by `enable_fast_decode`,
+    never constructed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (type(self.base) is DecodeLinear4bit and not self.training and not torch.is_grad_enabled()
+                and not torch.is_autocast_enabled("cpu")):
+            y = self.base.kernel_forward(x, self._decode_weights())
+            if y is not None:
+                return y
+        return super().forward(x)
 
 
 def enable_fast_decode(model: nn.Module) -> int:
@@ -344,6 +381,9 @@ def enable_fast_decode(model: nn.Module) -> int:
         m.__class__ = DecodeLinear4bit  # same storage and attributes: a subclass adds only the forward
         # bitsandbytes' AVX512-BF16 repacking would rewrite the weight into a layout the kernel cannot read
         m.support_avx512bf16_for_cpu = False
+    for m in model.modules():  # unmerged adapters over those layers: base and update in one call
+        if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit:
+            m.__class__ = DecodeLoRALinear
     return len(layers)
 
 
@@ -351,6 +391,8 @@ def disable_fast_decode(model: nn.Module) -> int:
     """Undo `enable_fast_decode`: back to the layers' classes before it. Returns how many were switched back."""
     n = 0
     for m in model.modules():
+        if type(m) is DecodeLoRALinear:
+            m.__class__ = LoRALinear
         if type(m) is DecodeLinear4bit:
             m.__class__ = m.__dict__.pop("_class_before_decode", bnb.nn.Linear4bit)
             m.__dict__.pop("_q4", None)

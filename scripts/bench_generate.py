@@ -20,6 +20,9 @@ Settings:
   <mode>:densehead      the output layer is not quantized (for a tied model: shared with the dense embedding)
   <mode>:stored         as <mode>, loading the quantized weights scripts/quantize_checkpoint.py stores (run
                         first for each mode and precision: a no-op once stored); the other settings quantize
+  <mode>:lora           as <mode>, with an adapter on every target (r 8, random, written once next to the
+                        checkpoint) kept as separate LoRA layers (generate/lora.py --merge false); none:lora too
+  <mode>:lora-merged    the same adapter merged while loading (generate/lora.py's default)
   hf.nf4, hf.nf4-dq     Hugging Face transformers + bitsandbytes (`BitsAndBytesConfig`), from the same weights
                         exported to a transformers folder; transformers keeps its output layer dense
 Decode tokens/s counts the new tokens after the first (the prefill's): (n - 1) / (time of the last - time of the
@@ -47,6 +50,7 @@ from lit_qlora.config import Config
 from lit_qlora.convert import write_random_checkpoint
 from lit_qlora.utils import run_cli
 
+BENCH_ADAPTER = "bench_adapter.pth"  # the :lora settings' adapter, next to the checkpoint
 SETTINGS = ["none", "bnb.nf4", "bnb.nf4-dq", "bnb.nf4:nokernel", "hf.nf4"]
 
 
@@ -91,17 +95,24 @@ def timed_prefill(forward, set_cache, clear_cache, prompt: torch.Tensor) -> floa
 
 
 def child_ours(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int, prefill_len: int) -> dict:
+    from lit_qlora.adapter import Adapter
     from lit_qlora.generation import generate
     from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
-    from lit_qlora.loader import load_model
+    from lit_qlora.loader import load_model, load_model_with_adapter
 
     runtime = vm_rss_gb()  # python, torch, bitsandbytes and our modules: paid before any weight
     quantize, _, flag = setting.partition(":")
     quantize = None if quantize == "none" else quantize
     t0 = time.perf_counter()
-    model = load_model(Path(folder), precision=precision, quantize=quantize, quantize_lm_head=flag != "densehead",
-                       embedding_from_head=flag != "nokernel",  # as generate/*.py load (but "before")
-                       use_stored=flag == "stored").eval()
+    if flag == "lora":  # as generate/lora.py --merge false loads it
+        model = load_model_with_adapter(Path(folder), Adapter.load(Path(folder) / BENCH_ADAPTER), precision=precision,
+                                        quantize=quantize, quantize_lm_head=True, use_stored=False).eval()
+    else:
+        model = load_model(Path(folder), precision=precision, quantize=quantize, quantize_lm_head=flag != "densehead",
+                           embedding_from_head=flag != "nokernel",  # as generate/*.py load (but "before")
+                           use_stored=flag == "stored",
+                           merge_adapter=Adapter.load(Path(folder) / BENCH_ADAPTER) if flag == "lora-merged" else None
+                           ).eval()
     load_s = time.perf_counter() - t0
     if (flag == "stored") != (getattr(model, "stored_quantization", None) is not None):
         raise RuntimeError(f"{setting}: the stored quantization was {'not ' if flag == 'stored' else ''}used")
@@ -162,6 +173,22 @@ def child_hf(folder: str, setting: str, precision: str, new_tokens: int, prompt_
                 layers_on_kernel=0, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb(), runtime_rss_gb=runtime)
 
 
+def write_bench_adapter(folder: Path) -> None:
+    """An adapter on every target of the checkpoint's model (r 8, alpha 16), A as initialized and B random (it
+    starts at zero), for the :lora settings."""
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import LoRAConfig, lora_modules
+
+    lora = LoRAConfig(r=8, alpha=16, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
+    model = load_model(folder, precision="32-true", lora=lora, seed=1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(0.02 * torch.randn(m.lora_B.shape, generator=g))
+    Adapter.of_model(model, lora).save(folder / BENCH_ADAPTER)
+
+
 def child(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int, prefill_len: int,
           threads: int) -> None:
     """One setting in this fresh process; prints one JSON line."""
@@ -212,6 +239,8 @@ def main(model: str = "", n_layer: int = 12, n_embd: int = 768, n_head: int = 12
             from lit_qlora.convert import convert_lit_checkpoint
 
             convert_lit_checkpoint(folder, folder / "hf")
+    if any(s.partition(":")[2] in ("lora", "lora-merged") for s in wanted) and not (folder / BENCH_ADAPTER).is_file():
+        write_bench_adapter(folder)
     for prec in precision.split(","):  # what the :stored settings load
         for mode in dict.fromkeys(s.partition(":")[0] for s in wanted if s.endswith(":stored")):
             subprocess.run([sys.executable, str(Path(__file__).with_name("quantize_checkpoint.py")),

@@ -11,7 +11,10 @@ What is shown here:
    weights, for nf4, nf4-dq and fp4 on every family the generation tests cover (32-true; at bf16-true the logits
    stay as close to that model as a dense bf16 model's do); int8 is left alone and stays within its tolerance;
 5. generate/base.py samples (--num_samples) on the kernel, and greedy text is the same with it and without it;
-6. without a C compiler generation falls back to bitsandbytes' path with one note; compiled kernels are cached.
+6. without a C compiler generation falls back to bitsandbytes' path with one note; compiled kernels are cached;
+7. an unmerged LoRA layer over a 4-bit base decodes in one kernel call (base product and update, one rounding):
+   against float64 in every build, dispatched only where LoRALinear's own path would be a decoding step, and in a
+   model the same greedy tokens as separate ops at fp32, logits at least as close to fp32 at bf16.
 
 Reference: `bitsandbytes.functional.dequantize_4bit` of the flattened weight. bitsandbytes quantizes the flattened
 [out, in] weight in blocks of 64; its CPU dequantization of the 2-D shape assumes blocks never cross a row, which
@@ -108,13 +111,18 @@ def bf16_weights(lib, layer: nn.Module, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and d.bf16_dot(lib) and qs.blocksize == 64 and layer.in_features % 64 == 0
 
 
-def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor, lib=None) -> None:
+def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor, lib=None, lora=None) -> None:
     """Tolerance: fp32 accumulation error, 1e-5 x sum|x_k w_k| per output (an fp32 sum of up to 192 products stays
     well inside it), plus, for bf16 outputs, the bf16 rounding of the result (2^-8 relative), and where the kernel
-    multiplies by bf16 weights (`bf16_weights`), their rounding (2^-8 relative each: 2^-8 x sum|x_k w_k|)."""
+    multiplies by bf16 weights (`bf16_weights`), their rounding (2^-8 relative each: 2^-8 x sum|x_k w_k|). With
+    `lora` (A, B) the reference adds (x @ A^T) @ B^T and the fp32 error allowed grows by 1e-5 x its |.| sums."""
     ref = reference(layer, x)
     scale = x.double().abs() @ bnb_weight(layer).double().abs().T
     tol = 1e-5 * scale + 1e-7
+    if lora is not None:
+        A, B = (t.double() for t in lora)
+        ref = ref + (x.double() @ A.T) @ B.T
+        tol = tol + 1e-5 * ((x.double().abs() @ A.abs().T) @ B.abs().T)
     if y.dtype == torch.bfloat16:
         tol = tol + ref.abs() * 2.0**-8
     if lib is not None and bf16_weights(lib, layer, y.dtype):
@@ -299,6 +307,124 @@ def test_training_code_never_imports_the_kernel():
                                                         *root.glob("generate/*.py")]
                    if "decode4bit" in p.read_text() and p.name != "decode4bit.py")
     assert users == ["lit_qlora/inference.py"]
+
+
+# ---- 7. unmerged LoRA layers ----------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("r", [8, 5, 24])
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.fp4-dq"])
+def test_kernel_adds_a_lora_update(mode, r, rows, dtype, variant):
+    """q4_linear_lora: x @ W^T + bias + (x @ A^T) @ B^T in one call, against float64 from bitsandbytes' weights
+    (an update about as large as the base product, so a lost or misplaced term shows)."""
+    lib = lib_for(variant)
+    for shape in [(96, 192), (33, 128), (7, 100)]:
+        layer = quantized_layer(mode, *shape, dtype=dtype, bias=True)
+        g = torch.Generator().manual_seed(r + rows)
+        A, B = 0.1 * torch.randn(r, shape[1], generator=g), 0.1 * torch.randn(shape[0], r, generator=g)
+        x = torch.randn(rows, shape[1], generator=g).to(dtype)
+        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B))
+        assert_close_to_reference(y, layer, x, lib, lora=(A, B))
+
+
+def lora_over(layer: nn.Module, parts=None, seed: int = 0):
+    """A LoRALinear (r 4, alpha 8) over `layer` with random A and B, in the layer's compute dtype."""
+    from lit_qlora.lora import LoRALinear
+
+    m = LoRALinear(layer, layer.in_features, layer.out_features, r=4, alpha=8, dropout=0.1, parts=parts)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.lora_A.copy_(0.1 * torch.randn(m.lora_A.shape, generator=g))
+        m.lora_B.copy_(0.1 * torch.randn(m.lora_B.shape, generator=g))
+    return m.to(layer.weight.quant_state.dtype).eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_layer_over_a_4bit_base_decodes_in_one_call(monkeypatch, dtype):
+    """enable_fast_decode turns a LoRALinear over a 4-bit layer into DecodeLoRALinear: a decoding step (eval, no
+    gradient, up to MAX_KERNEL_ROWS rows) is one kernel call with the update, within the kernel's tolerance of
+    float64 (for a fused q/k/v layer with parts too); prefill-sized inputs, gradients, training mode and autocast
+    take LoRALinear's own path; disable_fast_decode gives back LoRALinear."""
+    from lit_qlora.lora import LoRALinear
+
+    calls = []
+    monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.append(len(a) > 4 and a[4] is not None)
+                        or _f(*a))
+    for parts in [None, [(0, 32), (64, 32)]]:
+        m = lora_over(quantized_layer("bnb.nf4", 96, 192, dtype=dtype, bias=True), parts)
+        assert d.enable_fast_decode(m) == 1 and type(m) is d.DecodeLoRALinear and type(m.base) is d.DecodeLinear4bit
+        for b, t in [(1, 1), (2, 3), (1, d.MAX_KERNEL_ROWS), (1, d.MAX_KERNEL_ROWS + 1)]:
+            x = torch.randn(b, t, 192, generator=torch.Generator().manual_seed(t)).to(dtype)
+            calls.clear()
+            with torch.inference_mode():
+                y = m(x)
+            assert calls == ([True] if b * t <= d.MAX_KERNEL_ROWS else []), (b, t)
+            if b * t <= d.MAX_KERNEL_ROWS:
+                A, B = m.lora_A.float(), m.stacked_B().float() * m.scaling
+                assert y.shape == (b, t, 96) and y.dtype == dtype
+                assert_close_to_reference(y.reshape(-1, 96), m.base, x.reshape(-1, 192), d.kernel(), lora=(A, B))
+        x = torch.randn(1, 1, 192).to(dtype)
+        for how in ["grad", "train", "autocast"]:
+            calls.clear()
+            m.train(how == "train")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"), \
+                    torch.set_grad_enabled(how == "grad"):
+                m(x.requires_grad_(how == "grad"))
+            assert True not in calls, how  # the base alone may still take the kernel; the update never does
+            x = x.detach()
+        m.eval()
+        assert d.disable_fast_decode(m) == 1 and type(m) is LoRALinear
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+def test_unmerged_adapter_decodes_as_with_separate_ops(family_ckpts, mode, monkeypatch):
+    """A model with LoRA on every target over a 4-bit base, prepared for generation: every LoRA layer decodes in
+    one kernel call; at fp32 the greedy tokens equal those of LoRALinear's separate ops and the logits agree to fp32
+    summation order; at bf16 (one rounding instead of two) the logits are at least as close to the fp32 model's."""
+    from lit_qlora.generation import generate
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import LoRAConfig, LoRALinear
+
+    folder = family_ckpts("llama3")
+    cfg = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
+    models = {}
+    for precision in ("32-true", "bf16-true"):
+        model = load_model(folder, precision=precision, quantize=mode, lora=cfg, seed=3).eval()
+        with torch.no_grad():  # a sizable update (lora_B starts at zero)
+            for i, m in enumerate(x for x in model.modules() if isinstance(x, LoRALinear)):
+                m.lora_B.copy_(0.2 * torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(i)))
+        fast_cpu_4bit_decoding(model)
+        models[precision] = model
+    lora_layers = {p: [m for m in model.modules() if isinstance(m, LoRALinear)] for p, model in models.items()}
+    assert all(type(m) is d.DecodeLoRALinear for ms in lora_layers.values() for m in ms)
+
+    def separate(precision, on):
+        for m in lora_layers[precision]:
+            m.__class__ = LoRALinear if on else d.DecodeLoRALinear
+
+    calls = []
+    monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.append(len(a) > 4 and a[4] is not None) or _f(*a))
+    prompt = torch.randint(0, models["32-true"].config.vocab_size, (PROMPT_LEN,),
+                           generator=torch.Generator().manual_seed(5))
+    fused = generate(models["32-true"], prompt, max_new_tokens=NEW_TOKENS)
+    assert sum(calls) == (NEW_TOKENS - 1) * len(lora_layers["32-true"])  # every decoding step of every LoRA layer
+    separate("32-true", True)
+    assert torch.equal(generate(models["32-true"], prompt, max_new_tokens=NEW_TOKENS), fused)
+    exact = teacher_forced_logits(models["32-true"], fused)
+    separate("32-true", False)
+    got = teacher_forced_logits(models["32-true"], fused)
+    assert ((got - exact).abs().amax(-1) <= 1e-4 * exact.std(-1)).all()
+
+    bf16 = teacher_forced_logits(models["bf16-true"], fused)
+    separate("bf16-true", True)
+    bf16_separate = teacher_forced_logits(models["bf16-true"], fused)
+    err, err_separate = (bf16 - exact).abs().max().item(), (bf16_separate - exact).abs().max().item()
+    assert err <= 1.05 * err_separate + 1e-3 * exact.abs().max().item(), (err, err_separate)
 
 
 # ---- 4. greedy tokens on every family ----------------------------------------------------------------

@@ -377,6 +377,14 @@ def test_lora_layer_over_a_4bit_base_decodes_in_one_call(monkeypatch, dtype):
             x = x.detach()
         m.eval()
         assert d.disable_fast_decode(m) == 1 and type(m) is LoRALinear
+    # an fp32 A that is a transposed view: the kernel reads a contiguous copy
+    m = lora_over(quantized_layer("bnb.nf4", 96, 192, dtype=torch.float32))
+    m.lora_A = nn.Parameter(torch.randn(192, 4, generator=torch.Generator().manual_seed(1)).T)
+    x = torch.randn(1, 192, generator=torch.Generator().manual_seed(2))
+    d.enable_fast_decode(m)
+    with torch.inference_mode():
+        y = m(x)
+    assert_close_to_reference(y, m.base, x, d.kernel(), lora=(m.lora_A, m.stacked_B() * m.scaling))
 
 
 @needs_kernel

@@ -102,13 +102,13 @@ class LoRALinear(nn.Module):
         load_state_dict). `train()` drops them (a few MB of fp32 copies that training would make stale)."""
         A, B = self.lora_A, self.lora_B
         if A.is_inference() or B.is_inference():  # no version counter to tell an update by: made every time
-            return A.float().contiguous(), self.stacked_B().float() * self.scaling
+            return A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
         # A and B themselves are held with the copies: a new tensor can never reuse their address or id
         stamp = (A._version, B._version, A.data_ptr(), B.data_ptr(), self.scaling)
         c = self.__dict__.get("_decode_cache")
         if c is None or c[0] is not A or c[1] is not B or c[2] != stamp:
             with torch.no_grad():
-                c = A, B, stamp, A.float().contiguous(), self.stacked_B().float() * self.scaling
+                c = A, B, stamp, A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
             self.__dict__["_decode_cache"] = c
         return c[3], c[4]
 

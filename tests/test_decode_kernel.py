@@ -377,9 +377,10 @@ def test_lora_layer_over_a_4bit_base_decodes_in_one_call(monkeypatch, dtype):
             x = x.detach()
         m.eval()
         assert d.disable_fast_decode(m) == 1 and type(m) is LoRALinear
-    # an fp32 A that is a transposed view: the kernel reads a contiguous copy
+    # fp32 A and B that are transposed views: the kernel reads contiguous copies
     m = lora_over(quantized_layer("bnb.nf4", 96, 192, dtype=torch.float32))
     m.lora_A = nn.Parameter(torch.randn(192, 4, generator=torch.Generator().manual_seed(1)).T)
+    m.lora_B = nn.Parameter(torch.randn(4, 96, generator=torch.Generator().manual_seed(3)).T)
     x = torch.randn(1, 192, generator=torch.Generator().manual_seed(2))
     d.enable_fast_decode(m)
     with torch.inference_mode():
@@ -416,7 +417,8 @@ def test_unmerged_adapter_decodes_as_with_separate_ops(family_ckpts, mode, monke
             m.__class__ = LoRALinear if on else d.DecodeLoRALinear
 
     calls = []
-    monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.append(len(a) > 4 and a[4] is not None) or _f(*a))
+    monkeypatch.setattr(d, "run_kernel",
+                        lambda *a, _f=d.run_kernel: calls.append(len(a) > 4 and a[4] is not None) or _f(*a))
     prompt = torch.randint(0, models["32-true"].config.vocab_size, (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(5))
     fused = generate(models["32-true"], prompt, max_new_tokens=NEW_TOKENS)

@@ -581,8 +581,10 @@ def _quant_state_bytes(p: torch.Tensor, module: nn.Module) -> int:
 
 
 def format_memory_report(r: dict) -> str:
-    return (f"Quantized weights: {r['quantized_bytes'] / 2**20:.1f} MiB for {r['quantized_params'] / 1e6:.1f}M params "
-            f"({r['bits_per_quantized_param']:.2f} bits/param) | dense weights: {r['dense_bytes'] / 2**20:.1f} MiB | "
+    """The "Loaded" line's memory part; a model with nothing quantized says only what it holds."""
+    quantized = (f"Quantized weights: {r['quantized_bytes'] / 2**20:.1f} MiB for {r['quantized_params'] / 1e6:.1f}M "
+                 f"params ({r['bits_per_quantized_param']:.2f} bits/param) | " if r["quantized_params"] else "")
+    return (f"{quantized}{'dense weights' if quantized else 'Weights'}: {r['dense_bytes'] / 2**20:.1f} MiB | "
             f"trainable params: {r['trainable_params']:,}"
             + (f" | embedding: {r['file_bytes'] / 2**20:.1f} MiB left in the checkpoint (rows read as used)"
                if r.get("file_bytes") else "")

@@ -290,6 +290,8 @@ def test_generation_reads_an_untied_embedding_from_the_file(tmp_path, stored, pr
     assert not any(t.numel() == c.vocab_size * c.n_embd for t in [*model.parameters(), *model.buffers()])
     assert f"embedding: {c.vocab_size * c.n_embd * stored.itemsize / 2**20:.1f} MiB left in the checkpoint" in (
         format_memory_report(memory_report(model)))
+    dense_line = format_memory_report(memory_report(load_model(folder, precision=precision)))
+    assert dense_line.startswith("Weights: ") and "Quantized" not in dense_line  # no "0.0 MiB for 0.0M params"
     idx = tokens(2, 9)
     idx[1, :3] = idx[0, 4]  # repeated ids: read once, looked up three times
     assert torch.equal(model.transformer.wte(idx), ref.transformer.wte(idx))

@@ -318,9 +318,10 @@ def test_training_code_never_imports_the_kernel():
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.fp4-dq"])
 def test_kernel_adds_a_lora_update(mode, r, rows, dtype, variant):
     """q4_linear_lora: x @ W^T + bias + (x @ A^T) @ B^T in one call, against float64 from bitsandbytes' weights
-    (an update about as large as the base product, so a lost or misplaced term shows)."""
+    (an update about as large as the base product, so a lost or misplaced term shows); 514 x 256 is large enough
+    for the rows to be shared out between threads."""
     lib = lib_for(variant)
-    for shape in [(96, 192), (33, 128), (7, 100)]:
+    for shape in [(96, 192), (33, 128), (7, 100), (514, 256)]:
         layer = quantized_layer(mode, *shape, dtype=dtype, bias=True)
         g = torch.Generator().manual_seed(r + rows)
         A, B = 0.1 * torch.randn(r, shape[1], generator=g), 0.1 * torch.randn(shape[0], r, generator=g)

@@ -26,7 +26,8 @@ Settings:
   hf.nf4, hf.nf4-dq     Hugging Face transformers + bitsandbytes (`BitsAndBytesConfig`), from the same weights
                         exported to a transformers folder; transformers keeps its output layer dense
 Decode tokens/s counts the new tokens after the first (the prefill's): (n - 1) / (time of the last - time of the
-first). Prefill is the median of 3 forwards over a `prefill_len`-token prompt with the KV cache.
+first). Prefill is the median of 3 forwards over a `prefill_len`-token prompt with the KV cache, the output layer on
+its last position only, as generation runs it (transformers: logits_to_keep=1, as its generate passes).
 "runtime GB" is the child's resident memory after its imports (python, torch, bitsandbytes, ours or transformers),
 before any weight: the part of the peak no choice of weights changes, which dominates below ~300M parameters.
 "above runtime vs dense" compares peak minus runtime: what the model itself costs to load and generate with.
@@ -126,7 +127,8 @@ def child_ours(folder: str, setting: str, precision: str, new_tokens: int, promp
         out = generate(model, prompt, new_tokens, on_token=lambda _: stamps.append(time.perf_counter()))
         peak = vm_hwm_gb()  # generation's peak: before the long prefills below
         with torch.inference_mode():
-            prefill_s = timed_prefill(lambda p: model(p[None], input_pos=torch.arange(len(p))),
+            prefill_s = timed_prefill(lambda p: model(p[None], input_pos=torch.arange(len(p)),
+                                                      output_mask=torch.arange(len(p))[None] == len(p) - 1),
                                       lambda: model.set_kv_cache(1, prefill_len + 1), model.clear_kv_cache,
                                       long_prompt)
     n = len(out) - prompt_len
@@ -167,7 +169,8 @@ def child_hf(folder: str, setting: str, precision: str, new_tokens: int, prompt_
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              logits_processor=transformers.LogitsProcessorList([Stamp()]), **kw)
         peak = vm_hwm_gb()
-        prefill_s = timed_prefill(lambda p: model(p, use_cache=True), lambda: None, lambda: None, long_prompt)
+        prefill_s = timed_prefill(lambda p: model(p, use_cache=True, logits_to_keep=1), lambda: None, lambda: None,
+                                  long_prompt)
     n = out.shape[1] - prompt_len
     return dict(tokens_per_sec=(n - 1) / (stamps[-1] - stamps[0]), new_tokens=n, prefill_s=prefill_s, load_s=load_s,
                 layers_on_kernel=0, peak_rss_gb=peak, peak_rss_after_prefill_gb=vm_hwm_gb(), runtime_rss_gb=runtime)

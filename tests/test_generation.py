@@ -43,3 +43,23 @@ def test_sample():
     assert set(draws(top_p=0.8)) == {1, 3}
     assert len(set(draws())) >= 4
     assert draws() == draws()  # the generator makes sampling reproducible
+
+
+def test_prefill_runs_the_output_layer_on_the_last_position_only(gen_llama, monkeypatch):
+    """The prompt's logits but the last are never used: the output layer sees one row in the prefill as in every
+    step (not the prompt's 12), and the tokens equal a loop that computes every position's logits without a cache
+    (the same logits up to fp32 summation order)."""
+    prompt = random_tokens(12, seed=4)
+    import lit_qlora.model as model_module
+
+    rows, linear = [], model_module.linear
+    monkeypatch.setattr(model_module, "linear", lambda m, x: (
+        rows.append(x.shape[:-1].numel()) if m is gen_llama.lm_head else None) or linear(m, x))
+    out = generate(gen_llama, prompt, max_new_tokens=5)
+    monkeypatch.undo()
+    assert rows == [1] * 5  # the prefill and 4 decoding steps (the fifth token needs no forward)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            seq = torch.cat([seq, gen_llama(seq[None])[0, -1].argmax().view(1)])
+    assert torch.equal(out, seq)

@@ -6,8 +6,9 @@ Multi-turn in the model's own chat template, rendered as transformers' apply_cha
 strings, bos once), when the adapter was trained with it (`--template chat`, recorded in the adapter: its very template
 text is used) or, without an adapter template, when the checkpoint has one; otherwise each turn uses the adapter's
 prompt template with the conversation so far. Replies stop at the checkpoint's eos ids and the chat template's
-end-of-turn token, and are printed while they are generated. Type `!reset` to start over, `!quit` (or Ctrl-D) to
-leave.
+end-of-turn token, and are printed while they are generated. The KV cache is kept between turns
+(`generation.KVSession`): a turn computes only the ids after those the last one left in it, so its latency does
+not grow with the conversation. Type `!reset` to start over, `!quit` (or Ctrl-D) to leave.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from lit_qlora import demo
 from lit_qlora.chat_template import encode_chat, stop_ids
-from lit_qlora.generation import generate
+from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import (
     StreamPrinter,
     autocast_for,
@@ -91,6 +92,7 @@ def main(
     chat = chat_template_for(tokenizer, adapter, template)
     stops = stop_ids(tokenizer, chat)  # eos ids, and the template's end-of-turn token (e.g. <|im_end|>)
     messages: list[dict] = []
+    session = KVSession()  # the KV cache between turns: each turn computes only what the last one did not
     while True:
         try:
             line = input(">> You: ")
@@ -99,7 +101,7 @@ def main(
         if line.strip() == "!quit":
             break
         if line.strip() == "!reset":
-            messages = []
+            messages, session = [], KVSession()
             continue
         messages.append({"role": "user", "content": line})
         ids = conversation_ids(messages, tokenizer, chat, adapter, template)
@@ -113,7 +115,7 @@ def main(
         printer = StreamPrinter(tokenizer, skip_ids=stops)
         with autocast_for(precision, device):
             generate(model, ids, budget, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
-                     generator=gen, on_token=printer.feed)
+                     generator=gen, on_token=printer.feed, session=session)
         reply = printer.finish()  # prints what was held back (a character cut off at the end): all of the reply
         print(flush=True)
         messages.append({"role": "assistant", "content": reply})

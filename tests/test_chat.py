@@ -221,3 +221,29 @@ def test_chat_script_through_stdin(scripted_chat):
     context_lines = [ln for ln in r.stderr.splitlines() if "context" in ln]
     assert len(context_lines) == 1 and "!reset" in context_lines[0], r.stderr
     assert SCRIPTED_FALLBACK not in r.stdout
+
+
+def test_chat_turns_reuse_the_kv_cache(scripted_chat, monkeypatch, capsys):
+    """chat.py keeps one KVSession: the second turn computes only the ids from where the conversation, rendered
+    again, departs from what the cache holds (the first turn's prompt and reply); !reset starts a new one."""
+    from lit_qlora.generation import KVSession
+
+    kept, reusable = [], KVSession.reusable
+    monkeypatch.setattr(KVSession, "reusable", lambda self, p: kept.append(reusable(self, p)) or kept[-1])
+    lines = iter(["Hello", "And again", "!reset", "Hello"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    runpy.run_path(str(CHAT))["main"](checkpoint_dir=scripted_chat["folder"], precision="32-true", temperature=0.0,
+                                      max_new_tokens=10)
+    ref, _ = reference(scripted_chat["folder"])
+    first = len(ref_ids(ref, [{"role": "user", "content": "Hello"}]))
+    # the first prompt but its last id: there the re-rendered conversation tokenizes the header's newline together
+    # with the reply's text, so the cache is used up to the last id both share
+    assert kept[0] == 0 and kept[1] >= first - 1 and kept[2] == 0, kept
+    assert capsys.readouterr().out.count(f">> Model: {SCRIPTED_REPLY}\n") == 3  # the scripted reply, every turn

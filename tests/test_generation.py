@@ -63,3 +63,43 @@ def test_prefill_runs_the_output_layer_on_the_last_position_only(gen_llama, monk
         for _ in range(5):
             seq = torch.cat([seq, gen_llama(seq[None])[0, -1].argmax().view(1)])
     assert torch.equal(out, seq)
+
+
+def test_a_session_reuses_the_cached_prefix(gen_llama):
+    """A KVSession keeps the cache between calls: a prompt that continues the last sequence (a chat's next turn)
+    runs only its new ids through the model, one that departs from it midway only the ids from there, and the
+    tokens are those of a call without a session each time, also when the cache had to grow; an interrupted call
+    leaves nothing to reuse; the model holds no cache between calls."""
+    from lit_qlora.generation import KVSession
+
+    fed = []
+    hook = gen_llama.transformer.wte.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+    session = KVSession()
+    try:
+        first = generate(gen_llama, random_tokens(9, seed=5), max_new_tokens=4, session=session)
+        assert fed == [9, 1, 1, 1] and gen_llama.kv_caches is None
+        capacity = session.caches[0].k.size(2)
+        turn = torch.cat([first, random_tokens(3, seed=6)])  # the next message after the reply
+        fed.clear()
+        second = generate(gen_llama, turn, max_new_tokens=4, session=session)
+        assert fed[0] == 4 and session.caches[0].k.size(2) > capacity  # the reply's last token + 3; grown and copied
+        assert torch.equal(second, generate(gen_llama, turn, max_new_tokens=4))
+        edited = second.clone()
+        edited[6] = (edited[6] + 1) % gen_llama.config.vocab_size  # a conversation rendered differently from id 6
+        fed.clear()
+        third = generate(gen_llama, edited, max_new_tokens=3, session=session)
+        assert fed[0] == len(edited) - 6
+        assert torch.equal(third, generate(gen_llama, edited, max_new_tokens=3))
+
+        def interrupt(token):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            generate(gen_llama, third, max_new_tokens=3, session=session, on_token=interrupt)
+        assert session.reusable(third) == 0 and gen_llama.kv_caches is None
+        fed.clear()
+        assert torch.equal(generate(gen_llama, third, max_new_tokens=3, session=session),
+                           generate(gen_llama, third, max_new_tokens=3))
+        assert fed[0] == len(third)
+    finally:
+        hook.remove()

@@ -17,7 +17,7 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.chat_template import common_prefix_len, encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.convert import ensure_converted
 from lit_qlora.decode4bit import enable_fast_decode
-from lit_qlora.generation import generate
+from lit_qlora.generation import KVSession, generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.prequantized import load_note
@@ -203,12 +203,13 @@ def run_prompts(model, tokenizer, prompt: Union[str, torch.Tensor], max_new_toke
     gen = torch.Generator(device=device).manual_seed(seed)
     outputs, total_time, total_tokens = [], 0.0, 0
     stops = stop_ids(tokenizer) if stops is None else stops
+    session = KVSession()  # the prompt's keys and values, computed once for all samples
     for _ in range(num_samples):
         printer = StreamPrinter(tokenizer, skip_ids=stops) if stream else None
         t0 = time.perf_counter()
         with autocast_for(precision, device):
             out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
-                           generator=gen, on_token=printer.feed if printer else None)
+                           generator=gen, on_token=printer.feed if printer else None, session=session)
         dt = time.perf_counter() - t0
         text_out = tokenizer.decode([t for t in out[len(ids):].tolist() if t not in stops])
         if printer is not None:

@@ -12,6 +12,7 @@ What is shown here:
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -225,3 +226,30 @@ def test_run_prompts_streams_while_generating(scripted_chat, monkeypatch):
         # prefill, then one pass per token up to <|eot_id|>: "€" completes at its third byte (pass 6)
         want = [("H", 1), ("i", 2), (" ", 3), ("€", 6), ("\n", 7)] if stream else [("Hi €", 7), ("\n", 7)]
         assert pieces == want, pieces
+
+
+def test_samples_share_the_prompts_cache(scripted_chat, monkeypatch):
+    """--num_samples: the prompt goes through the model once; every later sample feeds only its last id (whose
+    logits it needs), and the samples are those drawn without the reuse (same seed)."""
+    from lit_qlora.generation import KVSession
+    from lit_qlora.inference import run_prompts
+    from lit_qlora.loader import load_model
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(scripted_chat["folder"])
+    model = load_model(scripted_chat["folder"], precision="32-true").eval()
+    fed: list[int] = []
+    model.transformer.wte.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+    ids = tok.encode("Hello there, how are")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+
+    def samples():
+        fed.clear()
+        return run_prompts(model, tok, ids, 6, 1.0, None, None, 3, 3, False, torch.device("cpu"), precision="32-true")
+
+    shared = samples()
+    prefills = [n for n in fed if n > 1]
+    assert prefills == [len(ids)] and fed.count(1) >= 2 + 3  # one whole prefill; 1-id prefills for samples 2 and 3
+    monkeypatch.setattr(KVSession, "reusable", lambda self, prompt: 0)
+    alone = samples()
+    assert [n for n in fed if n > 1] == [len(ids)] * 3 and alone == shared

@@ -202,7 +202,8 @@ def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings)
 
 
 # ---- prepared folders --------------------------------------------------------------------------------
-def save_prepared(dest: Path | str, train: list, val: list, meta: dict) -> None:
+def save_prepared(dest: Path | str, train: list, val: list, meta: dict) -> dict:
+    """Writes train.pt, val.pt and the config (last: a folder without it reads as unfinished); returns the config."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     # Drop the old config first: if we die between files, the folder reads as unfinished instead of pairing the old
@@ -212,6 +213,7 @@ def save_prepared(dest: Path | str, train: list, val: list, meta: dict) -> None:
     atomic_torch_save(val, dest / "val.pt")
     meta = {**meta, "format_version": FORMAT_VERSION, "n_train": len(train), "n_val": len(val)}
     atomic_write(dest / CONFIG_NAME, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
+    return meta
 
 
 def read_prepared_meta(dest: Path | str) -> dict | None:
@@ -257,6 +259,14 @@ def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: Tokeniz
                   s: DataSettings) -> dict:
     """Load, split (when no val_file), tokenize and save. Returns the saved meta. Every record of both files is
     checked before anything is tokenized."""
+    return _prepare_and_save(train_file, val_file, tokenizer, destination_path, s)[2]
+
+
+def _prepare_and_save(train_file: Path, val_file: Optional[Path], tokenizer: TokenizerLike, destination_path: Path,
+                      s: DataSettings) -> tuple[list, list, dict]:
+    """prepare_files' work; returns (train, val, meta) as saved, so its caller never has to read them back: several
+    processes preparing the same cache at once (the ranks of a multi-machine run on a shared disk) each rewrite it,
+    and a read between another's first and last file finds it unfinished."""
     s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
     train_recs = load_file_records(train_file, s)
     if val_file is None:
@@ -268,8 +278,7 @@ def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: Tokeniz
     _warn_truncated(n_tr + n_va, len(train_recs) + len(val_recs), len(train) + len(val), s.max_seq_length)
     sources = [f for f in (train_file, val_file) if f is not None]
     meta = {**s.cache_key(tokenizer, sources, val_file is not None), "n_truncated": n_tr + n_va}
-    save_prepared(destination_path, train, val, meta)
-    return read_prepared_meta(destination_path) or meta
+    return train, val, save_prepared(destination_path, train, val, meta)
 
 
 def _find_raw(data_dir: Path) -> tuple[Path, Path | None] | None:
@@ -331,7 +340,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
 
     names = train_file.name + (f" + {val_file.name}" if val_file else "")
     try:
-        prepared = prepare_files(train_file, val_file, tokenizer, cache, s)
+        train, val, prepared = _prepare_and_save(train_file, val_file, tokenizer, cache, s)
     except PermissionError:  # e.g. a shared, read-only dataset folder
         raise UserError(f"cannot write the prepared cache into {data_dir}; prepare the data with "
                         "scripts/prepare_json.py --destination_path <a writable folder> and pass that folder as "
@@ -339,7 +348,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
     # Said after the fact, so a file with a bad record fails with its one-line error alone
     print(f"Preparing {names} from {data_dir}: {prepared['n_train']} train and {prepared['n_val']} validation samples "
           f"(cached in {cache} for later runs)", file=sys.stderr)
-    return load_prepared(cache)
+    return train, val, prepared
 
 
 def prepare_dataset(data_file: Path, checkpoint_dir: Path, destination_path: Path, s: DataSettings) -> dict:

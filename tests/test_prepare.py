@@ -145,6 +145,26 @@ def test_ensure_prepared_caches_single_file(tmp_path, capsys):
     assert (tmp_path / ".prepared-char-b-30").is_dir()
 
 
+def test_ensure_prepared_with_another_process_preparing_the_same_cache(tmp_path, monkeypatch, capsys):
+    """The ranks of a multi-machine run on a shared disk prepare the same cache at once, each rewriting it (its
+    config first removed, written last): one that just wrote it may find the config gone when it looks again. It
+    returns what it prepared, counts included, without reading the folder back."""
+    import lit_qlora.prepare as prep
+
+    write_json(tmp_path / "alpaca.json", RECORDS * 5)
+    save = prep.save_prepared
+
+    def save_then_another_starts(dest, *args, **kw):
+        meta = save(dest, *args, **kw)
+        (Path(dest) / "prepare_config.json").unlink()  # another process begins its own rewrite
+        return meta
+
+    monkeypatch.setattr(prep, "save_prepared", save_then_another_starts)
+    train, val, meta = prepared(tmp_path, CharTokenizer(), 512, template="plain", test_split_fraction=0.2)
+    assert len(train) == 16 and len(val) == 4 and meta["n_train"] == 16 and meta["n_val"] == 4
+    assert "16 train and 4 validation samples" in capsys.readouterr().err
+
+
 def test_ensure_prepared_train_val_pair(tmp_path):
     write_json(tmp_path / "train.json", RECORDS * 2)
     (tmp_path / "val.jsonl").write_text(json.dumps(RECORDS[0]))

@@ -53,7 +53,7 @@ class KVSession:
 def _cache_for(model, session: Optional[KVSession], keep: int, needed: int, device) -> None:
     """Gives the model a KV cache of at least `needed` positions whose first `keep` are the session's (its own, or
     a copy into a larger one when it is too short: room for twice as many, up to the model's context)."""
-    caches = session.caches if session is not None and keep else None
+    caches = session.caches if session is not None else None
     if caches is not None and caches[0].k.size(2) >= needed:
         model.kv_caches = caches
         return
@@ -104,11 +104,9 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
             if int(token) in eos or step == max_new_tokens - 1:
                 break
             logits = model(token.view(1, 1), input_pos=torch.tensor([T + step], device=device))[0, -1]
-    except BaseException:
-        model.clear_kv_cache()
-        raise
-    out = torch.cat(tokens)
-    if session is not None:
-        session.ids, session.caches = out[:-1], model.kv_caches  # (the last token was never fed through the model)
-    model.clear_kv_cache()  # the session holds its cache: the model keeps no state between calls
+        out = torch.cat(tokens)
+        if session is not None:  # (the last token was never fed through the model)
+            session.ids, session.caches = out[:-1], model.kv_caches
+    finally:
+        model.clear_kv_cache()  # a session holds its own cache: the model keeps no state between calls
     return out

@@ -256,17 +256,11 @@ def _warn_truncated(n_truncated: int, n_records: int, n_kept: int, max_seq_lengt
 
 
 def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: TokenizerLike, destination_path: Path,
-                  s: DataSettings) -> dict:
-    """Load, split (when no val_file), tokenize and save. Returns the saved meta. Every record of both files is
-    checked before anything is tokenized."""
-    return _prepare_and_save(train_file, val_file, tokenizer, destination_path, s)[2]
-
-
-def _prepare_and_save(train_file: Path, val_file: Optional[Path], tokenizer: TokenizerLike, destination_path: Path,
-                      s: DataSettings) -> tuple[list, list, dict]:
-    """prepare_files' work; returns (train, val, meta) as saved, so its caller never has to read them back: several
-    processes preparing the same cache at once (the ranks of a multi-machine run on a shared disk) each rewrite it,
-    and a read between another's first and last file finds it unfinished."""
+                  s: DataSettings) -> tuple[list, list, dict]:
+    """Load, split (when no val_file), tokenize and save. Every record of both files is checked before anything is
+    tokenized. Returns (train, val, meta) as saved, so that no caller reads them back: several processes preparing
+    the same cache at once (the ranks of a multi-machine run on a shared disk) each rewrite it, and a read between
+    another's first and last file finds it unfinished."""
     s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
     train_recs = load_file_records(train_file, s)
     if val_file is None:
@@ -340,7 +334,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
 
     names = train_file.name + (f" + {val_file.name}" if val_file else "")
     try:
-        train, val, prepared = _prepare_and_save(train_file, val_file, tokenizer, cache, s)
+        train, val, prepared = prepare_files(train_file, val_file, tokenizer, cache, s)
     except PermissionError:  # e.g. a shared, read-only dataset folder
         raise UserError(f"cannot write the prepared cache into {data_dir}; prepare the data with "
                         "scripts/prepare_json.py --destination_path <a writable folder> and pass that folder as "
@@ -360,7 +354,7 @@ def prepare_dataset(data_file: Path, checkpoint_dir: Path, destination_path: Pat
                         "model")
     tokenizer = Tokenizer(checkpoint_dir)
     s = replace(s, max_seq_length=s.max_seq_length or default_max_seq_length(checkpoint_dir))
-    meta = prepare_files(Path(data_file), None, tokenizer, Path(destination_path), s)
+    _, _, meta = prepare_files(Path(data_file), None, tokenizer, Path(destination_path), s)
     print(f"Saved {meta['n_train']} train and {meta['n_val']} validation samples to {destination_path} "
           f"(template={meta['template']}, max_seq_length={s.max_seq_length})")
     return meta

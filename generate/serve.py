@@ -1,0 +1,88 @@
+"""Serve a model and its adapters over HTTP with the OpenAI API (needs `pip install -e ".[serve]"`).
+
+    python generate/serve.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --quantize bnb.nf4 \
+        --lora_path support=out/lora/support/lit_model_lora_finetuned.pth --lora_path sql=out/lora/sql/final.pth
+
+POST /v1/chat/completions and /v1/completions (streaming by server-sent events with "stream": true), GET /v1/models
+and /health. The request's "model" picks the base (--model_name, default the checkpoint folder's name) or an adapter
+by its NAME. One base is loaded; every adapter is applied unmerged over it (lit_qlora/serve.py). Requests are served
+one at a time in arrival order.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lit_qlora.adapter import Adapter
+from lit_qlora.inference import load_for_inference, pick_device, resolve_generation_precision, say
+from lit_qlora.serve import AdapterBank, Engine, Server, parse_lora_paths, serve
+from lit_qlora.serve_http import create_app
+from lit_qlora.utils import UserError, run_cli
+
+
+def main(
+    checkpoint_dir: Path,
+    lora_path: list[str] = [],
+    model_name: Optional[str] = None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: Optional[bool] = None,
+    precision: str = "auto",
+    accelerator: str = "auto",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: Optional[str] = None,
+    max_concurrent: int = 32,
+    timeout_s: float = 600.0,
+    max_tokens: int = 256,
+    grace_s: float = 10.0,
+) -> None:
+    """Serve the base model and each adapter under the OpenAI API.
+
+    Args:
+        checkpoint_dir: the base model (an HF folder is converted on first use).
+        lora_path: NAME=PATH of an adapter (our file or a PEFT folder); give it once per adapter.
+        model_name: the name the base is served under (default: the checkpoint folder's name).
+        quantize, quantize_lm_head, precision, accelerator: as in generate/lora.py.
+        host: the address to listen on; 127.0.0.1 (the default) serves this machine only.
+        api_key: when given, every /v1 request must send `Authorization: Bearer <api_key>` (else 401).
+        max_concurrent: requests queued or running at once; more are answered 429.
+        timeout_s: a request still unfinished this long after it arrived is stopped (504).
+        max_tokens: the tokens a request generates when it names no max_tokens (clipped to the context left).
+        grace_s: on SIGTERM / Ctrl-C, how long requests in flight may run on before they are cancelled.
+    """
+    adapters = parse_lora_paths(lora_path)
+    name = model_name or Path(checkpoint_dir).name
+    if name in adapters:
+        raise UserError(f"the adapter name {name!r} is the base model's name; pick another NAME or --model_name")
+    if max_concurrent < 1 or timeout_s <= 0:
+        raise UserError("--max_concurrent must be at least 1 and --timeout_s positive; e.g. --max_concurrent 32")
+    device = pick_device(accelerator)
+    precision, precision_why = resolve_generation_precision(precision, device)
+    model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
+                                             quantize_lm_head=quantize_lm_head, precision_why=precision_why)
+    bank = AdapterBank(model, precision)
+    for adapter_name, path in adapters.items():
+        bank.add(adapter_name, Adapter.load(path, model.config))
+        say(f"Adapter {adapter_name}: {path} ({bank.lora_bytes(adapter_name) / 2**20:.1f} MiB, unmerged)")
+    engine = Engine(bank, tokenizer, device, precision, max_concurrent=max_concurrent, timeout_s=timeout_s)
+    app = create_app(Server(engine, name, api_key=api_key, default_max_tokens=max_tokens))
+    say(f"Serving {', '.join([name, *adapters])} on http://{host}:{port}/v1")
+    serve(app, host, port, grace_s=grace_s)
+
+
+def repeatable(argv: list[str], option: str) -> list[str]:
+    """`--lora_path A --lora_path B` as jsonargparse appends to a list (`--lora_path+ A --lora_path+ B`)."""
+    out = []
+    for arg in argv:
+        if arg == option:
+            arg = option + "+"
+        elif arg.startswith(option + "="):
+            arg = option + "+=" + arg[len(option) + 1:]
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.argv = repeatable(sys.argv, "--lora_path")
+    run_cli(main)

@@ -1,0 +1,316 @@
+"""generate/serve.py: a real uvicorn server (a subprocess of the script, on a free 127.0.0.1 port) serving a tiny
+4-bit model and two adapters, called with the official `openai` client and raw HTTP.
+
+The model: a tiny random Llama with a Gemma-style chat tokenizer (its template refuses a system message). Adapter
+"alpha" (q, v, r 4) renders with the checkpoint's template; adapter "beta" (projection and MLP, r 8) recorded a
+ChatML template, which takes a system message. The base and both adapters must each give the greedy text
+generate/base.py / generate/lora.py --merge false give for the same prompt (same 4-bit kernel path, unmerged).
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from helpers import make_tiny_hf_model  # noqa: E402
+from helpers_chat import load_template, make_chat_checkpoint  # noqa: E402
+
+from lit_qlora.adapter import Adapter  # noqa: E402
+from lit_qlora.convert import convert_hf_checkpoint  # noqa: E402
+from lit_qlora.loader import load_model  # noqa: E402
+from lit_qlora.lora import LoRAConfig, lora_modules  # noqa: E402
+from lit_qlora.tokenizer import Tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+FLAGS = ["--quantize", "bnb.nf4", "--precision", "32-true"]
+PROMPT = "Tell me a joke about robots"
+
+
+def _adapter(folder: Path, path: Path, lora: LoRAConfig, seed: int, train: dict) -> None:
+    model = load_model(folder, precision="32-true", lora=lora, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():  # strong enough to change the greedy text
+            m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=g) * 0.5)
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.5)
+    Adapter.of_model(model, lora, train=train).save(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(folder: Path, adapters: dict, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    args = [sys.executable, str(ROOT / "generate" / "serve.py"), "--checkpoint_dir", str(folder), *FLAGS,
+            "--port", str(port), "--model_name", "base", *extra]
+    for name, path in adapters.items():
+        args += ["--lora_path", f"{name}={path}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):  # bounded: 120 s
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("the server did not answer /health in 120 s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    make_chat_checkpoint("gemma", folder, load_template("gemma_it"))
+    tok = Tokenizer(folder)
+    make_tiny_hf_model("llama", folder, vocab_size=tok.vocab_size, initializer_range=0.2,
+                       bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    convert_hf_checkpoint(folder)
+    adapters = {"alpha": folder.parent / "alpha.pth", "beta": folder.parent / "beta.pth"}
+    _adapter(folder, adapters["alpha"], LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, value=True), 1,
+             {"template": "chat"})
+    _adapter(folder, adapters["beta"], LoRAConfig(r=8, alpha=16, dropout=0.0, query=False, value=False,
+                                                  projection=True, mlp=True), 2,
+             {"template": "chat", "chat_template": load_template("smollm2_instruct")})
+    proc, url = _start(folder, adapters, "--api_key", KEY, "--max_tokens", "24")
+    yield {"folder": folder, "adapters": adapters, "url": url, "proc": proc,
+           "client": openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)}
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _script_text(capsys, script: str, **kwargs) -> str:
+    """The text generate/<script>.py prints for these arguments (its main, run in this process)."""
+    main = runpy.run_path(str(ROOT / "generate" / f"{script}.py"))["main"]
+    capsys.readouterr()
+    main(quantize="bnb.nf4", precision="32-true", temperature=0.0, **kwargs)
+    return capsys.readouterr().out.removesuffix("\n")
+
+
+def test_models_and_health(served):
+    ids = [m.id for m in served["client"].models.list().data]
+    assert ids == ["base", "alpha", "beta"]
+    assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
+
+
+def test_base_and_each_adapter_give_generate_scripts_greedy_text(served, capsys):
+    client, folder, adapters = served["client"], served["folder"], served["adapters"]
+    texts = {}
+    for name in ("alpha", "beta"):
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPT}],
+                                               temperature=0, max_tokens=12)
+        want = _script_text(capsys, "lora", checkpoint_dir=folder, lora_path=adapters[name], prompt=PROMPT,
+                            merge=False, max_new_tokens=12)
+        assert reply.choices[0].message.content == want, name
+        assert reply.choices[0].message.role == "assistant"
+        texts[name] = want
+        u = reply.usage
+        assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 12 and u.total_tokens == u.prompt_tokens + \
+            u.completion_tokens
+        # the completions endpoint takes the prompt as it is: generate/lora.py's plain template
+        done = client.completions.create(model=name, prompt=PROMPT + "\n", temperature=0, max_tokens=12)
+        assert done.choices[0].text == _script_text(capsys, "lora", checkpoint_dir=folder, lora_path=adapters[name],
+                                                    prompt=PROMPT, merge=False, max_new_tokens=12, template="plain")
+    base = client.completions.create(model="base", prompt=PROMPT, temperature=0, max_tokens=12)
+    texts["base"] = base.choices[0].text
+    assert texts["base"] == _script_text(capsys, "base", checkpoint_dir=folder, prompt=PROMPT, max_new_tokens=12)
+    assert len(set(texts.values())) == 3, texts  # each its own text: the adapters really are switched
+
+
+def test_streaming_chat_and_completion_add_up_to_the_reply(served):
+    client = served["client"]
+    for name in ("alpha", "base"):
+        msgs = [{"role": "user", "content": PROMPT}]
+        full = client.chat.completions.create(model=name, messages=msgs, temperature=0, max_tokens=16)
+        chunks = list(client.chat.completions.create(model=name, messages=msgs, temperature=0, max_tokens=16,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            full.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    done = client.completions.create(model="beta", prompt=PROMPT, temperature=0, max_tokens=10)
+    parts = list(client.completions.create(model="beta", prompt=PROMPT, temperature=0, max_tokens=10, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == done.choices[0].text
+    assert parts[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    # the wire format: data: lines, ending with [DONE]
+    with httpx.stream("POST", served["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "base", "prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_n_seed_and_stop_sequences(served, capsys):
+    client = served["client"]
+    msgs = [{"role": "user", "content": PROMPT}]
+    greedy = client.chat.completions.create(model="alpha", messages=msgs, temperature=0, n=3, max_tokens=10)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1
+    sampled = [client.chat.completions.create(model="alpha", messages=msgs, temperature=1.5, n=3, seed=7,
+                                              max_tokens=10) for _ in range(2)]
+    texts = [c.message.content for c in sampled[0].choices]
+    assert texts == [c.message.content for c in sampled[1].choices]  # the seed decides
+    assert len(set(texts)) > 1  # each choice its own draw
+    # the same draws as generate/lora.py --num_samples with that seed
+    main = runpy.run_path(str(ROOT / "generate" / "lora.py"))["main"]
+    capsys.readouterr()
+    main(checkpoint_dir=served["folder"], lora_path=served["adapters"]["alpha"], prompt=PROMPT, merge=False,
+         quantize="bnb.nf4", precision="32-true", temperature=1.5, seed=7, num_samples=3, max_new_tokens=10)
+    assert capsys.readouterr().out.split("\n")[:3] == texts
+    # stop sequences: the text ends before the first one, finish_reason stop, streamed the same
+    full = greedy.choices[0].message.content
+    assert len(full) >= 6, full
+    stop = full[3:5]
+    cut = client.chat.completions.create(model="alpha", messages=msgs, temperature=0, max_tokens=10,
+                                         stop=[stop, "never-there"])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="alpha", messages=msgs, temperature=0, max_tokens=10, stop=stop,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+    long = client.chat.completions.create(model="alpha", messages=msgs, temperature=0, max_tokens=10)
+    assert long.choices[0].finish_reason in ("length", "stop")
+
+
+def _raw(served, path: str, body, key: str = KEY) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(served["url"] + path, content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", {"model": "gamma", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "base", "messages": [{"role": "system", "content": "Be brief."},
+                                                            {"role": "user", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "base", "messages": [{"role": "narrator", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "max_tokens"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", '{"model": "base", "prompt": ', 400, None),
+    ("/v1/completions", {"model": "base", "prompt": "robots " * 200}, 400, "prompt"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", [1, 2], 400, None),
+])
+def test_bad_requests_get_the_openai_error_json(served, path, body, status, param):
+    r = _raw(served, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    assert httpx.get(served["url"] + "/health").status_code == 200  # alive
+
+
+def test_the_template_and_the_key_through_the_client(served):
+    client = served["client"]
+    with pytest.raises(openai.BadRequestError, match="System role not supported"):
+        client.chat.completions.create(model="base", messages=[{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": "hi"}])
+    # beta recorded a ChatML template: it renders a system message
+    ok = client.chat.completions.create(model="beta", messages=[{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": "hi"}], max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gamma", prompt="hi")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served["url"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(served["url"] + "/v1/models").status_code == 401  # no key at all
+
+
+def test_two_clients_at_once_get_their_own_answers(served):
+    client = served["client"]
+    msgs = [{"role": "user", "content": PROMPT}]
+    want = {m: client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=16)
+            .choices[0].message.content for m in ("alpha", "beta")}
+    got: dict[str, list[str]] = {"alpha": [], "beta": []}
+
+    def ask(model: str) -> None:
+        for _ in range(3):
+            stream = client.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=16,
+                                                    stream=True)
+            got[model].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("alpha", "beta")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {m: [want[m]] * 3 for m in ("alpha", "beta")}
+
+
+def test_a_client_that_disconnects_stops_its_generation(served):
+    before = httpx.get(served["url"] + "/health").json()
+    body = {"model": "base", "prompt": "robots", "max_tokens": 90, "stream": True}
+    with httpx.stream("POST", served["url"] + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 2:
+                break  # leave mid-stream: the connection is closed
+    for _ in range(100):  # bounded: 10 s
+        h = httpx.get(served["url"] + "/health").json()
+        if h["cancelled"] > before["cancelled"] and h["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert h["cancelled"] == before["cancelled"] + 1 and h["in_flight"] == 0
+    assert h["generated_tokens"] == before["generated_tokens"]  # counted only for requests that finished
+
+
+def test_sigterm_finishes_what_is_in_flight(served):
+    """A second server: SIGTERM while a stream runs; the stream still ends with [DONE] and the process exits cleanly."""
+    proc, url = _start(served["folder"], {}, "--grace_s", "20")
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "base", "prompt": "robots", "max_tokens": 60, "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 2:
+                    proc.terminate()
+        assert lines[-1] == "data: [DONE]" and len(lines) > 3
+        # uvicorn re-raises the signal once it has shut down gracefully: the exit status says SIGTERM
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stdout.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_bad_flags_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "generate" / "serve.py"), "--checkpoint_dir", str(tmp_path),
+                        "--lora_path", "nopath"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "LIT_QLORA_DEBUG": ""})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --lora_path 'nopath'")

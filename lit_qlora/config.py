@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from lit_qlora.families import SPECS, architecture_of, spec
 from lit_qlora.utils import UserError
 
 
@@ -26,7 +27,8 @@ class Config:
     head_size: Optional[int] = None  # defaults to n_embd // n_head (Gemma differs)
     rotary_percentage: float = 1.0  # share of each head that RoPE rotates (partial rotary)
     rope_base: float = 10000.0
-    # Llama 3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    # RoPE scaling of the (full-attention) layers. Without "rope_type": Llama 3.1's (factor, low/high_freq_factor,
+    # original_max_position_embeddings); else "linear", "yarn" or "longrope" with transformers' parameters
     rope_scaling: Optional[dict] = None
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)) instead of sequential blocks
     shared_attention_norm: bool = False  # parallel blocks that feed attn and mlp from one norm
@@ -42,9 +44,25 @@ class Config:
     tie_embeddings: bool = False
     scale_embeddings: bool = False  # Gemma multiplies embeddings by sqrt(n_embd)
     sliding_window_size: Optional[int] = None
+    # Per-layer attention kinds, "sliding_attention" or "full_attention" (Gemma 2/3, Qwen, SmolLM3): only the
+    # sliding layers use `sliding_window_size`. None: every layer does (Mistral), or none when it is None
+    layer_types: Optional[list] = None
+    rope_local_base: Optional[float] = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_base
+    nope_layers: Optional[list] = None  # layers without RoPE (SmolLM3)
+    qk_norm: Optional[Literal["head", "full"]] = None  # RMSNorm on q and k before RoPE: per head (Qwen3, Gemma 3)
+    # or over the whole projection (OLMo 2)
+    pre_norms: bool = True  # norm_1 / norm_2 before attention and MLP (OLMo 2 has none)
+    post_norms: bool = False  # a norm on the attention and MLP outputs before each residual add (Gemma 2/3, OLMo 2)
+    norm_fp32_scale: bool = False  # RMSNorm multiplies by its weight in fp32, then casts (OLMo 2; Gemma always)
+    attention_scale: Optional[float] = None  # softmax scale; None: 1/sqrt(head_size) (Gemma 2/3: query_pre_attn)
+    attn_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
+    final_softcap: Optional[float] = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
     hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
 
     def __post_init__(self) -> None:
+        from lit_qlora.readers import check_config_values
+
+        check_config_values(self)  # sizes, divisibility, names: before anything is derived from them
         if self.n_query_groups is None:
             self.n_query_groups = self.n_head
         if self.head_size is None:
@@ -77,7 +95,14 @@ class Config:
 
     @classmethod
     def from_file(cls, path: Path) -> "Config":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        from lit_qlora.readers import REQUIRED_CONFIG_KEYS, check_fields, read_json  # every file goes through readers
+
+        fix = "it is damaged: convert the checkpoint again"
+        data = check_fields(read_json(path, dict, fix=fix), path, {}, REQUIRED_CONFIG_KEYS, fix)  # no silent defaults
+        try:
+            return cls.from_dict(data)
+        except UserError as e:
+            raise UserError(f"{path} is damaged: {e}") from None
 
     @classmethod
     def from_dict(cls, data: dict) -> "Config":
@@ -94,169 +119,21 @@ class Config:
     @classmethod
     def from_hf_config(cls, path: Path | dict) -> "Config":
         """Map a transformers `config.json` (path or dict) to our Config."""
-        hf = json.loads(Path(path).read_text()) if not isinstance(path, dict) else dict(path)
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(hf.get("model_type", ""), "")
-        if arch not in _HF_MAPPERS:
-            raise UserError(
-                f"unsupported architecture {arch or hf.get('model_type')!r} in "
-                f"{path if not isinstance(path, dict) else 'config.json'}; "
-                f"supported: {', '.join(sorted(_HF_MAPPERS))}"
-            )
-        kw = _HF_MAPPERS[arch](hf)
+        from lit_qlora.readers import read_hf_config
+
+        hf = read_hf_config(path)  # a UserError naming the file and field for anything unreadable or of a wrong type
+        arch = architecture_of(hf)
+        try:
+            kw = spec(arch).from_hf(hf, arch)
+        except UserError as e:
+            where = path if not isinstance(path, dict) else "config.json"
+            raise UserError(f"{where}: {e}") from None
         kw.setdefault("name", hf.get("_name_or_path", "") or arch)
         kw["hf_architecture"] = arch
         return cls(**kw)
 
 
-# ---- Hugging Face config mapping -------------------------------------------------------------
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "gemma": "GemmaForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
-    "phi": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
-}
-
-
-def _rope_params(hf: dict) -> tuple[float, Optional[dict]]:
-    """transformers 4.x keeps rope_theta/rope_scaling at top level; 5.x nests them in rope_parameters."""
-    rp = hf.get("rope_parameters") or {}
-    base = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise UserError(f"rope scaling {kind!r} is not supported; only 'llama3' rope scaling is implemented")
-        scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                           "original_max_position_embeddings")}
-    return base, scaling
-
-
-def _partial_rotary(hf: dict, default: float = 1.0) -> float:
-    rp = hf.get("rope_parameters") or {}
-    return float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", default)))
-
-
-def _llama_like(hf: dict) -> dict:
-    base, scaling = _rope_params(hf)
-    n_head = hf["num_attention_heads"]
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    return dict(
-        block_size=hf.get("max_position_embeddings", 4096), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
-        n_query_groups=hf.get("num_key_value_heads") or n_head,
-        head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        rope_base=base, rope_scaling=scaling, norm_class="RMSNorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
-        mlp_class="LLaMAMLP", activation=_act(hf.get("hidden_act", "silu")),
-        intermediate_size=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window_size=window,
-    )
-
-
-def _act(name: str) -> str:
-    table = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-             "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-    if name not in table:
-        raise UserError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
-    return table[name]
-
-
-def _map_llama(hf: dict) -> dict:
-    if hf.get("mlp_bias") or hf.get("attention_bias"):
-        raise UserError("Llama configs with attention_bias or mlp_bias are not supported; use a model without those "
-                        "biases")
-    return _llama_like(hf)
-
-
-def _map_qwen2(hf: dict) -> dict:
-    kw = _llama_like(hf)
-    kw.update(attn_bias=True, bias=False)
-    return kw
-
-
-def _map_gemma(hf: dict) -> dict:
-    kw = _llama_like(hf)
-    kw.update(norm_unit_offset=True, scale_embeddings=True, tie_embeddings=hf.get("tie_word_embeddings", True),
-              activation=_act(hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")))
-    return kw
-
-
-def _map_gpt_neox(hf: dict) -> dict:
-    base, _ = _rope_params(hf)
-    return dict(
-        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"],
-        rotary_percentage=_partial_rotary(hf, hf.get("rotary_pct", 0.25)), rope_base=base,
-        parallel_residual=hf.get("use_parallel_residual", True), norm_class="LayerNorm",
-        norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True, mlp_class="GptNeoxMLP",
-        activation=_act(hf.get("hidden_act", "gelu")), intermediate_size=hf["intermediate_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        hf_extra={"attention_bias": hf.get("attention_bias", True)},
-    )
-
-
-def _map_falcon(hf: dict) -> dict:
-    if hf.get("alibi"):
-        raise UserError("Falcon models with alibi are not supported; use a rotary Falcon (7B, 40B)")
-    n_head = hf["num_attention_heads"]
-    new_arch = bool(hf.get("new_decoder_architecture", False))
-    if new_arch:
-        groups = hf.get("num_kv_heads") or n_head
-    else:
-        groups = 1 if hf.get("multi_query", True) else n_head
-    if not hf.get("parallel_attn", True):
-        raise UserError("Falcon with parallel_attn=false is not supported; use Falcon 7B/40B")
-    base, _ = _rope_params(hf)
-    return dict(
-        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"], n_query_groups=groups,
-        rope_base=base, parallel_residual=True,
-        shared_attention_norm=not new_arch or hf.get("num_ln_in_parallel_attn") == 1,
-        norm_class="LayerNorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), bias=bool(hf.get("bias", False)),
-        mlp_class="GptNeoxMLP", activation=_act(hf.get("activation", "gelu")),
-        intermediate_size=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        hf_extra={"new_decoder_architecture": new_arch, "multi_query": hf.get("multi_query", True)},
-    )
-
-
-def _map_phi(hf: dict) -> dict:
-    if hf.get("qk_layernorm"):
-        raise UserError("Phi with qk_layernorm=true is not supported; use Phi-1.5 or Phi-2")
-    base, _ = _rope_params(hf)
-    n_head = hf["num_attention_heads"]
-    return dict(
-        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
-        n_query_groups=hf.get("num_key_value_heads") or n_head, rotary_percentage=_partial_rotary(hf, 0.5),
-        rope_base=base, parallel_residual=True, shared_attention_norm=True, norm_class="LayerNorm",
-        norm_eps=hf.get("layer_norm_eps", 1e-5), bias=True, lm_head_bias=True, mlp_class="GptNeoxMLP",
-        activation=_act(hf.get("hidden_act", "gelu_new")), intermediate_size=hf["intermediate_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def _map_stablelm(hf: dict) -> dict:
-    if hf.get("qk_layernorm") or hf.get("use_parallel_residual"):
-        raise UserError("StableLM with qk_layernorm or parallel residual is not supported; use StableLM 2 1.6B")
-    base, _ = _rope_params(hf)
-    n_head = hf["num_attention_heads"]
-    return dict(
-        block_size=hf.get("max_position_embeddings", 4096), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_embd=hf["hidden_size"],
-        n_query_groups=hf.get("num_key_value_heads") or n_head, rotary_percentage=_partial_rotary(hf, 0.25),
-        rope_base=base, norm_class="LayerNorm", norm_eps=hf.get("layer_norm_eps", 1e-5),
-        attn_bias=bool(hf.get("use_qkv_bias", False)), mlp_class="LLaMAMLP",
-        activation=_act(hf.get("hidden_act", "silu")),
-        intermediate_size=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-_HF_MAPPERS = {
-    "LlamaForCausalLM": _map_llama, "MistralForCausalLM": _map_llama, "Qwen2ForCausalLM": _map_qwen2,
-    "GemmaForCausalLM": _map_gemma, "GPTNeoXForCausalLM": _map_gpt_neox, "FalconForCausalLM": _map_falcon,
-    "PhiForCausalLM": _map_phi, "StableLmForCausalLM": _map_stablelm,
-}
-SUPPORTED_ARCHITECTURES = tuple(sorted(_HF_MAPPERS))
+SUPPORTED_ARCHITECTURES = tuple(sorted(SPECS))
 
 
 # ---- named configs ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ safetensors file is written sequentially after a header computed from shapes alo
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -23,61 +24,23 @@ from lit_qlora.checkpoint import (
     write_safetensors_stream,
 )
 from lit_qlora.config import Config
+from lit_qlora.families import spec
+from lit_qlora.readers import load_torch, read_json, safetensors_header
 from lit_qlora.utils import UserError
 
-# ---- key maps ---------------------------------------------------------------------------------
-# Per family: (prefix of HF layer i, {our per-layer suffix: HF per-layer suffix}, {our global key: HF key}).
-# The fused qkv is special-cased by `qkv_layout`.
-_LLAMA_LAYER = {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
-                "mlp.fc_1": "mlp.gate_proj", "mlp.fc_2": "mlp.up_proj", "mlp.proj": "mlp.down_proj"}
-_LLAMA_GLOBAL = {"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.norm", "lm_head": "lm_head"}
 
-FAMILIES: dict[str, dict] = {
-    "llama": dict(layer="model.layers.{i}.", map=_LLAMA_LAYER, globals=_LLAMA_GLOBAL, qkv="separate",
-                  q_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    "gpt_neox": dict(layer="gpt_neox.layers.{i}.",
-                     map={"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
-                          "attn.proj": "attention.dense",
-                          "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
-                     globals={"transformer.wte": "gpt_neox.embed_in", "transformer.ln_f": "gpt_neox.final_layer_norm",
-                              "lm_head": "embed_out"},
-                     qkv="interleaved", q_names=("attention.query_key_value",)),
-    "falcon": dict(layer="transformer.h.{i}.",
-                   map={"norm_1": "input_layernorm", "attn.proj": "self_attention.dense", "mlp.fc": "mlp.dense_h_to_4h",
-                        "mlp.proj": "mlp.dense_4h_to_h"},
-                   globals={"transformer.wte": "transformer.word_embeddings", "transformer.ln_f": "transformer.ln_f",
-                            "lm_head": "lm_head"},
-                   qkv="falcon", q_names=("self_attention.query_key_value",)),
-    "phi": dict(layer="model.layers.{i}.",
-                map={"norm_1": "input_layernorm", "attn.proj": "self_attn.dense", "mlp.fc": "mlp.fc1",
-                     "mlp.proj": "mlp.fc2"},
-                globals={"transformer.wte": "model.embed_tokens", "transformer.ln_f": "model.final_layernorm",
-                         "lm_head": "lm_head"},
-                qkv="separate", q_names=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-}
-_ARCH_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-                "GemmaForCausalLM": "llama", "StableLmForCausalLM": "llama", "GPTNeoXForCausalLM": "gpt_neox",
-                "FalconForCausalLM": "falcon", "PhiForCausalLM": "phi"}
-
-
+# ---- key maps: from the family spec (lit_qlora/families.py) ----------------------------------
 def family(config: Config) -> dict:
-    fam = dict(FAMILIES[_ARCH_FAMILY[config.hf_architecture]])
-    falcon_two_norms = config.hf_extra.get("new_decoder_architecture") and not config.shared_attention_norm
-    if config.hf_architecture == "FalconForCausalLM" and falcon_two_norms:
-        fam["map"] = {**fam["map"], "norm_1": "ln_attn", "norm_2": "ln_mlp"}
-    return fam
+    """Weight names of `config`'s architecture: layer (prefix of HF layer i), map (our per-layer module -> HF's),
+    globals, qkv (layout) and q_names (the HF q/k/v modules, in order)."""
+    return spec(config.hf_architecture).weights(config)
 
 
 # ---- qkv layouts ------------------------------------------------------------------------------
 # separate: three tensors q, k, v | fused: one tensor already [q | k | v] (Falcon 7B multi-query)
 # interleaved: per head [q, k, v] (GPT-NeoX, Falcon MHA) | grouped: per kv head [q .. q, k, v] (Falcon 40B)
 def qkv_layout(config: Config) -> str:
-    fam = FAMILIES[_ARCH_FAMILY[config.hf_architecture]]["qkv"]
-    if fam != "falcon":
-        return fam
-    if config.hf_extra.get("new_decoder_architecture"):
-        return "grouped"
-    return "fused" if config.hf_extra.get("multi_query", True) else "interleaved"
+    return family(config)["qkv"]
 
 
 def qkv_from_hf(config: Config, layout: str, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -160,7 +123,9 @@ class HFWeights:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = self.folder / index_name
             if index.is_file():
-                weight_map = json.loads(index.read_text()).get("weight_map", {})
+                weight_map = read_json(index, dict, fix="download it again").get("weight_map", {})
+                if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                    raise UserError(f"{index}: weight_map is not an object of file names; download it again")
                 files = sorted({self.folder / f for f in weight_map.values()})
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
@@ -179,10 +144,18 @@ class HFWeights:
 
     def _handle(self, f: Path):
         if f not in self._open:
+            fix = f"download the model's weight files into {self.folder} again"
             if f.suffix == ".safetensors":
-                self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+                safetensors_header(f, fix=fix)  # sizes, dtypes, offsets against the file: before safetensors reads it
+                try:
+                    self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+                except Exception as e:  # SafetensorError: what the header check above does not catch
+                    raise UserError(f"{f} is damaged ({type(e).__name__}: {e}); {fix}") from None
             else:  # zip-format torch files memory-map, so only the tensors we touch are read
-                self._open[f] = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                sd = load_torch(f, "weights file", fix, mmap=True)
+                if not (isinstance(sd, dict) and all(isinstance(v, torch.Tensor) for v in sd.values())):
+                    raise UserError(f"weights file {f} holds no state dict of tensors; {fix}")
+                self._open[f] = sd
         return self._open[f]
 
     def _file_keys(self, f: Path) -> list[str]:
@@ -200,7 +173,11 @@ class HFWeights:
     def dtype(self, key: str) -> torch.dtype:
         h = self._handle(self.key_to_file[key])
         if hasattr(h, "get_slice"):
-            return DTYPES[h.get_slice(key).get_dtype()]
+            name = h.get_slice(key).get_dtype()
+            if name not in DTYPES:
+                raise UserError(f"tensor {key!r} of {self.key_to_file[key]} has dtype {name}, which this converter "
+                                f"does not read ({', '.join(DTYPES)}); use a checkpoint in one of those dtypes")
+            return DTYPES[name]
         return h[key].dtype
 
     def close(self) -> None:
@@ -276,55 +253,7 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
 
 def to_hf_config(config: Config) -> dict:
     """Our Config -> a transformers config.json dict for `config.hf_architecture`."""
-    c = config
-    arch = c.hf_architecture
-    common = dict(architectures=[arch], vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
-                  num_attention_heads=c.n_head, max_position_embeddings=c.block_size,
-                  tie_word_embeddings=c.tie_embeddings, rope_theta=c.rope_base, torch_dtype="bfloat16")
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM"):
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                      "GemmaForCausalLM": "gemma"}[arch]
-        d = dict(common, model_type=model_type, num_key_value_heads=c.n_query_groups, head_dim=c.head_size,
-                 intermediate_size=c.intermediate_size, rms_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation),
-                 attention_bias=False)
-        if arch == "GemmaForCausalLM":
-            d["hidden_activation"] = _hf_act(c.activation)
-        if c.rope_scaling:
-            d["rope_scaling"] = dict(c.rope_scaling, rope_type="llama3")
-        if arch == "MistralForCausalLM":
-            d["sliding_window"] = c.sliding_window_size
-        if arch == "Qwen2ForCausalLM":
-            d.update(use_sliding_window=c.sliding_window_size is not None, sliding_window=c.sliding_window_size)
-        return d
-    if arch == "StableLmForCausalLM":
-        return dict(common, model_type="stablelm", num_key_value_heads=c.n_query_groups,
-                    intermediate_size=c.intermediate_size,
-                    layer_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation), use_qkv_bias=c.attn_bias,
-                    partial_rotary_factor=c.rotary_percentage, use_parallel_residual=False, qk_layernorm=False)
-    if arch == "GPTNeoXForCausalLM":
-        return dict(common, model_type="gpt_neox", intermediate_size=c.intermediate_size, layer_norm_eps=c.norm_eps,
-                    hidden_act=_hf_act(c.activation), rotary_pct=c.rotary_percentage,
-                    partial_rotary_factor=c.rotary_percentage,
-                    rotary_emb_base=c.rope_base, use_parallel_residual=c.parallel_residual,
-                    attention_bias=c.hf_extra.get("attention_bias", True))
-    if arch == "PhiForCausalLM":
-        return dict(common, model_type="phi", num_key_value_heads=c.n_query_groups,
-                    intermediate_size=c.intermediate_size,
-                    layer_norm_eps=c.norm_eps, hidden_act=_hf_act(c.activation),
-                    partial_rotary_factor=c.rotary_percentage, qk_layernorm=False)
-    if arch == "FalconForCausalLM":
-        new = bool(c.hf_extra.get("new_decoder_architecture"))
-        return dict(common, model_type="falcon", num_kv_heads=c.n_query_groups, layer_norm_epsilon=c.norm_eps,
-                    bias=c.bias,
-                    parallel_attn=True, alibi=False, new_decoder_architecture=new,
-                    multi_query=c.hf_extra.get("multi_query", True),
-                    ffn_hidden_size=c.intermediate_size, activation=_hf_act(c.activation),
-                    num_ln_in_parallel_attn=(1 if c.shared_attention_norm else 2) if new else None)
-    raise UserError(f"export to {arch} is not supported")
-
-
-def _hf_act(kind: str) -> str:
-    return {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[kind]
+    return spec(config.hf_architecture).to_hf(config)
 
 
 def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = False) -> Config:
@@ -337,6 +266,9 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = F
         raise UserError(f"checkpoint folder {checkpoint_dir} does not exist; pass --checkpoint_dir with a downloaded "
                         "model folder")
     ours, cfg = checkpoint_dir / LIT_WEIGHTS, checkpoint_dir / LIT_CONFIG
+    for p in (ours, cfg):  # a folder or a symlink loop in their place: refused, never converted over
+        if os.path.lexists(p) and not os.path.isfile(p):
+            raise UserError(f"{p} is not a regular file (a folder or a broken link); move it away and run again")
     hf = (checkpoint_dir / "config.json").is_file()
     if not hf and ours.is_file() != cfg.is_file():
         have, lost = (ours, cfg) if ours.is_file() else (cfg, ours)
@@ -351,10 +283,7 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = F
             print(f"Converting the Hugging Face checkpoint in {checkpoint_dir} (first use; reused next time) ...",
                   file=sys.stderr)
         convert_hf_checkpoint(checkpoint_dir)
-    try:
-        config = Config.from_file(cfg)
-    except (ValueError, TypeError, AttributeError) as e:  # not JSON, not an object, unexpected values
-        raise UserError(f"{cfg} is damaged ({type(e).__name__}: {e}); convert the checkpoint again") from None
+    config = Config.from_file(cfg)  # a UserError naming the file and the field when it is damaged
     if verify:
         check_checkpoint(checkpoint_dir, config)
     return config

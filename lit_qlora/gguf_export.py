@@ -27,6 +27,7 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
+from lit_qlora.families import SPECS
 from lit_qlora.merge import merged_tensors
 from lit_qlora.model import llama3_scale_inv_freq
 from lit_qlora.tokenizer import Tokenizer
@@ -36,7 +37,8 @@ Q = gguf.GGMLQuantizationType
 
 # HF architecture -> llama.cpp architecture. Mistral is plain "llama" to llama.cpp (its converter maps
 # MistralForCausalLM there too); TinyLlama and SmolLM2 are LlamaForCausalLM.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# llama.cpp architecture of each family whose spec names one (lit_qlora/families.py)
+ARCHITECTURES = {a: s.gguf for a, s in SPECS.items() if s.gguf}
 SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM) and "
              "Qwen2/2.5 (Qwen2ForCausalLM)")
 
@@ -73,10 +75,13 @@ def gguf_architecture(config: Config) -> str:
                         "scripts/export_hf.py and llama.cpp's convert_hf_to_gguf.py")
     expected = dict(norm_class="RMSNorm", mlp_class="LLaMAMLP", activation="silu", bias=False, lm_head_bias=False,
                     parallel_residual=False, scale_embeddings=False, norm_unit_offset=False,
-                    rope_n_elem=config.head_size)
+                    rope_n_elem=config.head_size, qk_norm=None, pre_norms=True, post_norms=False, attn_softcap=None,
+                    final_softcap=None, attention_scale=None, nope_layers=None, rope_local_base=None,
+                    rope_type=None)
     for key, want in expected.items():
-        if getattr(config, key) != want:
-            raise UserError(f"this {config.hf_architecture} has {key}={getattr(config, key)!r}, which llama.cpp's "
+        have = (config.rope_scaling or {}).get("rope_type") if key == "rope_type" else getattr(config, key)
+        if have != want:
+            raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which llama.cpp's "
                             f"{arch!r} architecture cannot express ({want!r} needed); export it with "
                             "scripts/export_hf.py")
     return arch

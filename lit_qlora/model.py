@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 
 from lit_qlora import cpu_attention, cpu_half
 from lit_qlora.config import Config
+from lit_qlora.families import yarn_attention_factor
 
 
 class GPT(nn.Module):
@@ -34,17 +35,34 @@ class GPT(nn.Module):
         self.activation_checkpointing = False  # recompute each block in backward instead of keeping its activations
         self.compiled_blocks: Optional[list] = None  # set by compile_blocks(): used for training steps only
 
-    def rope_cache(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cache(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]
-        for positions [T], [B, T, rope_n_elem] for per-row positions [B, T] (packed samples)."""
+        for positions [T], [B, T, rope_n_elem] for per-row positions [B, T] (packed samples). `local`: the
+        sliding layers' RoPE where the model has one of its own (Gemma 3: another base, no scaling)."""
         c = self.config
-        n = c.rope_n_elem
-        inv_freq = 1.0 / (c.rope_base ** (torch.arange(0, n, 2, device=positions.device, dtype=torch.float32) / n))
-        if c.rope_scaling:
-            inv_freq = llama3_scale_inv_freq(inv_freq, c.rope_scaling)
+        base, scaling = (c.rope_local_base, None) if local else (c.rope_base, c.rope_scaling)
+        # longrope picks its factors by the length this call reaches, as transformers does
+        seq_len = int(positions.max()) + 1 if scaling and scaling.get("rope_type") == "longrope" else 0
+        inv_freq, factor = rope_inv_freq(c.rope_n_elem, base, scaling, positions.device, seq_len)
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., T, n/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, n]
+        if factor != 1.0:  # yarn / longrope scale cos and sin
+            return emb.cos() * factor, emb.sin() * factor
         return emb.cos(), emb.sin()
+
+    def layer_rope(self, i: int) -> Optional[bool]:
+        """Which RoPE layer i uses: False the model's, True the sliding layers' own, None none (a NoPE layer)."""
+        c = self.config
+        if c.nope_layers and i in c.nope_layers:
+            return None
+        return c.rope_local_base is not None and self.layer_window(i) is not None
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """The sliding window of layer i, or None for full attention."""
+        c = self.config
+        if c.layer_types is not None and c.layer_types[i] != "sliding_attention":
+            return None
+        return c.sliding_window_size
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
@@ -60,25 +78,36 @@ class GPT(nn.Module):
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         training = self.training and torch.is_grad_enabled()
-        spans = None
-        if segments is not None:
-            cos, sin = (t.unsqueeze(1) for t in self.rope_cache(positions))  # [B, 1, T, n]: broadcast over heads
-            mask, kv_len = None, T
-            spans = sample_spans(segments)
-            window = self.config.sliding_window_size
-            if (training and self.compiled_blocks is not None) or (
-                    window is not None and max(n for row in spans for n, _ in row) > window):
-                # one mask for the whole batch: a compiled graph would be specialized on every batch's sample
-                # lengths, and a sample longer than the sliding window needs the window's mask anyway
-                mask, spans = packed_attention_mask(segments, positions, window), None
-        else:
+        if segments is None:
             if input_pos is not None and self.kv_caches is None:
                 raise RuntimeError("call set_kv_cache() before passing input_pos")
             positions = torch.arange(T, device=idx.device) if input_pos is None else input_pos
-            cos, sin = self.rope_cache(positions)
-            mask, kv_len = self._mask(positions, T, input_pos is not None, idx.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        all_spans = sample_spans(segments) if segments is not None else None
+        ropes: dict = {}  # layer_rope(i) -> (cos, sin)
+        attention: dict = {}  # layer_window(i) -> (mask, kv_len, spans)
         for i, block in enumerate(self.transformer.h):
+            kind, window = self.layer_rope(i), self.layer_window(i)
+            if kind not in ropes:
+                if kind is None:  # no rotation: apply_rope leaves q and k as they are
+                    ropes[kind] = (x.new_empty(0), x.new_empty(0))
+                else:
+                    cos, sin = self.rope_cache(positions, local=kind)
+                    if segments is not None:
+                        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, n]: broadcast over heads
+                    ropes[kind] = (cos.to(x.dtype), sin.to(x.dtype))
+            if window not in attention:
+                if segments is not None:
+                    mask, kv_len, spans = None, T, all_spans
+                    if (training and self.compiled_blocks is not None) or (
+                            window is not None and max(n for row in spans for n, _ in row) > window):
+                        # one mask for the whole batch: a compiled graph would be specialized on every batch's
+                        # sample lengths, and a sample longer than the sliding window needs the window's mask anyway
+                        mask, spans = packed_attention_mask(segments, positions, window), None
+                    attention[window] = (mask, kv_len, spans)
+                else:
+                    attention[window] = (*self._mask(positions, T, input_pos is not None, idx.device, window), None)
+            cos, sin = ropes[kind]
+            mask, kv_len, spans = attention[window]
             cache = self.kv_caches[i] if input_pos is not None else None
             if training and self.compiled_blocks is not None:
                 block = self.compiled_blocks[i]
@@ -96,8 +125,14 @@ class GPT(nn.Module):
             dim = 1
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (training.chunked_cross_entropy)
-            return [linear(self.lm_head, xc) for xc in x.split(lm_head_chunk, dim=dim)]
-        return linear(self.lm_head, x)  # [B, T, V] (or [N, V])
+            return [self.output(xc) for xc in x.split(lm_head_chunk, dim=dim)]
+        return self.output(x)  # [B, T, V] (or [N, V])
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer, with Gemma 2's final soft-capping."""
+        logits = linear(self.lm_head, x)
+        cap = self.config.final_softcap
+        return logits if cap is None else softcap(logits, cap)
 
     def compile_blocks(self) -> None:
         """torch.compile each block for training steps (validation and generation stay eager, so decoding with the
@@ -105,11 +140,10 @@ class GPT(nn.Module):
         cpu_attention.keep_out_of_compiled_graphs()
         self.compiled_blocks = [torch.compile(block, dynamic=True) for block in self.transformer.h]
 
-    def _mask(self, positions: torch.Tensor, T: int, cached: bool, device: torch.device):
+    def _mask(self, positions: torch.Tensor, T: int, cached: bool, device: torch.device, window: Optional[int]):
         """(mask or None, keys to attend). None means plain causal attention (or no mask for one decode step).
 
         With the cache only the first `kv_len` cached positions are attended, not the whole preallocated buffer."""
-        window = self.config.sliding_window_size
         kv_len = int(positions.max()) + 1 if cached else T
         full_causal = kv_len == T or T == 1  # prefill from position 0, or one new token that sees everything before it
         if full_causal and (window is None or kv_len <= window):
@@ -133,22 +167,30 @@ class Block(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.config = config
-        self.norm_1 = make_norm(config, config.n_embd)
+        self.norm_1 = make_norm(config, config.n_embd) if config.pre_norms else None
         self.attn = CausalSelfAttention(config)
         # parallel blocks with a shared norm (Falcon 7B, Phi) have no second norm
-        self.norm_2 = None if config.shared_attention_norm else make_norm(config, config.n_embd)
+        self.norm_2 = None if config.shared_attention_norm or not config.pre_norms else make_norm(config, config.n_embd)
         self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
+        if config.post_norms:  # Gemma 2/3, OLMo 2: each branch's output is normalized before it is added
+            self.post_attention_norm = make_norm(config, config.n_embd)
+            self.post_mlp_norm = make_norm(config, config.n_embd)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
                 cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
                 spans: Optional[list] = None) -> torch.Tensor:
-        h = self.norm_1(x)
+        h = x if self.norm_1 is None else self.norm_1(x)
         attn_out = self.attn(h, cos, sin, input_pos, cache, mask, kv_len, spans)
         if self.config.parallel_residual:
             mlp_in = h if self.norm_2 is None else self.norm_2(x)
             return x + attn_out + self.mlp(mlp_in)
+        if self.config.post_norms:
+            attn_out = self.post_attention_norm(attn_out)
         x = x + attn_out
-        return x + self.mlp(self.norm_2(x))
+        mlp_out = self.mlp(x if self.norm_2 is None else self.norm_2(x))
+        if self.config.post_norms:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return x + mlp_out
 
 
 class CausalSelfAttention(nn.Module):
@@ -157,6 +199,11 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.qkv = nn.Linear(config.n_embd, sum(config.qkv_sizes), bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        if config.qk_norm:  # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+            q_size, k_size, _ = config.qkv_sizes
+            per_head = config.qk_norm == "head"
+            self.q_norm = make_norm(config, config.head_size if per_head else q_size)
+            self.k_norm = make_norm(config, config.head_size if per_head else k_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
                 cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
@@ -166,9 +213,13 @@ class CausalSelfAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q, k, v = linear(self.qkv, x).split(c.qkv_sizes, dim=-1)
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # [B, H, T, hs]
         k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
         v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # [B, G, T, hs]
+        if c.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if cache is not None:
@@ -199,7 +250,9 @@ class CausalSelfAttention(nn.Module):
         c, T = self.config, q.size(-2)
         # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
         gqa = c.n_query_groups != c.n_head
-        scale = 1.0 / math.sqrt(c.head_size)
+        scale = c.attention_scale or 1.0 / math.sqrt(c.head_size)
+        if c.attn_softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale, c.attn_softcap)
         if cpu_half.attention_in_fp32(q, decoding=cached):
             # 16-bit CPU tensors without native 16-bit matmuls, or a decoding step: fp32 kernels are several times
             # faster
@@ -212,6 +265,27 @@ class CausalSelfAttention(nn.Module):
         # enable_gqa: the keys and values stay at G heads, not copied to H: less to save for backward, faster
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
                                               enable_gqa=gqa)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's soft-capping of attention and output logits."""
+    return torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention whose logits are soft-capped before the mask and the softmax (no fused kernel can do that):
+    q [B, H, T, hs], k and v [B, G, L, hs]. Without a mask it is causal, aligned to the last key (a prefill from
+    position 0 or a single decoding step). Softmax in fp32, as the reference does."""
+    rep = q.size(1) // k.size(1)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = softcap(q @ k.transpose(-2, -1) * scale, cap)  # [B, H, T, L]
+    T, L = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -270,6 +344,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out[..., :n] = rot
     out[..., n:] = rest
     return out
+
+
+def rope_inv_freq(n: int, base: float, scaling: Optional[dict], device: torch.device,
+                  seq_len: int = 0) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [n / 2], factor on cos and sin) of RoPE over `n` channels with the given scaling, as
+    transformers computes them: Llama 3.1's (a dict without "rope_type"), linear, yarn or longrope (whose factors
+    depend on the length `seq_len` a call reaches)."""
+    if n == 0:
+        return torch.zeros(0, device=device), 1.0
+    dims = torch.arange(0, n, 2, device=device, dtype=torch.float32) / n
+    inv_freq = 1.0 / (base ** dims)
+    kind = (scaling or {}).get("rope_type", "llama3" if scaling else None)
+    if kind is None:
+        return inv_freq, 1.0
+    if kind == "llama3":
+        return llama3_scale_inv_freq(inv_freq, scaling), 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "yarn":
+        return yarn_inv_freq(n, base, scaling, device), yarn_attention_factor(scaling)
+    if kind == "longrope":
+        s, original = scaling, scaling["original_max_position_embeddings"]
+        ext = s["long_factor"] if seq_len > original else s["short_factor"]
+        inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32, device=device) * base ** dims)
+        factor = s.get("attention_factor")
+        if factor is None:
+            factor = 1.0 if s["factor"] <= 1.0 else math.sqrt(1 + math.log(s["factor"]) / math.log(original))
+        return inv_freq, float(factor)
+    raise ValueError(f"unknown rope scaling {kind!r}")
+
+
+def yarn_inv_freq(n: int, base: float, s: dict, device: torch.device) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, blend linearly in between; the blend's
+    bounds are the channels that turn beta_fast and beta_slow times over the original context."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+
+    def channel(rotations: float) -> float:  # the channel that turns `rotations` times over the original context
+        return n * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = channel(s["beta_fast"]), channel(s["beta_slow"])
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, n - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(n // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    pos_freqs = base ** (torch.arange(0, n, 2, device=device, dtype=torch.float32) / n)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def llama3_scale_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -347,11 +470,12 @@ def gated_activation(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tenso
 class RMSNorm(nn.Module):
     """Normalizes in fp32 (as Llama and Gemma do) and casts back before the scale."""
 
-    def __init__(self, size: int, eps: float, unit_offset: bool) -> None:
+    def __init__(self, size: int, eps: float, unit_offset: bool, fp32_scale: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size) if not unit_offset else torch.zeros(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.fp32_scale = fp32_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -360,12 +484,14 @@ class RMSNorm(nn.Module):
         xf = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
         if self.unit_offset:  # Gemma scales in fp32 by (1 + w)
             return (xf * (1.0 + self.weight.float())).to(dtype)
+        if self.fp32_scale:  # OLMo 2 scales in fp32, then casts
+            return (self.weight.float() * xf).to(dtype)
         return self.weight * xf.to(dtype)
 
 
 def make_norm(config: Config, size: int) -> nn.Module:
     if config.norm_class == "RMSNorm":
-        return RMSNorm(size, config.norm_eps, config.norm_unit_offset)
+        return RMSNorm(size, config.norm_eps, config.norm_unit_offset, config.norm_fp32_scale)
     return nn.LayerNorm(size, eps=config.norm_eps)
 
 

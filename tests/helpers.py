@@ -67,6 +67,47 @@ TINY_HF_CONFIGS: dict[str, dict] = {
                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                      partial_rotary_factor=0.25, use_qkv_bias=True, max_position_embeddings=128,
                      tie_word_embeddings=False),
+    # ---- the families of issue 33: each with the feature that sets it apart switched on where a test can see it
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=24, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True, use_sliding_window=False),
+    "mistral_nemo": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=320, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False),
+    # soft-caps small enough to clip; a sliding window (layer 0) shorter than the test sequences
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=320, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.5,
+                   final_logit_softcapping=3.0, max_position_embeddings=128, hidden_activation="gelu_pytorch_tanh",
+                   tie_word_embeddings=False),
+    # 2 sliding layers and a full one with its own RoPE base and linear scaling; head_dim * heads != hidden
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=320, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=32, query_pre_attn_scalar=32, sliding_window=8, max_position_embeddings=128,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                   tie_word_embeddings=False),  # tied, greedy decoding of this tiny model repeats one token
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2", vocab_size=320, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # layer 1 without RoPE; yarn that changes the frequencies at any length
+    "smollm3": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=320, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None,
+                    bos_token_id=None, eos_token_id=None,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                     "rope_theta": 10000.0}),
+    # longrope: the short factors (every test sequence is within original_max_position_embeddings; the long ones are
+    # tested in test_model)
+    "llama_longrope": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 32,
+                                            "short_factor": [1.0, 1.5, 2.0, 1.0, 3.0, 1.2, 1.0, 4.0],
+                                            "long_factor": [2.0, 3.0, 5.0, 8.0, 1.0, 9.0, 2.0, 6.0]}),
 }
 
 

@@ -1,0 +1,101 @@
+"""The family specs (lit_qlora/families.py): what the parity tests over every tiny family (tests/helpers.py,
+test_model.py, test_convert.py) do not show: longrope's long factors, both config formats of transformers, refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_HF_CONFIGS, load_ours, make_tiny_hf_model, random_tokens
+
+from lit_qlora.config import Config
+from lit_qlora.convert import convert_hf_checkpoint
+from lit_qlora.utils import UserError
+
+
+@torch.no_grad()
+def test_longrope_long_factors_match_transformers(tmp_path):
+    """Past original_max_position_embeddings (32) longrope switches to its long factors and its attention factor:
+    logits of a 40-token sequence equal transformers', and differ from the short factors' (the switch matters)."""
+    hf = make_tiny_hf_model("llama_longrope", tmp_path, initializer_range=0.2)
+    convert_hf_checkpoint(tmp_path)
+    ours = load_ours(tmp_path)
+    idx = random_tokens(1, 40, seed=5)
+    expected = hf(idx).logits
+    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    short = ours.config.rope_scaling["short_factor"]
+    ours.config.rope_scaling["long_factor"] = short
+    assert (ours(idx) - expected).abs().max().item() > 1e-2
+
+
+def test_gemma3_reads_the_same_from_both_config_formats():
+    """transformers 4.x wrote Gemma 3's RoPE as rope_theta + rope_local_base_freq + rope_scaling and its layer kinds as
+    sliding_window_pattern; 5.x as per-layer-type rope_parameters and layer_types: one model either way."""
+    new = dict(TINY_HF_CONFIGS["gemma3"], num_hidden_layers=6,
+               layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    old = {k: v for k, v in new.items() if k not in ("layer_types", "rope_parameters")}
+    old.update(rope_theta=1e6, rope_local_base_freq=100.0, sliding_window_pattern=6,
+               rope_scaling={"rope_type": "linear", "factor": 4.0})
+    a, b = Config.from_hf_config(new), Config.from_hf_config(old)
+    assert a == b
+    assert a.rope_local_base == 100.0 and a.rope_base == 1e6 and a.rope_scaling == {"rope_type": "linear",
+                                                                                   "factor": 4.0}
+    assert a.layer_types[-1] == "full_attention" and a.qk_norm == "head" and a.post_norms
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'dynamic'"),
+    (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
+    (dict(architectures=["Qwen3NextForCausalLM"]), "linear-attention"),
+    (dict(architectures=["Gemma3nForCausalLM"]), "per-layer input embeddings"),
+    (dict(architectures=["Qwen3MoeForCausalLM"]), "mixtures of experts"),
+    (dict(attention_bias=True), "attention_bias=True"),
+])
+def test_unimplemented_config_fields_are_refused_naming_them(change, message):
+    """A field that changes the math and is not implemented is an error naming it, never a default."""
+    hf = dict(TINY_HF_CONFIGS["qwen3"], sliding_window=8, use_sliding_window=True, **change)
+    with pytest.raises(UserError, match=message):
+        Config.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("gemma2", "attn_softcap", None), ("gemma2", "final_softcap", None), ("gemma3", "qk_norm", None),
+    ("gemma3", "rope_local_base", None), ("gemma3", "layer_types", None), ("olmo2", "post_norms", False),
+    ("smollm3", "nope_layers", None), ("smollm3", "rope_scaling", None),
+    ("llama_longrope", "rope_scaling", None), ("qwen3", "qk_norm", None),
+])
+@torch.no_grad()
+def test_each_feature_changes_the_logits(tmp_path, kind, field, value):
+    """Each family's distinguishing field matters on its tiny model: with it switched off, our logits leave
+    transformers' (so the parity tests would catch it missing). Weights that the switched-off model has no place for
+    (the QK norms, the post norms) are dropped."""
+    hf = make_tiny_hf_model(kind, tmp_path, initializer_range=0.2)
+    convert_hf_checkpoint(tmp_path)
+    ours = load_ours(tmp_path)
+    idx = random_tokens(2, 24, seed=6)
+    expected = hf(idx).logits
+    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    from lit_qlora.model import GPT
+
+    config = Config.from_dict({**ours.config.to_dict(), field: value})
+    broken = GPT(config).to(next(ours.parameters()).dtype)
+    broken.load_state_dict(ours.state_dict(), strict=False)
+    assert (broken(idx) - expected).abs().max().item() > 1e-3
+
+
+@torch.no_grad()
+def test_olmo2_norm_scales_in_fp32_as_transformers():
+    """OLMo 2's RMSNorm multiplies by its weight before casting back (Llama's after): identical in fp32, so shown on
+    bf16 inputs, bit for bit against transformers' layer (and not equal with the Llama order)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from lit_qlora.model import RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    weight = torch.randn(64).to(torch.bfloat16)
+    ref = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    ref.weight.copy_(weight)
+    ours, llama_order = RMSNorm(64, 1e-6, False, fp32_scale=True), RMSNorm(64, 1e-6, False)
+    for m in (ours, llama_order):
+        m.to(torch.bfloat16).weight.copy_(weight)
+    assert torch.equal(ours(x), ref(x))
+    assert not torch.equal(llama_order(x), ref(x))

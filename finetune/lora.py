@@ -79,6 +79,7 @@ from lit_qlora.training import (
     find_resume,
     head_chunk,
     list_checkpoints,
+    lock_out_dir,
     lr_at,
     make_optimizer,
     rng_state,
@@ -87,6 +88,7 @@ from lit_qlora.training import (
     shard_batch,
     shift_labels,
     show_progress,
+    unlock_out_dir,
 )
 from lit_qlora.utils import UserError, atomic_write, memory_used_gb, peak_rss_gb, run_main, tune_cpu_allocator
 
@@ -147,6 +149,13 @@ class Session:
 def setup(args: FinetuneArgs) -> None:
     """Check every input up front, then start one process per device (Fabric) running `main`."""
     bound_cpu_matmul_caches()  # why: on CPU each batch's new shape would keep 1-2 MB of prepared 16-bit matmuls
+    try:
+        _setup(args)
+    finally:  # the lock check_inputs took on --out_dir (the kernel drops it anyway when the process ends)
+        unlock_out_dir(Path(args.run.out_dir))
+
+
+def _setup(args: FinetuneArgs) -> None:
     inputs = check_inputs(args)
     if inputs is None:  # --estimate_only printed the estimate
         return
@@ -185,6 +194,7 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
                         f"{run.devices}{nodes}; use e.g. --batch_size {n * max(1, batch_size // n)}")
     out_dir = Path(run.out_dir)
     check_out_dir(out_dir, run.resume)
+    lock_out_dir(out_dir)  # one run per folder, for the life of this process (released by the kernel at its end)
     config = ensure_converted(run.checkpoint_dir, verify=True)
     tokenizer = Tokenizer(run.checkpoint_dir)
     if tokenizer.vocab_size > config.vocab_size:

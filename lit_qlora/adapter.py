@@ -25,8 +25,9 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config
-from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_delta, lora_state_dict, lora_targets
+from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_delta, lora_state_dict, lora_targets, meta_model
 from lit_qlora.peft_interop import export_peft, import_peft
+from lit_qlora.readers import REQUIRED_CONFIG_KEYS, check_fields, load_torch
 from lit_qlora.utils import UserError, atomic_torch_save
 
 ADAPTER_FORMAT = "lit-qlora-adapter-v1"
@@ -66,9 +67,11 @@ class Adapter:
 
     @classmethod
     def from_payload(cls, payload: dict, where: object = "the adapter") -> "Adapter":
+        """The adapter of a loaded file, every part checked first (`check_payload`)."""
         if not isinstance(payload, dict) or payload.get("format") != ADAPTER_FORMAT:
             raise UserError(f"{where} is not a lit-qlora adapter file; pass an adapter written by finetune/lora.py "
                             "or a PEFT folder")
+        check_payload(payload, where)
         return cls(dict(payload["lora"]), LoRAConfig.from_dict(payload["lora_config"]), dict(payload["model_config"]),
                    dict(payload.get("train") or {}))
 
@@ -86,11 +89,7 @@ class Adapter:
             tensors, lora, train = import_peft(path, base_config)
             adapter = cls(tensors, lora, base_config.to_dict(), train)
         else:
-            try:
-                payload = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise UserError(f"{path} is not a readable adapter file ({type(e).__name__}); it may be damaged: use "
-                                "an earlier checkpoint") from None
+            payload = load_torch(path, "adapter", "use an earlier checkpoint")  # weights_only
             adapter = cls.from_payload(payload, path)
         if base_config is not None:
             adapter.check_base(base_config, path)
@@ -157,3 +156,48 @@ class Adapter:
     def changes(self, key: str) -> bool:
         """Whether merging this adapter changes the base checkpoint's tensor `key`."""
         return key.endswith(".weight") and key.removesuffix(".weight") in self.targets()
+
+
+_LORA_FIELDS = {"r": "size", "alpha": "number", "dropout": "fraction", "query": "bool", "key": "bool", "value": "bool",
+                "projection": "bool", "mlp": "bool", "head": "bool"}
+
+
+def check_payload(payload: dict, where: object) -> None:
+    """Refuse, in one line naming the part, an adapter payload that does not describe a usable adapter: its LoRA
+    settings (a rank from 1 to the model's width, a dropout below 1), its base model's config (every field that
+    shapes the model present, with values a model can have), and its tensors (each one the model has a place for, of
+    the shape the two configs imply, none missing)."""
+    fix = "it is damaged or not of this version: use another checkpoint of the run"
+    for part in ("lora", "lora_config", "model_config"):
+        if not isinstance(payload.get(part), dict):
+            raise UserError(f"{where}: {part} is {type(payload.get(part)).__name__}, expected an object; {fix}")
+    if not isinstance(payload.get("train") or {}, dict):
+        raise UserError(f"{where}: train is {type(payload['train']).__name__}, expected an object; {fix}")
+    check_fields(payload["lora_config"], f"{where} lora_config", _LORA_FIELDS, ("r", "alpha"), fix)
+    check_fields(payload["model_config"], f"{where} model_config", {}, REQUIRED_CONFIG_KEYS, fix)
+    try:
+        base = Config.from_dict(payload["model_config"])
+    except UserError as e:
+        raise UserError(f"{where} model_config: {e}") from None
+    lora = LoRAConfig.from_dict(payload["lora_config"])
+    if lora.dropout >= 1:
+        raise UserError(f"{where} lora_config: dropout is {lora.dropout}, expected a number from 0 to below 1; {fix}")
+    if lora.r > base.n_embd:
+        raise UserError(f"{where} lora_config: r is {lora.r}, larger than the layers it adapts (n_embd="
+                        f"{base.n_embd}); {fix}")
+    expected = {k: tuple(v.shape) for k, v in lora_state_dict(meta_model(base, lora)).items()}
+    tensors = payload["lora"]
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise UserError(f"{where}: LoRA tensor {name!r} is {type(t).__name__}"
+                            f"{' of ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}, expected a floating "
+                            f"tensor; {fix}")
+        if name not in expected:
+            raise UserError(f"{where} holds LoRA tensor {name!r}, which its lora_config and model_config have no "
+                            f"place for; {fix}")
+        if tuple(t.shape) != expected[name]:
+            raise UserError(f"{where}: LoRA tensor {name} has shape {tuple(t.shape)}, its configs imply "
+                            f"{expected[name]}; {fix}")
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        raise UserError(f"{where} has no LoRA tensor {missing[0]} ({len(missing)} missing); {fix}")

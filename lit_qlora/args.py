@@ -6,7 +6,9 @@ a `--config` YAML is one flat mapping, as `--print_config` writes it. `python fi
 """
 from __future__ import annotations
 
+import json
 import sys
+from argparse import ArgumentError
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, Optional, Union
@@ -15,6 +17,8 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
 from lit_qlora.lora import LoRAConfig
+from lit_qlora.readers import read_yaml
+from lit_qlora.utils import UserError
 
 
 @dataclass
@@ -194,8 +198,54 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> FinetuneArgs:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[-1] == "--resume" or any(a == "--resume" and b.startswith("--") for a, b in zip(argv, argv[1:])):
         argv.insert(argv.index("--resume") + 1, "true")  # a bare `--resume` means `--resume true`
+    argv, sources = _checked_configs(argv)
     parser = finetune_parser()
-    ns = parser.parse_args(argv)
-    if ns.checkpoint_dir is None:
-        ns = parser.parse_args(["--config", str(demo.PRESET), *argv])
+    parser.exit_on_error = False  # a wrong value is one line naming the flag (and the --config file), not a usage text
+    try:
+        ns = parser.parse_args(argv)
+        if ns.checkpoint_dir is None:
+            ns = parser.parse_args(["--config", str(demo.PRESET), *argv])
+    except ArgumentError as e:
+        where = f" (flags from --config {', '.join(sources)})" if sources else ""
+        raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
     return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in GROUPS))
+
+
+# what hyperparameters.json records beside the flags: the LoRA settings as one object (also there as lora_* flags) and
+# the values the run resolved; --config accepts the file as it is and ignores them
+_RECORD_ONLY = ("lora", "resolved")
+
+
+def _checked_configs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv with each `--config FILE` read through lit_qlora.readers (a UserError naming the file and the line or
+    the key for undecodable text, bad YAML / JSON, a top level that is not a mapping, a key that is no flag) and
+    replaced by its checked content; and the files' names."""
+    flags = {f.name for group in GROUPS for f in fields(group)}
+    out, sources, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif a.startswith("--config="):
+            value, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+            continue
+        if value.lstrip().startswith("{"):  # content given inline, as jsonargparse allows
+            out += ["--config", value]
+            continue
+        path = Path(value)
+        data = read_yaml(path, "--config file", "fix the file (--print_config writes a valid one)")
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise UserError(f"--config file {path} holds a {type(data).__name__}, not a mapping of flags; write one "
+                            "flag per line (--print_config writes a valid file)")
+        data = {k: v for k, v in data.items() if not (k in _RECORD_ONLY and (isinstance(v, dict) or v is None))}
+        unknown = [k for k in data if k not in flags]
+        if unknown:
+            raise UserError(f"--config file {path}: {unknown[0]!r} is not a flag of finetune/lora.py; remove it "
+                            "(--help lists every flag)")
+        out += ["--config", json.dumps(data, default=str)]
+        sources.append(str(path))
+    return out, sources

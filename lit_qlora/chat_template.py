@@ -28,6 +28,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from lit_qlora.readers import read_text
 from lit_qlora.utils import UserError
 
 IGNORE_INDEX = -100
@@ -629,11 +630,13 @@ def load_conversation_rows(path: Path | str) -> list[tuple[int, list[dict]]]:
     suffix = path.suffix.lower()
     if suffix not in (".json", ".jsonl"):
         raise UserError(f"unsupported conversation file {path.name!r}; use a .json or .jsonl file")
-    text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    text = read_text(path, "data file", "save it as UTF-8 text")  # a byte-order mark is dropped
     rows: list[tuple[int, Any]] | None = None
     if suffix == ".json":
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise UserError(f"{path} is not usable JSON (nested too deeply); fix the file") from None
         except json.JSONDecodeError as e:
             # JSON Lines saved as .json is read as JSON Lines
             if not (e.msg == "Extra data" and text.lstrip().startswith("{")):
@@ -650,6 +653,9 @@ def load_conversation_rows(path: Path | str) -> list[tuple[int, list[dict]]]:
             if line.strip():
                 try:
                     rows.append((lineno, json.loads(line)))
+                except RecursionError:
+                    raise UserError(f"line {lineno} of {path} is not usable JSON (nested too deeply); fix that "
+                                    "line") from None
                 except json.JSONDecodeError as e:
                     raise UserError(f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); "
                                     "fix that line, each line must be one JSON object") from None

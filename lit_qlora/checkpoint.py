@@ -16,6 +16,7 @@ import torch
 
 from lit_qlora.config import Config
 from lit_qlora.lora import meta_model
+from lit_qlora.readers import safetensors_header as check_safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
 LIT_WEIGHTS = "lit_model.safetensors"
@@ -32,30 +33,25 @@ TensorSpec = tuple[str, torch.Size, torch.dtype]
 # ---- reading ------------------------------------------------------------------------------------
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """The tensor entries of a safetensors file's JSON header (without `__metadata__`) and the byte offset where the
-    tensor data starts. ValueError when the file is too short for its header or the header is not readable JSON."""
+    tensor data starts. A UserError ("damaged or truncated") when the header does not describe the file
+    (`lit_qlora.readers.safetensors_header`)."""
     header, base = _raw_header(path)
     header.pop("__metadata__", None)
     return header, base
 
 
 def safetensors_metadata(path: Path) -> dict:
-    """The `__metadata__` strings of a safetensors file's header ({} without any); ValueError as
+    """The `__metadata__` strings of a safetensors file's header ({} without any); a UserError as
     `safetensors_header`."""
     return _raw_header(path)[0].get("__metadata__") or {}
 
 
 def _raw_header(path: Path) -> tuple[dict, int]:
     """The whole JSON header (`__metadata__` included) and where the tensor data starts."""
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n <= 0 or 8 + n > size:
-            raise ValueError(f"a header of {n} bytes in a file of {size}")
-        header = json.loads(f.read(n))  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-    if not isinstance(header, dict):
-        raise ValueError("a header that is not a JSON object")
-    return header, 8 + n
+    # every entry checked against the file (dtype, shape x dtype = span, inside the file, no overlaps): a UserError
+    # saying "damaged or truncated" and naming the tensor otherwise
+    header, meta, base = check_safetensors_header(path, dtypes=DTYPES)
+    return {**header, "__metadata__": meta}, base
 
 
 def safetensors_specs(path: Path) -> list[TensorSpec]:

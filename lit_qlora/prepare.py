@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lit_qlora import chat_template as ct
+from lit_qlora.readers import load_torch, read_json
 from lit_qlora.records import RAW_SUFFIXES, check_records, load_records, split, text_of
 from lit_qlora.templates import AUTO, CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
@@ -101,7 +102,7 @@ def file_holds_conversations(path: Path) -> bool:
         while start < len(text) and text[start].isspace():
             start += 1
         return ct.is_conversation_record(json.JSONDecoder().raw_decode(text, start)[0])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return ct.is_conversation_record(load_records(path, required=())[0])
 
 
@@ -222,10 +223,7 @@ def read_prepared_meta(dest: Path | str) -> dict | None:
     cfg = dest / CONFIG_NAME
     if not (cfg.is_file() and (dest / "train.pt").is_file() and (dest / "val.pt").is_file()):
         return None
-    try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError:
-        raise UserError(f"{cfg} is corrupt; delete {dest} and prepare the data again") from None
+    return read_json(cfg, dict, fix=f"it is corrupt: delete {dest} and prepare the data again")
 
 
 def load_prepared(dest: Path | str) -> tuple[list, list, dict]:
@@ -235,8 +233,11 @@ def load_prepared(dest: Path | str) -> tuple[list, list, dict]:
         raise UserError(f"{dest} does not hold prepared data (train.pt, val.pt and {CONFIG_NAME}); run "
                         "scripts/prepare_alpaca.py or scripts/prepare_json.py with --destination_path there")
     # weights_only: these files are plain lists/dicts of tensors, never arbitrary pickles.
-    train = torch.load(dest / "train.pt", weights_only=True)
-    val = torch.load(dest / "val.pt", weights_only=True)
+    fix = f"delete {dest} and prepare the data again"
+    train, val = (load_torch(dest / name, "prepared data", fix) for name in ("train.pt", "val.pt"))
+    for name, samples in (("train.pt", train), ("val.pt", val)):
+        if not (isinstance(samples, list) and all(isinstance(x, dict) for x in samples)):
+            raise UserError(f"prepared data {dest / name} holds no list of samples; {fix}")
     return train, val, meta
 
 
@@ -368,8 +369,8 @@ def default_max_seq_length(checkpoint_dir: Path | str) -> int:
         f = checkpoint_dir / name
         if f.is_file():
             try:
-                value = json.loads(f.read_text()).get(key)
-            except (json.JSONDecodeError, AttributeError):
+                value = read_json(f, dict).get(key)
+            except UserError:  # a damaged file is refused where it is read in full; here only a default is sought
                 value = None
             if isinstance(value, int) and value > 0:
                 return value

@@ -1,13 +1,13 @@
 """Raw training records: reading JSON / JSONL / CSV files, checking every record, and the train/validation split."""
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lit_qlora.readers import parse_csv, read_text
 from lit_qlora.utils import UserError
 
 RAW_SUFFIXES = (".json", ".jsonl", ".csv")
@@ -26,17 +26,19 @@ def load_records(path: Path | str, required: tuple[str, ...] = ("instruction", "
     suffix = path.suffix.lower()
     if suffix not in RAW_SUFFIXES:
         raise UserError(f"unsupported data file type {path.name!r}; use a .json, .jsonl or .csv file")
-    text = path.read_text(encoding="utf-8-sig")  # -sig: tolerate the BOM some editors/Excel write
+    text = read_text(path, "data file", "save it as UTF-8 text")  # a BOM (some editors, Excel) is dropped
     if not text.strip():
         raise UserError(f"data file {path} is empty; fill it with records or pick another file")
 
     if suffix == ".csv":
-        records: list = list(csv.DictReader(text.splitlines()))
+        records: list = parse_csv(text, str(path), "fix the file")  # fields of any size
     elif suffix == ".jsonl":
         records = _parse_jsonl(text, path)
     else:
         try:
             records = json.loads(text)
+        except RecursionError:
+            raise UserError(f"{path} is not usable JSON (nested too deeply); fix the file") from None
         except json.JSONDecodeError as e:
             # A common mix-up: JSON Lines saved as .json. Accept it rather than fail.
             if e.msg == "Extra data" and text.lstrip().startswith("{"):
@@ -62,6 +64,8 @@ def _parse_jsonl(text: str, path: Path) -> list:
             continue
         try:
             records.append(json.loads(line))
+        except RecursionError:
+            raise UserError(f"line {lineno} of {path} is not usable JSON (nested too deeply); fix that line") from None
         except json.JSONDecodeError as e:
             raise UserError(
                 f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); "

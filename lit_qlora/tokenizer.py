@@ -14,16 +14,22 @@ from typing import Any
 
 import torch
 
+from lit_qlora.readers import (
+    GENERATION_CONFIG_FIELDS,
+    TOKEN_ID_FIELDS,
+    TOKENIZER_CONFIG_FIELDS,
+    read_side_json,
+    read_text,
+)
 from lit_qlora.utils import UserError
+
+_FIELDS = {"tokenizer_config.json": TOKENIZER_CONFIG_FIELDS, "generation_config.json": GENERATION_CONFIG_FIELDS,
+           "config.json": TOKEN_ID_FIELDS}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); fix or re-copy the file") from e
+    """An optional side file of the tokenizer ({} without it), its fields checked (lit_qlora.readers)."""
+    return read_side_json(path, _FIELDS.get(path.name, {}))
 
 
 def _token_str(value: Any) -> str | None:
@@ -122,7 +128,7 @@ class Tokenizer:
         template_file = self.checkpoint_dir / "chat_template.jinja"
         template = tok_config.get("chat_template")
         if template_file.is_file():
-            template = template_file.read_text(encoding="utf-8")
+            template = read_text(template_file)
         if isinstance(template, list):  # older multi-template form: [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template

@@ -21,6 +21,7 @@ import torch
 from lit_qlora.adapter import ADAPTER_FORMAT
 from lit_qlora.lora import lora_state_dict
 from lit_qlora.quantize import load_bnb
+from lit_qlora.readers import check_fields, read_csv_rows
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -153,13 +154,66 @@ def load_latest_checkpoint(out_dir: Path) -> tuple[Optional[Path], Optional[dict
     """Newest checkpoint that loads intact; a damaged newest one is reported and the previous one used."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state:
-                return path, state
-            print(f"warning: {path} is not a resumable checkpoint; trying the previous one", file=sys.stderr)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # torn or corrupted file: fall back
             print(f"warning: {path} is damaged ({type(e).__name__}); trying the previous one", file=sys.stderr)
+            continue
+        if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
+            print(f"warning: {path} is not a resumable checkpoint; trying the previous one", file=sys.stderr)
+            continue
+        try:
+            check_checkpoint_state(state, path)
+        except UserError as e:  # loads, but its content is not what finetune writes: as damaged as a torn one
+            print(f"warning: {path} is damaged ({e}); trying the previous one", file=sys.stderr)
+            continue
+        return path, state
     return None, None
+
+
+_RESUME_FIELDS = {"step": "count", "train_time": "number", "optimizer": "object", "data": "object", "rng": "object",
+                  "settings": "object", "scaler": "object"}
+_DATA_FIELDS = {"epoch": "count", "position": "count", "row": "count", "seed": "count"}
+
+
+def check_checkpoint_state(state: dict, where: object) -> None:
+    """A loaded checkpoint is used only when every part of it is what finetune/lora.py writes: the adapter
+    (`adapter.check_payload`: LoRA settings, base config, tensor shapes) and the resume state (a step, the data
+    position, RNG states the generators accept, the optimizer state of exactly these LoRA tensors). A UserError naming
+    the part otherwise."""
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.lora import LoRAConfig, meta_model
+
+    fix = "use an earlier checkpoint (or --resume auto)"
+    Adapter.from_payload(state, where)
+    r = check_fields(state["resume"], f"{where} resume", _RESUME_FIELDS, ("step", "optimizer", "data", "rng"), fix)
+    check_fields(r["data"], f"{where} resume.data", _DATA_FIELDS, ("epoch", "position"), fix)
+    rng = r["rng"]
+    try:
+        torch.Generator().set_state(rng["torch"])
+        random.Random().setstate(rng["python"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{where} resume.rng is not a saved RNG state ({type(e).__name__}); {fix}") from None
+    opt = r["optimizer"]
+    groups, per_param = opt.get("param_groups"), opt.get("state")
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+            and isinstance(per_param, dict)):
+        raise UserError(f"{where} resume.optimizer is not an optimizer state (param_groups, state); {fix}")
+    from lit_qlora.config import Config
+
+    model = meta_model(Config.from_dict(state["model_config"]), LoRAConfig.from_dict(state["lora_config"]))
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    ids = [i for g in groups for i in g["params"]]
+    if all(isinstance(i, int) for i in ids):  # one process's optimizer: by position in the trainable parameters
+        if sorted(ids) != list(range(len(shapes))):
+            raise UserError(f"{where} resume.optimizer holds {len(ids)} parameters, the adapter {len(shapes)}; {fix}")
+        for i, entry in per_param.items():
+            if not (isinstance(entry, dict) and isinstance(i, int) and 0 <= i < len(shapes)):
+                raise UserError(f"{where} resume.optimizer state {i!r} is not of a parameter of the adapter; {fix}")
+            for name in ("exp_avg", "exp_avg_sq"):
+                t = entry.get(name)
+                if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[i]):
+                    raise UserError(f"{where} resume.optimizer state {i} {name} has shape "
+                                    f"{tuple(getattr(t, 'shape', ()))}, its parameter {shapes[i]}; {fix}")
 
 
 def rng_state() -> dict[str, Any]:
@@ -202,8 +256,8 @@ class MetricsLog:
         if not enabled:
             return
         rows = []
-        if resume_iter and self.path.is_file():  # keep the rows up to the resumed iteration, drop the lost tail
-            rows = [r for r in self._read_rows() if int(r["iter"]) <= resume_iter]
+        if resume_iter and os.path.lexists(self.path):  # keep the rows up to the resumed iteration, drop the lost tail
+            rows = [r for r in self.read_rows(self.path) if int(r["iter"]) <= resume_iter]
 
         def write(tmp: Path) -> None:
             with open(tmp, "w", newline="") as f:
@@ -235,20 +289,23 @@ class MetricsLog:
             self.tb.close()
             self.tb = None
 
-    def _read_rows(self) -> list[dict]:
+    @classmethod
+    def read_rows(cls, path: Path) -> list[dict]:
         """Whole rows only: the last line of a run killed while appending may be cut short. A row holds a training
-        loss, or (iteration 0, the starting point) a validation loss alone."""
-        with open(self.path, newline="") as f:
-            rows = []
-            for r in csv.DictReader(f):
-                if r.get(None) is not None or any(r.get(k) is None for k in self.FIELDS):
-                    continue
-                try:
-                    int(r["iter"]), float(r["loss"] or r["val_loss"])
-                except ValueError:
-                    continue
-                rows.append(r)
-            return rows
+        loss, or (iteration 0, the starting point) a validation loss alone. A file that is not CSV text (undecodable
+        bytes, a broken quote, a folder in its place) is a UserError naming it: finetune reads it before it writes
+        anything (`check_out_dir`), so a resumed run never starts over a metrics.csv it cannot keep."""
+        fix = "move it away (its rows are lost) and resume again"
+        rows = []
+        for r in read_csv_rows(path, "metrics file", fix):
+            if r.get(None) is not None or any(r.get(k) is None for k in cls.FIELDS):
+                continue
+            try:
+                int(r["iter"]), float(r["loss"] or r["val_loss"])
+            except ValueError:
+                continue
+            rows.append(r)
+        return rows
 
 
 # ---- signals ------------------------------------------------------------------------------------
@@ -294,6 +351,23 @@ def check_out_dir(out_dir: Path, resume: Optional[str]) -> None:
     if resume in (None, "false", "no") and list_checkpoints(out_dir):
         raise UserError(f"{out_dir} already holds checkpoints of a run; pass --resume to continue it or choose "
                         "another --out_dir")
+    # what the run will write must be writable as files (a folder or a symlink loop in their place would fail only at
+    # the end, after the training), and what a resumed run keeps must be readable, before anything is written
+    for name in OUTPUT_FILES:
+        path = out_dir / name
+        if os.path.lexists(path) and not os.path.isfile(path):
+            kind = "a folder" if os.path.isdir(path) else "not a regular file"
+            raise UserError(f"{path} is {kind}, where the run writes its {name}; move it away or choose another "
+                            "--out_dir")
+    ckpts = out_dir / CKPT_DIR
+    if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+        raise UserError(f"{ckpts} is not a folder, where the run keeps its checkpoints; move it away or choose "
+                        "another --out_dir")
+    if resume not in (None, "false", "no") and (out_dir / "metrics.csv").is_file():
+        MetricsLog.read_rows(out_dir / "metrics.csv")
+
+
+OUTPUT_FILES = ("metrics.csv", "metrics.json", "hyperparameters.json", FINAL_ADAPTER)
 
 
 def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], Optional[dict]]:
@@ -309,12 +383,13 @@ def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], O
     if not path.is_file():
         raise UserError(f"--resume {path}: no such checkpoint; pass --resume auto or an iter-*.pth file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"--resume {path}: the checkpoint is damaged ({type(e).__name__}); pass an earlier one or "
-                        "--resume auto")
+                        "--resume auto") from None
     if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
         raise UserError(f"--resume {path} is not a resumable checkpoint of finetune/lora.py; pass an iter-*.pth file")
+    check_checkpoint_state(state, f"--resume {path}")
     return path, state
 
 
@@ -381,3 +456,63 @@ def show_progress(step: int, max_steps: int, loss: float, dt: float, tokens: int
     else:
         print(f"iter {step} | loss {loss:.4f} | iter time: {dt * 1000:.1f} ms | tokens {tokens} | ETA {fmt_eta(eta)}",
               flush=True)
+
+
+# ---- one run per out_dir ------------------------------------------------------------------------------------------
+_HELD: dict[str, int] = {}  # out_dir -> the fd holding its lock, for the life of the process
+
+
+def _launched_rank_above_zero() -> bool:
+    """Whether this process is a rank other than 0 of a launched run (torchrun, SLURM, Fabric's own launcher): the
+    lock of out_dir is rank 0's."""
+    return any(os.environ.get(k, "0") not in ("", "0") for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                                                                  "SLURM_PROCID"))
+
+
+def _lock_holder(fd: int) -> Optional[int]:
+    """The pid holding the flock on the file open as `fd`, from /proc/locks (None where it cannot be told)."""
+    st = os.fstat(fd)
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if "FLOCK" in parts and len(parts) >= 6:
+                    i = parts.index("FLOCK")
+                    pid, dev_ino = parts[i + 3], parts[i + 4]
+                    if dev_ino.rsplit(":", 1)[-1] == str(st.st_ino) and pid.isdigit():
+                        return int(pid)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def lock_out_dir(out_dir: Path) -> None:
+    """Hold an exclusive flock on the --out_dir folder itself for the life of this process: a second run on the same
+    folder is refused in one line naming the first one's pid. The kernel releases the lock when the process ends,
+    however it ends (a SIGKILLed run leaves nothing to clean up: `--resume` just works), and no file is created."""
+    import fcntl
+
+    out_dir = Path(out_dir)
+    key = str(out_dir.resolve())
+    if key in _HELD or _launched_rank_above_zero():
+        return
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid = _lock_holder(fd)
+        os.close(fd)
+        who = f"process {pid}" if pid else "another process"
+        raise UserError(f"--out_dir {out_dir} is in use by another run ({who}); wait for it to end, stop it, or "
+                        "choose another --out_dir") from None
+    _HELD[key] = fd
+
+
+def unlock_out_dir(out_dir: Path) -> None:
+    """Release `lock_out_dir`'s lock (a process ending releases it anyway)."""
+    import fcntl
+
+    fd = _HELD.pop(str(Path(out_dir).resolve()), None)
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,406 @@
+"""A seeded fuzzer of every file kind the CLIs read: each case damages one file of a pristine set (truncation, byte
+flips, random bytes, invalid UTF-8, JSON / YAML of the wrong shape, non-finite and huge numbers, safetensors header
+lies, checkpoint payload lies, a folder or a symlink loop in the file's place, a huge line), runs the reading path of
+the CLI that reads it, and classifies the outcome:
+
+- "accepted": the path returned (the damage is undetectable or harmless: tensor payload bytes, an older checkpoint
+  used and said so);
+- "refused": a UserError of one line (what the CLI prints as `error: ...` with exit 2);
+- "traceback": anything else (what the CLI would print as a Python traceback);
+- "changed": a file that existed before the case was modified by it.
+
+In-process, the reading path is the function the CLI calls (the CLI's own first steps for finetune); `run_cli_case`
+runs a damaged file through the real script as a subprocess.
+
+    python tests/helpers_fuzz.py --seed 1000 --per_kind 40     # the outcome table on other seeds
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import helpers_train as h  # noqa: E402
+
+from lit_qlora.utils import UserError  # noqa: E402
+
+# ---- the pristine set ------------------------------------------------------------------------------------------------
+
+
+def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
+    """{ckpt, hf_only, run, data, chat, yaml}: the tiny converted model (with its HF files), a copy with only the HF
+    files, a finished 2-iteration run (checkpoints, adapter, metrics), Alpaca and chat data, a --config YAML."""
+    base = Path(base)
+    setup = dict(setup or h.build_tiny_setup(base / "setup"))
+    shutil.copytree(setup["ckpt"], base / "ckpt")  # a private copy: the shared setup is never touched
+    setup["ckpt"] = base / "ckpt"
+    run = base / "run"
+    h.train(setup, run, max_iters=2, save_interval=1, keep_checkpoints=0)
+    hf_only = base / "hf_only"
+    shutil.copytree(setup["ckpt"], hf_only, ignore=shutil.ignore_patterns("lit_model.safetensors", "model_config.json"))
+    (setup["ckpt"] / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2]}))
+    chat = base / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                       {"role": "assistant", "content": f"a{i}"}]})
+                              for i in range(8)) + "\n")
+    yaml_file = base / "run.yaml"
+    yaml_file.write_text(f"checkpoint_dir: {setup['ckpt']}\ndata_dir: {setup['data']}\nmax_iters: 2\n"
+                         "lora_r: 8\nlearning_rate: 0.001\n")
+    return {"ckpt": setup["ckpt"], "hf_only": hf_only, "run": run, "data": setup["data"],
+            "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file}
+
+
+# ---- corruptions -----------------------------------------------------------------------------------------------------
+HUGE_NUMBERS = [None, -1, 0, 1e308, float("inf"), float("nan"), 10**18, "x", [], {}, True, 2.5, -1e-9]
+
+
+def _json_lie(data, rng: random.Random):
+    """A JSON value of the wrong shape, or `data` with one field set to a wrong value or deleted."""
+    kind = rng.randrange(4)
+    if kind == 0 or not isinstance(data, (dict, list)) or not data:
+        return rng.choice([[], [1, 2], "text", 3, None, {"a": 1}])
+    if isinstance(data, list):
+        data = list(data)
+        i = rng.randrange(len(data))
+        data[i] = _json_lie(data[i], rng) if isinstance(data[i], (dict, list)) and rng.random() < 0.7 \
+            else rng.choice(HUGE_NUMBERS)
+        return data
+    data = dict(data)
+    key = rng.choice(sorted(data))
+    if kind == 1:
+        del data[key]
+    elif kind == 2 and isinstance(data[key], (dict, list)) and data[key]:
+        data[key] = _json_lie(data[key], rng)
+    else:
+        data[key] = rng.choice(HUGE_NUMBERS)
+    return data
+
+
+def _bytes_corruption(raw: bytes, rng: random.Random, header_bytes: int = 64) -> bytes:
+    kind = rng.randrange(7)
+    if kind == 0:  # truncation
+        return raw[: rng.randrange(len(raw))] if raw else raw
+    if kind == 1:  # a byte flip in the header
+        b = bytearray(raw)
+        if b:
+            i = rng.randrange(min(len(b), header_bytes))
+            b[i] ^= 1 << rng.randrange(8)
+        return bytes(b)
+    if kind == 2:  # a byte flip anywhere
+        b = bytearray(raw)
+        if b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        return bytes(b)
+    if kind == 3:  # random bytes
+        return rng.randbytes(max(1, len(raw) if rng.random() < 0.5 else rng.randrange(1, 200)))
+    if kind == 4:  # invalid UTF-8
+        i = rng.randrange(len(raw) + 1)
+        return raw[:i] + rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x80\x80"]) + raw[i:]
+    if kind == 5:  # a huge line
+        i = rng.randrange(len(raw) + 1)
+        return raw[:i] + b"a" * (4 << 20) + raw[i:]
+    return b""  # empty
+
+
+def _safetensors_lie(raw: bytes, rng: random.Random) -> bytes:
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    body = raw[8 + n:]
+    names = [k for k in header if k != "__metadata__"]
+    name = rng.choice(names)
+    e = header[name]
+    kind = rng.randrange(8)
+    if kind == 0:
+        e["dtype"] = rng.choice(["F64", "X", "", 7, None, "I8", "BF16", "U16", "F8_E4M3"])
+    elif kind == 1:
+        e["shape"] = rng.choice([[d * 2 for d in e["shape"]], [-1] + e["shape"][1:], [2**62, 2**62], "x", [],
+                                 e["shape"] + [1, 3]])
+    elif kind == 2:
+        lo, hi = e["data_offsets"]
+        e["data_offsets"] = rng.choice([[lo + 8, hi + 8], [hi, lo], [lo], [lo, hi + 10**12], [-8, hi], "x",
+                                        [0, hi - lo]])
+    elif kind == 3:
+        del e[rng.choice(["dtype", "shape", "data_offsets"])]
+    elif kind == 4:
+        header = rng.choice([[1, 2], "x", None, 3])
+    elif kind == 5:
+        header["__metadata__"] = rng.choice([[1], {"a": 1}, "x"])
+    elif kind == 6:  # a header length that lies
+        out = json.dumps(header).encode()
+        bad = rng.choice([len(out) + 1, len(out) - 1, 0, 2**63, len(out) + len(body) + 1, 10**9])
+        return struct.pack("<Q", bad) + out + body
+    else:
+        del header[name]
+    out = json.dumps(header).encode()
+    return struct.pack("<Q", len(out)) + out + body
+
+
+def _payload_lie(payload: dict, rng: random.Random) -> dict:
+    """A training checkpoint / adapter whose content lies (it loads, but is not what finetune writes)."""
+    p = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items()}
+    kind = rng.randrange(9)
+    if kind == 0:
+        p["lora_config"]["r"] = rng.choice([10**18, 0, -2, 2.5, "8", 10**6])
+    elif kind == 1:
+        p["model_config"].pop(rng.choice(sorted(p["model_config"])))
+    elif kind == 2:
+        p["model_config"][rng.choice(["n_embd", "n_head", "vocab_size", "n_layer", "head_size"])] = \
+            rng.choice(HUGE_NUMBERS)
+    elif kind == 3:
+        k = rng.choice(sorted(p["lora"]))
+        p["lora"][k] = rng.choice([torch.zeros(3, 5), torch.zeros(1, dtype=torch.long), "x"])
+    elif kind == 4:
+        p["lora"].pop(rng.choice(sorted(p["lora"])))
+    elif kind == 5:
+        p[rng.choice(["lora", "lora_config", "model_config"])] = rng.choice([[1], "x", None, 3])
+    elif kind == 6 and isinstance(p.get("resume"), dict):
+        r = p["resume"]
+        key = rng.choice(["step", "data", "rng", "optimizer", "train_time"])
+        r[key] = rng.choice([None, -1, "x", [1], {}, float("nan")])
+    elif kind == 7:
+        p["lora_config"]["dropout"] = rng.choice([1.5, -0.1, float("nan"), "x"])
+    else:
+        p["format"] = rng.choice(["x", None, 3])
+    return p
+
+
+def _place_corruption(path: Path, rng: random.Random) -> bool:
+    """Sometimes a folder or a symlink loop takes the file's place (True when done)."""
+    r = rng.random()
+    if r < 0.05:
+        path.unlink()
+        path.mkdir()
+        return True
+    if r < 0.10:
+        path.unlink()
+        os.symlink(path.name, path)  # a link to itself: ELOOP
+        return True
+    return False
+
+
+def corrupt(path: Path, kind: str, rng: random.Random) -> str:
+    """Damage `path` in place; returns what was done."""
+    if _place_corruption(path, rng):
+        return "folder or symlink loop"
+    raw = path.read_bytes()
+    r = rng.random()
+    if kind in ("safetensors_hf", "safetensors_lit") and r < 0.6:
+        path.write_bytes(_safetensors_lie(raw, rng))
+        return "safetensors header lie"
+    if kind in ("adapter", "train_ckpt") and r < 0.6:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save(_payload_lie(payload, rng), path)
+        return "payload lie"
+    if kind in JSON_KINDS and r < 0.5:
+        try:
+            data = json.loads(raw) if kind != "chat_jsonl" else [json.loads(ln) for ln in raw.splitlines() if ln]
+        except ValueError:
+            data = None
+        lie = _json_lie(data, rng)
+        if kind == "chat_jsonl":
+            text = "\n".join(json.dumps(x) for x in lie) if isinstance(lie, list) else json.dumps(lie)
+        elif kind == "config_yaml":
+            import yaml
+
+            text = yaml.safe_dump(lie) if rng.random() < 0.5 else json.dumps(lie)
+        else:
+            text = json.dumps(lie)
+        path.write_text(text)
+        return "wrong shape or value"
+    path.write_bytes(_bytes_corruption(raw, rng))
+    return "bytes"
+
+
+# ---- the reading paths -----------------------------------------------------------------------------------------------
+def _read_hf_config(d: Path) -> None:
+    from lit_qlora.config import Config
+
+    Config.from_hf_config(d / "hf_only" / "config.json")
+
+
+def _read_tokenizer(d: Path) -> None:
+    from lit_qlora.tokenizer import Tokenizer
+
+    Tokenizer(d / "ckpt")
+
+
+def _convert(d: Path) -> None:
+    from lit_qlora.convert import ensure_converted
+
+    ensure_converted(d / "hf_only", quiet=True, verify=True)
+
+
+def _read_lit(d: Path) -> None:
+    from lit_qlora.checkpoint import read_safetensors
+    from lit_qlora.convert import ensure_converted
+
+    ensure_converted(d / "ckpt", quiet=True, verify=True)
+    for _ in read_safetensors(d / "ckpt" / "lit_model.safetensors"):
+        pass
+
+
+def _read_adapter(d: Path) -> None:
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.config import Config
+
+    Adapter.load(d / "run" / "lit_model_lora_finetuned.pth", Config.from_file(d / "ckpt" / "model_config.json"))
+
+
+def _resume(d: Path) -> None:
+    from lit_qlora.training import check_out_dir, find_resume
+
+    check_out_dir(d / "run", "auto")
+    find_resume(d / "run", "auto")
+
+
+def _resume_named(d: Path) -> None:
+    from lit_qlora.training import find_resume
+
+    find_resume(d / "run", str(d / "run" / "checkpoints" / "iter-000002.pth"))
+
+
+def _read_config(d: Path) -> None:
+    from lit_qlora.args import parse_finetune_args
+
+    parse_finetune_args(["--config", str(d / "run.yaml")])
+
+
+def _read_hparams(d: Path) -> None:
+    from lit_qlora.args import parse_finetune_args
+
+    parse_finetune_args(["--config", str(d / "run" / "hyperparameters.json")])
+
+
+def _read_alpaca(d: Path) -> None:
+    from lit_qlora.records import load_records
+
+    load_records(d / "data" / "tasks.json")
+
+
+def _read_chat(d: Path) -> None:
+    from lit_qlora.chat_template import load_conversation_rows
+
+    load_conversation_rows(d / "chat.jsonl")
+
+
+# kind -> (file relative to the case folder, reading path)
+KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "hf_config": ("hf_only/config.json", _read_hf_config),
+    "generation_config": ("ckpt/generation_config.json", _read_tokenizer),
+    "tokenizer_config": ("ckpt/tokenizer_config.json", _read_tokenizer),
+    "safetensors_hf": ("hf_only/model.safetensors", _convert),
+    "safetensors_lit": ("ckpt/lit_model.safetensors", _read_lit),
+    "model_config": ("ckpt/model_config.json", _read_lit),
+    "adapter": ("run/lit_model_lora_finetuned.pth", _read_adapter),
+    "train_ckpt": ("run/checkpoints/iter-000002.pth", _resume),
+    "train_ckpt_named": ("run/checkpoints/iter-000002.pth", _resume_named),
+    "metrics_csv": ("run/metrics.csv", _resume),
+    "config_yaml": ("run.yaml", _read_config),
+    "hparams_json": ("run/hyperparameters.json", _read_hparams),
+    "alpaca_json": ("data/tasks.json", _read_alpaca),
+    "chat_jsonl": ("chat.jsonl", _read_chat),
+}
+JSON_KINDS = {"hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
+              "alpaca_json", "chat_jsonl"}
+
+
+def _snapshot(folder: Path, skip: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p == skip or not p.is_file() or p.is_symlink():
+            continue
+        out[str(p.relative_to(folder))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _case_folder(pristine: dict[str, Path], dest: Path) -> Path:
+    """A private copy of the pristine set (the files a case may touch), laid out as KINDS expects."""
+    dest.mkdir(parents=True)
+    shutil.copytree(pristine["ckpt"], dest / "ckpt", ignore=shutil.ignore_patterns(".*"))
+    shutil.copytree(pristine["hf_only"], dest / "hf_only")
+    shutil.copytree(pristine["run"], dest / "run", ignore=shutil.ignore_patterns("tensorboard"))
+    shutil.copytree(pristine["data"], dest / "data", ignore=shutil.ignore_patterns(".*", "*.pt", "prepare*"))
+    shutil.copy(pristine["chat"], dest / "chat.jsonl")
+    shutil.copy(pristine["yaml"], dest / "run.yaml")
+    return dest
+
+
+def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dict:
+    """One seeded case: copy, damage, read, classify."""
+    rng = random.Random(f"{kind}:{seed}")
+    d = _case_folder(pristine, work / f"{kind}-{seed}")
+    rel, read = KINDS[kind]
+    target = d / rel
+    what = corrupt(target, kind, rng)
+    before = _snapshot(d, target)
+    outcome, detail = "accepted", ""
+    try:
+        read(d)
+    except UserError as e:
+        msg = str(e)
+        outcome, detail = ("refused", msg) if "\n" not in msg and msg.strip() else ("traceback", "multi-line: " + msg)
+    except SystemExit as e:
+        outcome, detail = ("refused", "") if e.code == 2 else ("traceback", f"SystemExit {e.code}")
+    except BaseException as e:  # noqa: BLE001 - exactly what the fuzzer looks for
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        outcome, detail = "traceback", f"{type(e).__name__}: {e}"[:300]
+    after = _snapshot(d, target)
+    changed = sorted(k for k in before if before[k] != after.get(k))
+    if changed:
+        outcome, detail = "changed", f"modified {changed[:3]}"
+    shutil.rmtree(d, ignore_errors=True)
+    return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail}
+
+
+def run_cases(pristine: dict[str, Path], seeds: range, kinds=None, work: Path | None = None) -> list[dict]:
+    work = Path(work or tempfile.mkdtemp(prefix="fuzz-"))
+    return [run_case(pristine, kind, seed, work) for kind in (kinds or KINDS) for seed in seeds]
+
+
+def table(results: list[dict]) -> str:
+    counts = Counter(r["outcome"] for r in results)
+    lines = ["| outcome | cases |", "|---|---|"]
+    for name in ("refused", "accepted", "traceback", "changed"):
+        lines.append(f"| {name} | {counts.get(name, 0)} |")
+    lines.append(f"| **total** | {len(results)} |")
+    by_kind = Counter((r["kind"], r["outcome"]) for r in results)
+    lines += ["", "| file kind | refused | accepted | traceback | changed |", "|---|---|---|---|---|"]
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        lines.append(f"| {kind} | " + " | ".join(str(by_kind.get((kind, o), 0))
+                                                 for o in ("refused", "accepted", "traceback", "changed")) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--per_kind", type=int, default=40)
+    p.add_argument("--kinds", nargs="*", default=None)
+    args = p.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="fuzz-pristine-"))
+    pristine = build_pristine(base)
+    results = run_cases(pristine, range(args.seed, args.seed + args.per_kind), args.kinds, base / "work")
+    for r in results:
+        if r["outcome"] in ("traceback", "changed"):
+            print(f"{r['kind']} seed {r['seed']} ({r['corruption']}): {r['outcome']}: {r['detail']}")
+    print(table(results))
+    shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -99,3 +99,33 @@ def test_olmo2_norm_scales_in_fp32_as_transformers():
         m.to(torch.bfloat16).weight.copy_(weight)
     assert torch.equal(ours(x), ref(x))
     assert not torch.equal(llama_order(x), ref(x))
+
+
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "mistral_nemo", "llama_longrope"]
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+@torch.no_grad()
+def test_adapter_on_every_target_exports_to_peft_and_merges_into_an_hf_folder(kind, tmp_path):
+    """A LoRA on every target of a new family: PEFT loads our export over transformers' model with the same logits,
+    and the merged HF export, loaded by transformers alone, computes what model + adapter computes."""
+    from helpers import adapter_of, hf_model, lora_cfg, randomize_lora
+    from peft import PeftModel
+
+    from lit_qlora.loader import load_model
+    from lit_qlora.merge import export_hf
+
+    folder = tmp_path / kind
+    make_tiny_hf_model(kind, folder, initializer_range=0.2)
+    convert_hf_checkpoint(folder)
+    lora = lora_cfg()
+    model = load_model(folder, precision="32-true", lora=lora, seed=0)
+    randomize_lora(model, seed=4)
+    idx = random_tokens(2, 12, seed=3)
+    expected = model(idx)
+    adapter = adapter_of(model, lora)
+    adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(folder))
+    peft_model = PeftModel.from_pretrained(hf_model(folder), tmp_path / "peft").eval()
+    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
+    out = export_hf(folder, tmp_path / "hf", adapter)
+    assert (hf_model(out)(idx).logits - expected).abs().max().item() <= 1e-4

@@ -1,4 +1,5 @@
-"""One readable GPT that covers the Llama, Mistral, Qwen2, Gemma, GPT-NeoX, Falcon, Phi and StableLM families.
+"""One readable GPT for every family of lit_qlora/families.py (Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2, SmolLM3,
+GPT-NeoX, Falcon, Phi, StableLM).
 
 Every difference between the families is a field of `Config`; there are no subclasses per family.
 Shapes in comments: B batch, T sequence, C n_embd, H heads, G query groups (kv heads), hs head size.

@@ -236,5 +236,66 @@ configs += [
          mlp_class="GptNeoxMLP", activation="gelu", tie_embeddings=True,
          hf_extra={"new_decoder_architecture": True, "multi_query": True}),
 ]
+# Newer families: the published config.json fields the mapping reads, copied as they are, and turned into Config
+# fields by the family's own `from_hf`, so a named entry equals what loading the real checkpoint folder gives.
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=128, hidden_act="silu",
+              max_position_embeddings=40960, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000,
+              sliding_window=None, use_sliding_window=False, vocab_size=151936)
+_OLMO2_13B = dict(architectures=["Olmo2ForCausalLM"], attention_bias=False, hidden_act="silu", hidden_size=5120,
+                  intermediate_size=13824, max_position_embeddings=4096, num_attention_heads=40, num_hidden_layers=40,
+                  num_key_value_heads=40, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=500000,
+                  tie_word_embeddings=False, vocab_size=100352)
+_HF_CONFIGS: dict[str, dict] = {
+    # mephisto1484/Neko-LoRA-Build-Your-AI-Catgirl: Qwen3-1.7B/config.json (a re-saved copy: dtype and layer_types
+    # added by a newer transformers, the architecture fields as published)
+    "Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, max_window_layers=28, tie_word_embeddings=True),
+    # citsjtu2020/LLM-Prof: sglang/Model_Config.md (Qwen3-8B also sanjithudupa/compute-aware-arch-search:
+    # Qwen3-8B/config.json)
+    "Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, max_window_layers=36, tie_word_embeddings=True),
+    "Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, max_window_layers=36, tie_word_embeddings=False),
+    "Qwen3-14B": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, max_window_layers=40, tie_word_embeddings=False),
+    "Qwen3-32B": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, max_window_layers=64, tie_word_embeddings=False),
+    # kevinstephano/thunder_model_blocks: thunder_model_blocks/gemma2/gemma2_config.py (google/gemma-2-9b-it)
+    "gemma-2-9b-it": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                          hidden_activation="gelu_pytorch_tanh", hidden_size=3584, intermediate_size=14336,
+                          max_position_embeddings=8192, num_attention_heads=16, num_hidden_layers=42,
+                          num_key_value_heads=8, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0,
+                          sliding_window=4096, vocab_size=256000),
+    # Liwink/gemma-jax: models/README.md (gemma-3-1b-it)
+    "gemma-3-1b-it": dict(architectures=["Gemma3ForCausalLM"], attention_bias=False, attn_logit_softcapping=None,
+                          final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                          hidden_size=1152, intermediate_size=6912, max_position_embeddings=32768,
+                          num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1,
+                          query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_local_base_freq=10000,
+                          rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+                          vocab_size=262144),
+    # mauer4/Attention-From-Scratch: weights/allenai/OLMo-2-1124-13B/config.json and
+    # weights/allenai/OLMo-2-1124-13B-Instruct/config.json (the same shape)
+    "OLMo-2-1124-13B": _OLMO2_13B,
+    "OLMo-2-1124-13B-Instruct": _OLMO2_13B,
+    # fetchwiki/HuggingFaceTB-SmolLM3-3B: config.json (it has no tie_word_embeddings: SmolLM3Config's default, tied)
+    "SmolLM3-3B": dict(architectures=["SmolLM3ForCausalLM"], attention_bias=False, bos_token_id=128000,
+                       eos_token_id=128012, pad_token_id=128004, hidden_act="silu", hidden_size=2048,
+                       intermediate_size=11008, layer_types=["full_attention"] * 36, max_position_embeddings=65536,
+                       max_window_layers=28, mlp_bias=False, no_rope_layer_interval=4, no_rope_layers=[1, 1, 1, 0] * 9,
+                       num_attention_heads=16, num_hidden_layers=36, num_key_value_heads=4, rms_norm_eps=1e-06,
+                       rope_scaling=None, rope_theta=5000000.0, sliding_window=None, use_sliding_window=False,
+                       vocab_size=128256),
+    # kevinstephano/thunder_model_blocks: thunder_model_blocks/mistral/mistral_config.py
+    "Mistral-Nemo-Base-2407": dict(architectures=["MistralForCausalLM"], head_dim=128, hidden_act="silu",
+                                   hidden_size=5120, intermediate_size=14336, max_position_embeddings=128000,
+                                   num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8,
+                                   rms_norm_eps=1e-05, rope_theta=1000000.0, sliding_window=None,
+                                   tie_word_embeddings=False, vocab_size=131072),
+}
+for _name, _hf in _HF_CONFIGS.items():
+    _arch = _hf["architectures"][0]
+    configs.append(dict(name=_name, hf_architecture=_arch, **SPECS[_arch].from_hf(_hf, _arch)))
 NAME_TO_CONFIG = {c["name"]: c for c in configs}
 NAMES = tuple(NAME_TO_CONFIG)

@@ -216,6 +216,7 @@ def _map_qwen3(hf: dict, arch: str) -> dict:
 def _map_smollm3(hf: dict, arch: str) -> dict:
     _refuse(hf, arch, {"attention_bias": False, "mlp_bias": False})
     kw = _llama_like(hf, arch)
+    kw["tie_embeddings"] = bool(hf.get("tie_word_embeddings", True))  # SmolLM3Config's default is tied
     n = kw["n_layer"]
     interval = hf.get("no_rope_layer_interval", 4)
     uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]

@@ -5,15 +5,14 @@ import pytest
 
 from lit_qlora.config import NAMES, Config
 from lit_qlora.convert import to_hf_config
+from lit_qlora.families import SPECS
 
 
 def test_every_named_config_constructs():
     assert len(NAMES) > 50
     for name in NAMES:
         c = Config.from_name(name)
-        assert c.name == name and c.hf_architecture in {
-            "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "GPTNeoXForCausalLM",
-            "FalconForCausalLM", "PhiForCausalLM", "StableLmForCausalLM"}
+        assert c.name == name and c.hf_architecture in SPECS
         assert c.n_head % c.n_query_groups == 0 and c.rope_n_elem % 2 == 0 and c.rope_n_elem > 0
     with pytest.raises(Exception, match="did you mean"):
         Config.from_name("Llama-2-7b")
@@ -41,6 +40,9 @@ def test_named_config_round_trips_through_transformers(name):
     assert kv == ours.n_query_groups
     assert (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads) == ours.head_size
     rope = hf.rope_parameters if hasattr(hf, "rope_parameters") else {"rope_theta": hf.rope_theta}
+    if "full_attention" in rope:  # one set per layer type (Gemma 3)
+        assert rope["sliding_attention"]["rope_theta"] == ours.rope_local_base
+        rope = rope["full_attention"]
     assert rope["rope_theta"] == ours.rope_base
     assert rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) == ours.rotary_percentage
     if ours.rope_scaling:

@@ -129,3 +129,29 @@ def test_adapter_on_every_target_exports_to_peft_and_merges_into_an_hf_folder(ki
     assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
     out = export_hf(folder, tmp_path / "hf", adapter)
     assert (hf_model(out)(idx).logits - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind, quantize, precision", [("gemma3", "bnb.nf4-dq", "bf16-true"),
+                                                       ("qwen3", "bnb.nf4", "32-true")])
+def test_new_family_finetunes_in_4bit_and_generates_from_the_cli(kind, quantize, precision, tmp_path):
+    """The user's path on a new family, as subprocesses: finetune/lora.py over a 4-bit base with packing, then
+    generate/lora.py with the adapter (merged, quantized again) and with --merge false (the 4-bit kernel path)."""
+    from helpers_tokenizer import make_hf_bpe_tokenizer
+    from helpers_train import GENERATE_LORA, VOCAB, make_records, read_metrics, run_script, train
+
+    ckpt = tmp_path / kind
+    make_tiny_hf_model(kind, ckpt, initializer_range=0.2, vocab_size=VOCAB)
+    make_hf_bpe_tokenizer(ckpt, vocab_size=VOCAB)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tasks.json").write_text(__import__("json").dumps(make_records()))
+    out = tmp_path / "out"
+    train({"ckpt": ckpt, "data": data}, out, max_iters=6, quantize=quantize, precision=precision, packing="true",
+          lora_mlp="true", learning_rate=1e-2)
+    losses = [float(r["loss"]) for r in read_metrics(out)]
+    assert len(losses) == 6 and all(map(__import__("math").isfinite, losses))
+    for merge in ("true", "false"):
+        r = run_script(GENERATE_LORA, ["--checkpoint_dir", ckpt, "--lora_path", out / "lit_model_lora_finetuned.pth",
+                                       "--quantize", quantize, "--precision", precision, "--prompt", "kind",
+                                       "--max_new_tokens", "4", "--merge", merge, "--temperature", "0"])
+        assert r.returncode == 0, r.stderr

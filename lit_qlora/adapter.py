@@ -27,7 +27,7 @@ import torch.nn as nn
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_delta, lora_state_dict, lora_targets, meta_model
 from lit_qlora.peft_interop import export_peft, import_peft
-from lit_qlora.readers import REQUIRED_CONFIG_KEYS, check_fields, load_torch
+from lit_qlora.readers import check_config_dict, check_fields, load_torch
 from lit_qlora.utils import UserError, atomic_torch_save
 
 ADAPTER_FORMAT = "lit-qlora-adapter-v1"
@@ -174,7 +174,7 @@ def check_payload(payload: dict, where: object) -> None:
     if not isinstance(payload.get("train") or {}, dict):
         raise UserError(f"{where}: train is {type(payload['train']).__name__}, expected an object; {fix}")
     check_fields(payload["lora_config"], f"{where} lora_config", _LORA_FIELDS, ("r", "alpha"), fix)
-    check_fields(payload["model_config"], f"{where} model_config", {}, REQUIRED_CONFIG_KEYS, fix)
+    check_config_dict(payload["model_config"], f"{where} model_config", fix)
     try:
         base = Config.from_dict(payload["model_config"])
     except UserError as e:

@@ -95,10 +95,10 @@ class Config:
 
     @classmethod
     def from_file(cls, path: Path) -> "Config":
-        from lit_qlora.readers import REQUIRED_CONFIG_KEYS, check_fields, read_json  # every file goes through readers
+        from lit_qlora.readers import check_config_dict, read_json  # every file goes through readers
 
         fix = "it is damaged: convert the checkpoint again"
-        data = check_fields(read_json(path, dict, fix=fix), path, {}, REQUIRED_CONFIG_KEYS, fix)  # no silent defaults
+        data = check_config_dict(read_json(path, dict, fix=fix), path, fix)  # every field there: no silent defaults
         try:
             return cls.from_dict(data)
         except UserError as e:

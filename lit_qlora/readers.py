@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from lit_qlora.families import architecture_of, spec
 from lit_qlora.utils import UserError
 
 # the largest size any one model dimension may have (a vocabulary, a layer width, a context length): larger ones are
@@ -158,7 +159,7 @@ _EXPECTED = {"size": f"an integer from 1 to {MAX_SIZE}", "count": f"an integer f
              "number": "a finite number", "positive": "a finite number > 0", "fraction": "a number from 0 to 1",
              "str": "a string", "bool": "true or false", "object": "an object", "list": "a list",
              "ids": "a token id, a list of them or null", "str_or_object": "a string or an object",
-             "template": "a string or a list of objects"}
+             "template": "a string or a list of objects", "int": "an integer", "float": "a number"}
 
 
 def _is_int(v: Any) -> bool:
@@ -193,6 +194,10 @@ def _fits(kind: str, v: Any) -> bool:
             isinstance(v, list) and all(_is_int(x) and 0 <= x <= MAX_SIZE for x in v))
     if kind == "str_or_object":
         return isinstance(v, (str, dict))
+    if kind == "int":
+        return _is_int(v)
+    if kind == "float":  # any number, NaN and inf included (a diverged run's loss)
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
     if kind == "template":
         return isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, dict) for t in v))
     raise ValueError(f"unknown field kind {kind!r}")
@@ -375,6 +380,10 @@ def read_hf_config(path: "Path | dict") -> dict:
     archs = hf.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise UserError(f"{where}: architectures is {_short(archs)}, expected a list of names; {fix}")
+    try:  # an architecture we do not implement is named before any field it may lack
+        spec(architecture_of(hf))
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     falcon = (archs[0] if archs else hf.get("model_type")) in ("FalconForCausalLM", "falcon")
     required = ["vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size"]
     if not falcon:
@@ -398,9 +407,25 @@ def read_hf_config(path: "Path | dict") -> dict:
     return hf
 
 # what every model_config.json / adapter model_config holds (written from asdict(Config)): a missing one would be
-# silently replaced by a default of another model
-REQUIRED_CONFIG_KEYS = ("hf_architecture", "block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_query_groups",
-                        "head_size", "intermediate_size", "bias", "norm_class", "mlp_class", "tie_embeddings")
+# silently replaced by a default of another model. The fields of the Config that every version has written; fields
+# added later may be absent from older files (their defaults are what those files meant)
+REQUIRED_CONFIG_KEYS = ("name", "hf_architecture", "block_size", "vocab_size", "n_layer", "n_head", "n_embd",
+                        "n_query_groups", "head_size", "rotary_percentage", "rope_base", "rope_scaling",
+                        "parallel_residual", "shared_attention_norm", "norm_class", "norm_eps", "norm_unit_offset",
+                        "bias", "attn_bias", "lm_head_bias", "mlp_class", "activation", "intermediate_size",
+                        "tie_embeddings", "scale_embeddings", "sliding_window_size", "hf_extra")
+
+
+def check_config_dict(data: Any, where: object, fix: str) -> dict:
+    """A stored model config (model_config.json, an adapter's model_config): an object holding every field of
+    REQUIRED_CONFIG_KEYS (null where null is a value, e.g. rope_scaling). Returns it."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where} holds {_kind(data)} where an object belongs; {fix}")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in data]
+    if missing:
+        raise UserError(f"{where} has no {missing[0]!r}" + (f" ({len(missing)} fields missing)" if len(missing) > 1
+                                                             else "") + f"; {fix}")
+    return data
 
 
 # ---- the tokenizer's side files (each optional) ----------------------------------------------------------------------

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -26,10 +26,30 @@ CSV_FIELDS = ["model", "setting", "precision", "quantize", "optimizer", "micro_b
               "exit_code", "error", "stage", "cell_dir"]
 
 
+CELL_FILE_FIELDS = {  # the fields report.py formats, by file: a value of another type leaves the file out
+    "cell.json": {"model": "str", "setting": "str"},
+    "status.json": {"status": "str", "exit_code": "int", "error": "str", "stage": "str"},
+    "metrics.json": {"iterations": "int", "peak_memory_gb": "float", "training_time_s": "float",
+                     "tokens_per_sec": "float", "first_train_loss": "float", "final_train_loss": "float",
+                     "final_val_loss": "float", "micro_batch_size": "int", "precision": "str", "quantize": "str",
+                     "optimizer": "str", "activation_checkpointing": "bool", "memory_kind": "str"},
+    "generate_metrics.json": {"tokens_per_sec": "float", "memory_gb": "float"},
+}
+
+
 def _read_json(path: Path) -> Optional[dict]:
+    """A cell file's JSON object; None when there is none. A damaged one (not text, not JSON, not an object) is
+    reported in a warning line naming it and left out: the cell shows as incomplete."""
+    from lit_qlora.readers import check_fields, read_json
+    from lit_qlora.utils import UserError
+
+    if not os.path.lexists(path):
+        return None
+    fix = "the cell is shown without it"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return check_fields(read_json(path, dict, fix=fix), path, CELL_FILE_FIELDS.get(path.name, {}), fix=fix)
+    except UserError as e:
+        print(f"warning: {e}", file=sys.stderr)
         return None
 
 
@@ -135,6 +155,11 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        matplotlib = None
+    from lit_qlora.readers import read_csv_rows
+    from lit_qlora.utils import UserError
+
+    if matplotlib is None:
         print("note: matplotlib is not installed, no plots (pip install 'lit-qlora[plots]' or pip install matplotlib)",
               file=sys.stderr)
         return []
@@ -146,10 +171,16 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
         path = Path(r["cell_dir"]) / "metrics.csv"
         if not path.is_file():
             continue
-        with open(path) as f:
-            rows = [row for row in csv.DictReader(f) if row.get("loss")]
-        if rows:
-            ax.plot([int(row["iter"]) for row in rows], [float(row["loss"]) for row in rows],
+        try:
+            rows = [row for row in read_csv_rows(path, "metrics file", "its loss curve is left out")
+                    if row.get("loss") and row.get("iter")]
+            points = [(int(row["iter"]), float(row["loss"])) for row in rows]
+        except (UserError, ValueError) as e:
+            print(f"warning: {e if isinstance(e, UserError) else f'{path} holds a row that is not numbers'}",
+                  file=sys.stderr)
+            continue
+        if points:
+            ax.plot([i for i, _ in points], [loss for _, loss in points],
                     label=_label(r, many).replace("\n", " "))
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")

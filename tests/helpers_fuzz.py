@@ -297,6 +297,17 @@ def _read_chat(d: Path) -> None:
     load_conversation_rows(d / "chat.jsonl")
 
 
+def _report(d: Path) -> None:
+    """scripts/report.py over a matrix of one cell: the table, the CSV and the plots."""
+    import runpy
+
+    report = runpy.run_path(str(h.ROOT / "scripts" / "report.py"))
+    cells = report["collect"](d / "matrix")
+    report["markdown"](cells)
+    report["write_csv"](cells, d / "matrix" / "report.csv")
+    report["plots"](cells, d / "matrix")
+
+
 # kind -> (file relative to the case folder, reading path)
 KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "hf_config": ("hf_only/config.json", _read_hf_config),
@@ -313,8 +324,11 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "hparams_json": ("run/hyperparameters.json", _read_hparams),
     "alpaca_json": ("data/tasks.json", _read_alpaca),
     "chat_jsonl": ("chat.jsonl", _read_chat),
+    "report_metrics_json": ("matrix/tiny/32-true/metrics.json", _report),
+    "report_metrics_csv": ("matrix/tiny/32-true/metrics.csv", _report),
 }
-JSON_KINDS = {"hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
+JSON_KINDS = {"report_metrics_json",
+              "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
               "alpaca_json", "chat_jsonl"}
 
 
@@ -336,6 +350,12 @@ def _case_folder(pristine: dict[str, Path], dest: Path) -> Path:
     shutil.copytree(pristine["data"], dest / "data", ignore=shutil.ignore_patterns(".*", "*.pt", "prepare*"))
     shutil.copy(pristine["chat"], dest / "chat.jsonl")
     shutil.copy(pristine["yaml"], dest / "run.yaml")
+    cell = dest / "matrix" / "tiny" / "32-true"
+    cell.mkdir(parents=True)
+    for name in ("metrics.json", "metrics.csv"):
+        shutil.copy(pristine["run"] / name, cell / name)
+    (cell / "status.json").write_text(json.dumps({"status": "ok", "exit_code": 0}))
+    (cell / "cell.json").write_text(json.dumps({"model": "tiny", "setting": "32-true"}))
     return dest
 
 

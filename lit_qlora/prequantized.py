@@ -38,6 +38,7 @@ from lit_qlora.quantize import (
     set_4bit_weight,
     set_int8_weight,
 )
+from lit_qlora.utils import UserError
 
 FORMAT = "lit-qlora quantized weights 1"
 _SAMPLES, _SAMPLE_BYTES = 32, 4096
@@ -148,7 +149,7 @@ def stored_mismatch(weights: Path, quantize: str, dtype: torch.dtype) -> Optiona
         return ""
     try:
         meta = safetensors_metadata(path)
-    except (OSError, ValueError):
+    except (OSError, ValueError, UserError):  # a cache: a damaged one is ignored, said so, and made again
         return "it is damaged (an unreadable header)"
     differs = [k for k, v in _expected(weights, quantize, dtype).items() if meta.get(k) != v]
     if not differs:

@@ -115,13 +115,15 @@ def make_sp_without_byte_fallback(folder: Path) -> Path:
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PHI4_SPECIALS = [*CHATML_SPECIALS, "<|im_sep|>"]
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                      "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
 
 def make_chat_checkpoint(kind: str, folder: Path, template: str) -> Path:
-    """A tokenizer folder for a model family: llama3, chatml_qwen, chatml_smollm, gemma, mistral3, sp, sp_legacy."""
+    """A tokenizer folder for a model family: llama3, chatml_qwen, chatml_smollm, chatml_phi4, gemma, mistral3, sp,
+    sp_legacy."""
     if kind == "llama3":
         return make_bpe_chat_tokenizer(folder, LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
                                        bos_in_post_processor=True, chat_template=template)
@@ -131,6 +133,9 @@ def make_chat_checkpoint(kind: str, folder: Path, template: str) -> Path:
     if kind == "chatml_smollm":
         return make_bpe_chat_tokenizer(folder, CHATML_SPECIALS, bos="<|im_start|>", eos="<|im_end|>",
                                        unk="<|endoftext|>", pad="<|im_end|>", chat_template=template)
+    if kind == "chatml_phi4":  # microsoft/phi-4: bos <|endoftext|>, eos <|im_end|>, <|im_sep|> after the role
+        return make_bpe_chat_tokenizer(folder, PHI4_SPECIALS, bos="<|endoftext|>", eos="<|im_end|>",
+                                       pad="<|endoftext|>", chat_template=template)
     if kind == "gemma":
         return make_bpe_chat_tokenizer(folder, GEMMA_SPECIALS, bos="<bos>", eos="<eos>", unk="<unk>", pad="<pad>",
                                        metaspace=True, bos_in_post_processor=True, chat_template=template)

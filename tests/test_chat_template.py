@@ -44,6 +44,8 @@ TEMPLATES = {
     "gemma_it": ("gemma", False, "<start_of_turn>model\n", "<end_of_turn>"),
     "zephyr": ("sp", True, "<|assistant|>\n", "</s>"),
     "qwen3": ("chatml_qwen", True, "<|im_start|>assistant\n", "<|im_end|>"),
+    "gemma3_it": ("gemma", True, "<start_of_turn>model\n", "<end_of_turn>"),  # folds a system message into user
+    "phi4": ("chatml_phi4", True, "<|im_start|>assistant<|im_sep|>", "<|im_end|>"),
 }
 
 SINGLE = [{"role": "user", "content": "Hello, how are you?"},

@@ -11,7 +11,6 @@ configs of tests/helpers.py, which runs it through every parity test). This modu
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -128,19 +127,6 @@ def rope_to_hf(base: float, scaling: Optional[dict]) -> dict:
     s = dict(scaling)
     kind = s.pop("rope_type", "llama3")
     return {"rope_type": kind, "rope_theta": base, **{k: v for k, v in s.items() if v is not None}}
-
-
-def yarn_attention_factor(s: dict) -> float:
-    """transformers' default for yarn's cos/sin scaling when the config gives no attention_factor."""
-    if s.get("attention_factor") is not None:
-        return float(s["attention_factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if s.get("mscale") and s.get("mscale_all_dim"):
-        return mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"])
-    return mscale(s["factor"])
 
 
 def _rope_params(hf: dict) -> dict:

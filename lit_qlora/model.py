@@ -16,7 +16,6 @@ import torch.utils.checkpoint
 
 from lit_qlora import cpu_attention, cpu_half
 from lit_qlora.config import Config
-from lit_qlora.families import yarn_attention_factor
 
 
 class GPT(nn.Module):
@@ -374,6 +373,19 @@ def rope_inv_freq(n: int, base: float, scaling: Optional[dict], device: torch.de
             factor = 1.0 if s["factor"] <= 1.0 else math.sqrt(1 + math.log(s["factor"]) / math.log(original))
         return inv_freq, float(factor)
     raise ValueError(f"unknown rope scaling {kind!r}")
+
+
+def yarn_attention_factor(s: dict) -> float:
+    """transformers' default for yarn's cos/sin scaling when the config gives no attention_factor."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"])
+    return mscale(s["factor"])
 
 
 def yarn_inv_freq(n: int, base: float, s: dict, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,193 @@
+"""lit_qlora/preference.py against TRL's own trainer code: for each --loss, the loss and the LoRA gradients equal
+what TRL's DPOTrainer (dpo: loss_type sigmoid, ipo), CPOTrainer (simpo, cpo_alpha 0) and ORPOTrainer (orpo) compute
+on the same batch of the same tiny model, in fp32. TRL's methods run unbound on a bare trainer object holding the
+settings they read; the model they call is our GPT (its full logits), so both sides differentiate the same weights.
+The reference log-probabilities equal transformers' base model (no adapter) through TRL's get_batch_logps."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import converted_tiny, hf_model, lora_cfg, randomize_lora
+
+from lit_qlora import preference as pf
+from lit_qlora.loader import load_model
+from lit_qlora.lora import lora_modules
+
+trl = pytest.importorskip("trl")
+from trl.experimental.cpo import CPOTrainer  # noqa: E402
+from trl.experimental.orpo import ORPOTrainer  # noqa: E402
+from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
+from trl.trainer.utils import FusedCausalLMOutput, selective_log_softmax  # noqa: E402
+
+BETA, GAMMA = 0.3, 0.7
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return converted_tiny(tmp_path_factory, "llama", "pref-llama")
+
+
+@pytest.fixture(scope="module")
+def policy(tiny):
+    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(), seed=0)
+    randomize_lora(model, seed=3)  # policy != base
+    return model.train()
+
+
+def make_pairs(seed: int = 0, n: int = 3) -> list[dict]:
+    """Pairs of varied prompt and completion lengths (so padding and the per-token averages matter)."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i in range(n):
+        prompt = torch.randint(0, 320, (3 + 2 * i,), generator=g)
+        out = {"index": i}
+        for side, n_new in (("chosen", 4 + i), ("rejected", 7 - i)):
+            ids = torch.cat([prompt, torch.randint(0, 320, (n_new,), generator=g)])
+            labels = ids.clone()
+            labels[:len(prompt)] = -100
+            out[f"{side}_ids"], out[f"{side}_labels"] = ids, labels
+        pairs.append(out)
+    return pairs
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.A"], out[f"{name}.B"] = m.lora_A.grad.clone(), m.lora_B.grad.clone()
+        m.lora_A.grad = m.lora_B.grad = None
+    return out
+
+
+def ours(model, loss: str, batch: dict, ref: tuple) -> tuple[torch.Tensor, dict]:
+    lp = pf.batch_logps(model, batch)
+    per_pair, rc, rr = pf.pair_losses(loss, lp, *ref, beta=BETA, gamma=GAMMA)
+    total = per_pair.mean()
+    if loss == "orpo":
+        total = total + pf.orpo_nll(lp) / lp.chosen_tokens.sum()
+    total.backward()
+    stats = {k: float(v) / len(rc) for k, v in pf.reward_stats(rc, rr).items()}
+    return total.detach(), stats
+
+
+class Accelerator:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def gather(t):
+        return t
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def unwrap_model(m):
+        return m
+
+
+def bare(cls, **attrs):
+    t = cls.__new__(cls)  # no __init__: only the settings TRL's loss code reads
+    t.__dict__.update(accelerator=Accelerator(), aux_loss_enabled=False, is_encoder_decoder=False, **attrs)
+    return t
+
+
+def trl_dpo(model, loss_type: str, batch: dict, ref: tuple) -> tuple[torch.Tensor, dict]:
+    """DPOTrainer._compute_loss with reference log-probabilities given (precompute_ref_logps); the model is called
+    as TRL calls a model patched by add_fused_lm_head: per-token log-probs of the labels (0 where -100)."""
+    def fused(input_ids, attention_mask, use_cache, labels, fused_lm_head):
+        logits = model(input_ids)[:, :-1]
+        lab = labels[:, 1:]
+        mask = lab != -100
+        lp = selective_log_softmax(logits, lab.clamp(min=0)) * mask
+        with torch.no_grad():
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * mask
+            mean_logits, is_top1 = logits.mean(-1) * mask, (logits.argmax(-1) == lab) & mask
+        return FusedCausalLMOutput(log_probs=lp, entropy=entropy, mean_logits=mean_logits, is_top1=is_top1)
+
+    trainer = bare(DPOTrainer, model=SimpleNamespace(training=True), ld_alpha=None, precompute_ref_logps=True,
+                   f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=BETA,
+                   use_weighting=False, label_smoothing=0.0, _metrics={"train": defaultdict(list),
+                                                                       "eval": defaultdict(list)},
+                   _total_train_tokens=0, _tp_size=1)
+    completion = (batch["labels"] != -100).long()
+    real = torch.arange(batch["input_ids"].size(1))[None] < batch["lengths"][:, None]
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=real.long(), completion_mask=completion,
+                  ref_chosen_logps=ref[0], ref_rejected_logps=ref[1])
+    loss = DPOTrainer._compute_loss(trainer, fused, inputs, False)
+    loss.backward()
+    return loss.detach(), {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("rewards/")}
+
+
+def trl_pairs_batch(pairs: list[dict]) -> dict:
+    """CPO/ORPO's tokenized batch: chosen_/rejected_ input_ids, labels (prompt -100) and attention mask. ORPO's NLL
+    takes its labels from the attention mask (prompt and completion); the completion mask is given there, so TRL's
+    NLL counts the completion tokens only, as ours does (see lit_qlora/preference.py)."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        T = max(len(p[f"{side}_ids"]) for p in pairs)
+        ids = torch.zeros(len(pairs), T, dtype=torch.long)
+        labels = torch.full((len(pairs), T), -100)
+        for i, p in enumerate(pairs):
+            n = len(p[f"{side}_ids"])
+            ids[i, :n], labels[i, :n] = p[f"{side}_ids"], p[f"{side}_labels"]
+        out.update({f"{side}_input_ids": ids, f"{side}_labels": labels,
+                    f"{side}_attention_mask": (labels != -100).long()})
+    return out
+
+
+def trl_cpo_orpo(model, loss: str, pairs: list[dict]) -> tuple[torch.Tensor, dict]:
+    def forward(input_ids, attention_mask, use_cache):
+        return SimpleNamespace(logits=model(input_ids))
+
+    if loss == "simpo":
+        trainer = bare(CPOTrainer, pad_token_id=0, cpo_alpha=0.0, loss_type="simpo", beta=BETA, simpo_gamma=GAMMA,
+                       label_smoothing=0.0, alpha=0.0)
+        loss_value, metrics = CPOTrainer.get_batch_loss_metrics(trainer, forward, trl_pairs_batch(pairs))
+    else:
+        trainer = bare(ORPOTrainer, padding_value=0, beta=BETA)
+        loss_value, metrics = ORPOTrainer.get_batch_loss_metrics(trainer, forward, trl_pairs_batch(pairs))
+    loss_value.backward()
+    return loss_value.detach(), {k: v for k, v in metrics.items() if k.startswith("rewards/")}
+
+
+@pytest.mark.parametrize("loss", pf.LOSSES)
+def test_loss_and_gradients_equal_trl(policy, loss):
+    pairs = make_pairs()
+    batch = pf.collate_pairs(pairs)
+    ref = (torch.tensor([-40.0, -35.5, -52.0]), torch.tensor([-44.0, -30.0, -41.0]))  # reference log-probs
+    mine, my_stats = ours(policy, loss, batch, ref)
+    my_grads = grads(policy)
+    if loss in ("dpo", "ipo"):
+        theirs, their_stats = trl_dpo(policy, {"dpo": "sigmoid", "ipo": "ipo"}[loss], batch, ref)
+    else:
+        theirs, their_stats = trl_cpo_orpo(policy, loss, pairs)
+    their_grads = grads(policy)
+    assert abs(float(mine) - float(theirs)) <= 1e-5, (float(mine), float(theirs))
+    assert set(my_stats) == set(their_stats) == {"rewards/chosen", "rewards/rejected", "rewards/margins",
+                                                 "rewards/accuracies"}
+    for k in my_stats:
+        assert abs(my_stats[k] - their_stats[k]) <= 1e-5, (k, my_stats[k], their_stats[k])
+    assert max(float(g.abs().max()) for g in my_grads.values()) > 1e-4  # the gradients are not all zero
+    for k in my_grads:
+        torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_reference_logps_equal_the_base_model(tiny):
+    """A fresh adapter (B = 0), as training starts: its log-probabilities are transformers' base model's, through
+    TRL's get_batch_logps; and so the first DPO loss is ln 2."""
+    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(), seed=0).eval()
+    pairs = make_pairs(seed=1)
+    batch = pf.collate_pairs(pairs)
+    with torch.no_grad():
+        lp = pf.batch_logps(model, batch)
+        hf = hf_model(tiny.folder)
+        tb = trl_pairs_batch(pairs)
+        want = {side: CPOTrainer.get_batch_logps(hf(tb[f"{side}_input_ids"]).logits, tb[f"{side}_labels"].clone())
+                for side in ("chosen", "rejected")}
+    torch.testing.assert_close(lp.chosen, want["chosen"], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lp.rejected, want["rejected"], atol=1e-4, rtol=1e-5)
+    per_pair, rc, rr = pf.pair_losses("dpo", lp, lp.chosen, lp.rejected, beta=0.1)
+    assert abs(float(per_pair.mean()) - math.log(2)) < 1e-6
+    assert float(rc.abs().max()) == float(rr.abs().max()) == 0.0

@@ -80,6 +80,7 @@ from lit_qlora.training import (
     head_chunk,
     list_checkpoints,
     lock_out_dir,
+    loraplus_groups,
     lr_at,
     make_optimizer,
     rng_state,
@@ -310,8 +311,9 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
                  f"{run.precision}{f' ({inputs.precision_why})' if inputs.precision_why else ''} | "
                  f"{format_memory_report(report)}{load_note(gpt, inputs.quantize, fabric.device, seconds)}",
                  file=sys.stderr)
-    trainable = [p for p in gpt.parameters() if p.requires_grad]
-    optimizer = make_optimizer(t.optimizer, trainable, t.learning_rate, t.weight_decay, fabric.device.type)
+    trainable = [(n, p) for n, p in gpt.named_parameters() if p.requires_grad]
+    groups = loraplus_groups(trainable, t.learning_rate, inputs.lora.loraplus_lr_ratio)
+    optimizer = make_optimizer(t.optimizer, groups, t.learning_rate, t.weight_decay, fabric.device.type)
     model = fabric.setup_module(gpt, move_to_device=False)
     optimizer = fabric.setup_optimizers(optimizer)
     world = fabric.world_size
@@ -447,7 +449,7 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
     if t.grad_clip:  # with a scaler, Fabric unscales first; overflowed gradients are left for the scaler to skip
         fabric.clip_gradients(s.model, s.optimizer, max_norm=t.grad_clip, error_if_nonfinite=scaler is None)
     for g in s.optimizer.param_groups:
-        g["lr"] = lr_at(s.step, s.max_steps, t.learning_rate, t.min_lr, t.warmup_steps)
+        g["lr"] = lr_at(s.step, s.max_steps, t.learning_rate, t.min_lr, t.warmup_steps) * g.get("lr_ratio", 1.0)
     scale = scaler.get_scale() if scaler is not None else None
     s.optimizer.step()  # with a scaler: scaler.step (skipped if the gradients overflowed) and scaler.update
     s.optimizer.zero_grad(set_to_none=True)

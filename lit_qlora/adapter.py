@@ -159,7 +159,8 @@ class Adapter:
 
 
 _LORA_FIELDS = {"r": "size", "alpha": "number", "dropout": "fraction", "query": "bool", "key": "bool", "value": "bool",
-                "projection": "bool", "mlp": "bool", "head": "bool"}
+                "projection": "bool", "mlp": "bool", "head": "bool", "rslora": "bool",
+                "loraplus_lr_ratio": "positive"}
 
 
 def check_payload(payload: dict, where: object) -> None:

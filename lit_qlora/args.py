@@ -108,11 +108,21 @@ class LoRAArgs:
     """Adapt the MLP layers."""
     lora_head: bool = False
     """Adapt the output layer."""
+    lora_rslora: bool = False
+    """rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    loraplus_lr_ratio: Optional[float] = None
+    """LoRA+: B's learning rate is this times --learning_rate (A's), as PEFT's create_loraplus_optimizer groups them
+    (e.g. 16); left out: one learning rate."""
+
+    def __post_init__(self) -> None:
+        if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
+            raise UserError(f"--loraplus_lr_ratio must be a number above 0, got {self.loraplus_lr_ratio}; use e.g. 16 "
+                            "or leave it out")
 
     def config(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
                           key=self.lora_key, value=self.lora_value, projection=self.lora_projection, mlp=self.lora_mlp,
-                          head=self.lora_head)
+                          head=self.lora_head, rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio)
 
 
 @dataclass

@@ -23,6 +23,15 @@ from lit_qlora.utils import UserError
 DECODE_ROWS = 16
 
 
+# LoRAConfig's bool fields that choose a variant of LoRA rather than a layer to adapt
+_VARIANT_FLAGS = ("rslora",)
+
+
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """The factor of B @ A: alpha / r, or alpha / sqrt(r) for rsLoRA (as PEFT's `use_rslora`)."""
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
 @dataclass
 class LoRAConfig:
     r: int = 8
@@ -34,13 +43,16 @@ class LoRAConfig:
     projection: bool = False
     mlp: bool = False
     head: bool = False
+    rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r) (PEFT's use_rslora)
+    loraplus_lr_ratio: Optional[float] = None  # LoRA+: B's learning rate is this times A's (training only)
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.r
+        return lora_scaling(self.alpha, self.r, self.rslora)
 
     def targets(self) -> list[str]:
-        return [f.name for f in fields(self) if f.type in (bool, "bool") and getattr(self, f.name)]
+        return [f.name for f in fields(self) if f.type in (bool, "bool") and getattr(self, f.name)
+                and f.name not in _VARIANT_FLAGS]
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoRAConfig":
@@ -51,12 +63,12 @@ class LoRALinear(nn.Module):
     """y = base(x) + scaling * B(A(dropout(x))), with the update limited to row ranges `parts` of the output."""
 
     def __init__(self, base: nn.Module, in_features: int, out_features: int, r: int, alpha: float, dropout: float,
-                 parts: Optional[list[tuple[int, int]]] = None) -> None:
+                 parts: Optional[list[tuple[int, int]]] = None, rslora: bool = False) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
         self.parts = parts or [(0, out_features)]  # (first row, number of rows) of each adapted slice
-        self.r, self.scaling = r, alpha / r
+        self.r, self.scaling = r, lora_scaling(alpha, r, rslora)
         device = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(len(self.parts) * r, in_features, device=device))  # [n*r, in]
         self.lora_B = nn.Parameter(torch.empty(sum(n for _, n in self.parts), r, device=device))  # [rows, r]
@@ -212,7 +224,8 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
         out_f, in_f = base.weight.shape
-        setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts))
+        setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts,
+                                           rslora=lora.rslora))
     mark_only_lora_trainable(model)
 
 

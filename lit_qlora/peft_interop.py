@@ -98,7 +98,9 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
             (B,) = qkv_to_hf(base_config, layout, fused_b)
             if len(parts) > 1:
                 short = hf_mod.rsplit(".", 1)[-1]
-                rank_pattern[short], alpha_pattern[short] = len(parts) * r, len(parts) * lora.alpha
+                # the same scaling at rank n*r: alpha/r = n*alpha/(n*r); rsLoRA: alpha/sqrt(r) = sqrt(n)*alpha/sqrt(n*r)
+                n_alpha = math.sqrt(len(parts)) * lora.alpha if lora.rslora else len(parts) * lora.alpha
+                rank_pattern[short], alpha_pattern[short] = len(parts) * r, n_alpha
         for mod in [hf_mod] + ([_V5_HEAD] if cat == "head" and hf_mod != _V5_HEAD else []):
             tensors[f"{_PREFIX}{mod}.lora_A.weight"] = A.float().clone()
             tensors[f"{_PREFIX}{mod}.lora_B.weight"] = B.float().clone()
@@ -113,7 +115,7 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path or None,
         "r": r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": names,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "use_rslora": lora.rslora, "use_dora": False, "lora_bias": False, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True, "inference_mode": True,
         "revision": None,
     }
@@ -287,9 +289,13 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
             ranks[ours] = (A.shape[0], s)
     r, s = _check_uniform(list(ranks.values()), where, None)
 
-    lora = LoRAConfig(r=r, alpha=s * r, dropout=float(peft.config.get("lora_dropout") or 0.0), **flags)
-    if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), s * r, rel_tol=1e-12):
+    rslora = bool(peft.config.get("use_rslora"))
+    alpha = s * math.sqrt(r) if rslora else s * r  # the scaling s as alpha / sqrt(r) or alpha / r
+    lora = LoRAConfig(r=r, alpha=alpha, dropout=float(peft.config.get("lora_dropout") or 0.0), rslora=rslora, **flags)
+    if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), alpha, rel_tol=1e-12):
         lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
+    if lit_meta is not None and lit_meta.get("loraplus_lr_ratio") is not None:
+        lora.loraplus_lr_ratio = lit_meta["loraplus_lr_ratio"]  # how it was trained (PEFT's config has no place)
     targets = lora_targets(base_config, lora)
     shapes = _weight_shapes(base_config)
     # MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0
@@ -358,9 +364,6 @@ def _read_peft_config(folder: Path) -> dict:
     if pc.get("modules_to_save"):
         raise UserError(f"{folder} also saves full modules ({pc['modules_to_save']}); only LoRA layers can be loaded: "
                         "make the adapter without modules_to_save")
-    if pc.get("use_rslora") and (pc.get("rank_pattern") or pc.get("alpha_pattern")):
-        raise UserError(f"{folder} combines use_rslora with rank_pattern/alpha_pattern, which PEFT itself refuses; fix "
-                        "the adapter config")
     return pc
 
 

@@ -93,7 +93,8 @@ class AdapterBank:
                 self.base_layers[module_name] = self.model.get_submodule(module_name)
             base = self.base_layers[module_name]
             cfg = adapter.config
-            w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts)
+            w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
+                           rslora=cfg.rslora)
             device = w.lora_A.device
             try:
                 A, B = adapter.lora[module_name + ".lora_A"], adapter.lora[module_name + ".lora_B"]

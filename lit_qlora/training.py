@@ -105,7 +105,20 @@ def lr_at(step: int, max_steps: int, lr: float, min_lr: float, warmup_steps: int
 
 
 # ---- optimizers -------------------------------------------------------------------------------
+def loraplus_groups(named_params: list[tuple[str, torch.nn.Parameter]], lr: float, ratio: Optional[float]) -> list:
+    """The trainable parameters as optimizer groups: one group without LoRA+ (`ratio` None); with it, as PEFT's
+    `create_loraplus_optimizer` groups a LoRA model: every lora_B and every 1-D parameter (DoRA's magnitudes) at
+    `ratio` times the learning rate, the rest (lora_A) at `lr`. Each group records its factor as "lr_ratio", which
+    the learning-rate schedule multiplies (a plain list of parameters when there is one group)."""
+    if ratio is None:
+        return [p for _, p in named_params]
+    b = [p for n, p in named_params if "lora_B" in n or p.ndim == 1]
+    a = [p for n, p in named_params if not ("lora_B" in n or p.ndim == 1)]
+    return [{"params": a, "lr": lr, "lr_ratio": 1.0}, {"params": b, "lr": lr * ratio, "lr_ratio": ratio}]
+
+
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float, device_type: str) -> torch.optim.Optimizer:
+    """`params`: parameters, or groups of them (`loraplus_groups`)."""
     if name not in OPTIMIZERS:
         raise UserError(f"unknown --optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if name == "AdamW":

@@ -14,14 +14,22 @@ counts the prompt tokens in that NLL too, we train on the completions only, as e
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_qlora import chat_template as ct
 from lit_qlora.batching import unpad
+from lit_qlora.prepare import DataSettings, find_raw_files, resolve_template
+from lit_qlora.records import load_records, split
+from lit_qlora.templates import CHAT, get_template
 from lit_qlora.training import shift_labels
+from lit_qlora.utils import UserError
 
 LOSSES = ("dpo", "ipo", "orpo", "simpo")
 REFERENCE_LOSSES = ("dpo", "ipo")  # the ones that compare with a reference policy
@@ -162,3 +170,142 @@ def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.
     logits = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target, **packed)
     sums, counts = sequence_logps(token_logps(logits, tgt[has_target]), seq_ids, n_seq)
     return split_pairs(sums, counts)
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def load_pairs(data_dir: Path | str, tokenizer: Any, s: DataSettings) -> tuple[list[dict], list[dict], dict]:
+    """(train pairs, validation pairs, meta) from a --data_dir of JSON / JSONL rows {prompt, chosen, rejected}:
+    train.* and val.*, or one file split by `s.test_split_fraction`. Each field is a string, or a list of messages
+    (role/content; chosen and rejected: the assistant's turns), rendered with the model's chat template as the SFT
+    path renders conversations; rows of two full conversations without a prompt take their common leading turns as
+    the prompt. Strings go through the prompt template (`s.template`: alpaca, plain, or chat: one user turn).
+    Every row is checked before anything is trained; a bad one is a one-line UserError naming its file and row."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise UserError(f"--data_dir {data_dir} is not a folder; pass the folder holding train.jsonl (or one "
+                        ".json/.jsonl file of prompt/chosen/rejected rows)")
+    raw = find_raw_files(data_dir)
+    if raw is None:
+        raise UserError(f"{data_dir} holds no .json/.jsonl file; put the prompt/chosen/rejected rows there")
+    train_file, val_file = raw
+    for f in (train_file, val_file):
+        if f is not None and f.suffix.lower() == ".csv":
+            raise UserError(f"{f}: preference data is read from .json or .jsonl (a CSV cannot hold conversations); "
+                            "convert the file")
+    rows = _rows(train_file)
+    holds_conversations = any(isinstance(v, list) for r in rows[:1] for _, v in r[1].items())
+    template = resolve_template(s.template, holds_conversations, tokenizer, train_file)
+    if tokenizer.eos_id is None and template != CHAT:
+        raise UserError("the tokenizer has no eos token, so the model could not learn where an answer ends; set "
+                        "eos_token in the checkpoint's tokenizer_config.json")
+    stats = {"truncated": 0}
+    train = [_pair(row, rec, train_file, tokenizer, template, s, stats) for row, rec in rows]
+    if val_file is not None:
+        val = [_pair(row, rec, val_file, tokenizer, template, s, stats) for row, rec in _rows(val_file)]
+    else:
+        train, val = split(train, s.test_split_fraction, s.seed)
+    for i, p in enumerate(train):
+        p["index"] = i
+    for i, p in enumerate(val):
+        p["index"] = i
+    if stats["truncated"]:
+        print(f"warning: {stats['truncated']} answer(s) cut to --max_seq_length {s.max_seq_length} tokens",
+              file=sys.stderr)
+    return train, val, {"template": template, "n_train": len(train), "n_val": len(val),
+                        "source_files": [str(f) for f in raw if f]}
+
+
+def _rows(path: Path) -> list[tuple[int, dict]]:
+    """(row number from 1, record) of a file, read by the records reader; the fields checked."""
+    records = load_records(path, required=())
+    for row, rec in enumerate(records, start=1):
+        where = f"row {row} of {path}"
+        if not isinstance(rec, dict):
+            raise UserError(f"{where} is a {type(rec).__name__}, not an object; write each row as "
+                            "{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}")
+        implicit = "prompt" not in rec and isinstance(rec.get("chosen"), list)  # two full conversations
+        for key in FIELDS[1:] if implicit else FIELDS:
+            v = rec.get(key)
+            if not isinstance(v, (str, list)) or not v or (isinstance(v, str) and not v.strip()):
+                what = "no" if v is None else "an empty" if not v or isinstance(v, str) else "a non-text"
+                raise UserError(f"{where} has {what} {key!r} field (it has: {', '.join(map(str, rec))}); every row "
+                                "needs prompt, chosen and rejected, as strings or lists of messages")
+        if rec["chosen"] == rec["rejected"]:
+            raise UserError(f"{where}: chosen and rejected are the same, so there is no preference to learn; fix or "
+                            "drop the row")
+    return list(enumerate(records, start=1))
+
+
+def _as_messages(value: Any, role: str, row: int, path: Path) -> list[dict]:
+    """A field as messages: a string is one turn of `role`; a list is checked as a conversation's turns (a prompt's
+    with a placeholder reply after it, an answer's with a placeholder question before it)."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if role == "user":
+        return ct.normalize_conversation({"messages": [*value, {"role": "assistant", "content": "-"}]}, row, path)[:-1]
+    return ct.normalize_conversation({"messages": [{"role": "user", "content": "-"}, *value]}, row, path)[1:]
+
+
+def _pair(row: int, rec: dict, path: Path, tokenizer: Any, template: str, s: DataSettings, stats: dict) -> dict:
+    where = f"row {row} of {path}"
+    try:
+        if template == CHAT:
+            prompt, chosen, rejected = _chat_parts(rec, row, path)
+            prompt_ids = ct.encode_chat(tokenizer, prompt, add_generation_prompt=True)
+            sides = {k: _chat_side(tokenizer, prompt, answer, prompt_ids, where) for k, answer in
+                     (("chosen", chosen), ("rejected", rejected))}
+        else:
+            if not all(isinstance(rec[k], str) for k in FIELDS):
+                raise UserError(f"prompt, chosen and rejected must all be strings with --template {template}; "
+                                "use --template chat for messages")
+            text = get_template(template).format(rec["prompt"])
+            prompt_ids = tokenizer.encode(text).long().tolist()
+            sides = {}
+            for k in ("chosen", "rejected"):
+                ids = tokenizer.encode(text + rec[k], eos=True).long().tolist()
+                sides[k] = (ids, [-100 if i < len(prompt_ids) else t for i, t in enumerate(ids)])
+    except UserError as e:
+        msg = str(e)
+        raise UserError(msg if msg.startswith("row ") else f"{where}: {msg}") from None
+    if len(prompt_ids) >= s.max_seq_length:
+        raise UserError(f"{where}: the prompt is {len(prompt_ids)} tokens, which leaves no room for an answer within "
+                        f"--max_seq_length {s.max_seq_length}; raise --max_seq_length or shorten the prompt")
+    out = {}
+    for k, (ids, labels) in sides.items():
+        if len(ids) > s.max_seq_length:
+            ids, labels = ids[:s.max_seq_length], labels[:s.max_seq_length]
+            stats["truncated"] += 1
+        if all(t == -100 for t in labels):
+            raise UserError(f"{where}: the {k} answer renders to no tokens; fill it in or drop the row")
+        out[f"{k}_ids"] = torch.tensor(ids, dtype=torch.long)
+        out[f"{k}_labels"] = torch.tensor(labels, dtype=torch.long)
+    return out
+
+
+def _chat_parts(rec: dict, row: int, path: Path) -> tuple[list, list, list]:
+    """(prompt, chosen, rejected) messages of a row."""
+    if "prompt" not in rec:  # two full conversations: the prompt is their common leading turns
+        chosen, rejected = (ct.normalize_conversation({"messages": rec[k]}, row, path) for k in ("chosen", "rejected"))
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        if n == 0 or chosen[n - 1]["role"] == "assistant":
+            raise UserError("chosen and rejected share no prompt (no common leading turns ending with the user's); "
+                            "give a \"prompt\" field")
+        return chosen[:n], chosen[n:], rejected[n:]
+    return (_as_messages(rec["prompt"], "user", row, path), _as_messages(rec["chosen"], "assistant", row, path),
+            _as_messages(rec["rejected"], "assistant", row, path))
+
+
+def _chat_side(tokenizer: Any, prompt: list, answer: list, prompt_ids: list, where: str) -> tuple[list, list]:
+    """ids and labels of prompt + answer rendered by the chat template with the SFT path's assistant mask
+    (`chat_template.assistant_mask`), the prompt's own turns masked too; the prompt must render as its prefix."""
+    ids, labels = ct.assistant_mask(tokenizer, None, prompt + answer)
+    if ids[:len(prompt_ids)] != prompt_ids:
+        raise UserError("the chat template renders the prompt differently once the answer follows it (the prompt "
+                        "is not a prefix of prompt + answer), so the answer's tokens cannot be told apart; check the "
+                        "roles of the turns")
+    return ids, [-100 if i < len(prompt_ids) else t for i, t in enumerate(labels)]

@@ -276,7 +276,7 @@ def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: Tokeniz
     return train, val, save_prepared(destination_path, train, val, meta)
 
 
-def _find_raw(data_dir: Path) -> tuple[Path, Path | None] | None:
+def find_raw_files(data_dir: Path) -> tuple[Path, Path | None] | None:
     """(train, val) raw files in data_dir: train.* + val.*, else one lone data file to split."""
     def first(stem: str) -> Path | None:
         return next((data_dir / f"{stem}{s}" for s in RAW_SUFFIXES if (data_dir / f"{stem}{s}").is_file()), None)
@@ -313,7 +313,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
             and meta.get("max_seq_length", 1 << 62) <= s.max_seq_length):
         return load_prepared(data_dir)
 
-    raw = _find_raw(data_dir)
+    raw = find_raw_files(data_dir)
     if raw is None:
         if meta is not None:
             raise UserError(f"{data_dir} was prepared for tokenizer {meta.get('tokenizer_fingerprint')} with "

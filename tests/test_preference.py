@@ -191,3 +191,96 @@ def test_reference_logps_equal_the_base_model(tiny):
     per_pair, rc, rr = pf.pair_losses("dpo", lp, lp.chosen, lp.rejected, beta=0.1)
     assert abs(float(per_pair.mean()) - math.log(2)) < 1e-6
     assert float(rc.abs().max()) == float(rr.abs().max()) == 0.0
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    from helpers_chat import load_template, make_chat_checkpoint
+
+    from lit_qlora.tokenizer import Tokenizer
+
+    folder = make_chat_checkpoint("chatml_smollm", tmp_path_factory.mktemp("tok") / "smol",
+                                  load_template("smollm2_instruct"))
+    return Tokenizer(folder)
+
+
+def write_rows(folder, rows, name="train.jsonl"):
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def settings(n: int = 256, **kw):
+    from lit_qlora.prepare import DataSettings
+
+    return DataSettings(n, template=kw.pop("template", "auto"), test_split_fraction=kw.pop("split", 0.25), **kw)
+
+
+CONV = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"},
+                   {"role": "assistant", "content": "hi?"}, {"role": "user", "content": "again"}],
+        "chosen": [{"role": "assistant", "content": "hi there"}],
+        "rejected": [{"role": "assistant", "content": "no"}]}
+
+
+def test_conversation_pairs_are_rendered_as_transformers_does(chat_tok, tmp_path):
+    """ids = transformers' apply_chat_template(prompt + answer); the labels are the answer's turn only (the prompt,
+    its earlier assistant turn included, is masked; the end-of-turn token is trained as in SFT); a row without a
+    prompt (two full conversations) gives the same pair."""
+    import transformers
+
+    implicit = {"chosen": CONV["prompt"] + CONV["chosen"], "rejected": CONV["prompt"] + CONV["rejected"]}
+    train, val, meta = pf.load_pairs(write_rows(tmp_path / "d", [CONV, implicit, CONV, implicit]), chat_tok,
+                                     settings(split=0.0))
+    assert meta["template"] == "chat" and len(train) == 4 and not val
+    hf = transformers.AutoTokenizer.from_pretrained(chat_tok.checkpoint_dir)
+    prompt_ids = hf.apply_chat_template(CONV["prompt"], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    for side in ("chosen", "rejected"):
+        want = hf.apply_chat_template(CONV["prompt"] + CONV[side], tokenize=True, return_dict=False)
+        for p in train:
+            ids, labels = p[f"{side}_ids"].tolist(), p[f"{side}_labels"].tolist()
+            assert ids == want
+            trained = [t for t, lab in zip(ids, labels) if lab != -100]
+            answer = hf.encode(CONV[side][0]["content"] + "<|im_end|>", add_special_tokens=False)
+            assert trained == answer, (hf.decode(trained), side)
+            assert all(lab == -100 for lab in labels[:len(prompt_ids)])
+
+
+def test_string_pairs_mask_the_prompt(tmp_path):
+    from helpers_tokenizer import make_hf_bpe_tokenizer
+
+    from lit_qlora.templates import get_template
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(make_hf_bpe_tokenizer(tmp_path / "tok", vocab_size=320))
+    rows = [{"prompt": f"name a color {i}", "chosen": " red", "rejected": " cat"} for i in range(8)]
+    train, val, _ = pf.load_pairs(write_rows(tmp_path / "d", rows, "pairs.json"), tok, settings(template="alpaca"))
+    assert len(train) == 6 and len(val) == 2 and [p["index"] for p in train] == list(range(6))
+    p = train[0]
+    text = get_template("alpaca").format(rows[0]["prompt"])
+    n_prompt = len(tok.encode(text))
+    for side in ("chosen", "rejected"):
+        ids, labels = p[f"{side}_ids"], p[f"{side}_labels"]
+        assert (labels[:n_prompt] == -100).all() and (labels[n_prompt:] == ids[n_prompt:]).all()
+        assert int(ids[-1]) == tok.eos_id
+
+
+@pytest.mark.parametrize("row,expect", [
+    ({"prompt": "p", "chosen": "a"}, "row 2 of {f} has no 'rejected' field"),
+    ({"prompt": "p", "chosen": "a", "rejected": "a"}, "row 2 of {f}: chosen and rejected are the same"),
+    ({"prompt": "p " * 300, "chosen": "a", "rejected": "b"}, "row 2 of {f}: the prompt is"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "row 2 of {f} has an empty 'chosen' field"),
+    ({"prompt": "p", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}, "row 2 of {f}: turn 2"),
+])
+def test_bad_rows_are_one_line_errors(chat_tok, tmp_path, row, expect):
+    from lit_qlora.utils import UserError
+
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    folder = write_rows(tmp_path / "d", [good, row, good])
+    with pytest.raises(UserError) as e:
+        pf.load_pairs(folder, chat_tok, settings(64, template="chat"))
+    msg = str(e.value)
+    assert "\n" not in msg and expect.format(f=folder / "train.jsonl") in msg, msg

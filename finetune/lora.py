@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning as L
 import psutil
@@ -114,6 +114,19 @@ class Inputs:
     data_meta: dict
     resume_path: Optional[Path]
     resume_state: Optional[dict]
+    objective: Optional["Objective"] = None  # what is trained for (None: SFT, supervised fine-tuning)
+
+
+@dataclass
+class Objective:
+    """What a script trains for around the phases here: SFT below; finetune/dpo.py gives its own."""
+
+    lora_config: Callable  # (args) -> the LoRAConfig of the adapter to train
+    load_data: Callable  # (args, tokenizer, model config, max_seq_length) -> (train, val, meta), checked
+    start: Callable  # (session): after restore, before the first step (the batch stream of other samples, ...)
+    accumulate: Callable  # (session) -> (step loss, tokens, more metrics): the forwards and backwards of one step
+    validate: Callable  # (session) -> metrics, val_loss among them
+    metric_fields: tuple = ()  # metrics.csv columns beyond MetricsLog.FIELDS
 
 
 @dataclass
@@ -147,17 +160,17 @@ class Session:
     val_loss: Optional[float] = None
 
 
-def setup(args: FinetuneArgs) -> None:
+def setup(args: FinetuneArgs, objective: Optional[Objective] = None) -> None:
     """Check every input up front, then start one process per device (Fabric) running `main`."""
     bound_cpu_matmul_caches()  # why: on CPU each batch's new shape would keep 1-2 MB of prepared 16-bit matmuls
     try:
-        _setup(args)
+        _setup(args, objective)
     finally:  # the lock check_inputs took on --out_dir (the kernel drops it anyway when the process ends)
         unlock_out_dir(Path(args.run.out_dir))
 
 
-def _setup(args: FinetuneArgs) -> None:
-    inputs = check_inputs(args)
+def _setup(args: FinetuneArgs, objective: Optional[Objective]) -> None:
+    inputs = check_inputs(args, objective)
     if inputs is None:  # --estimate_only printed the estimate
         return
     run = args.run
@@ -172,7 +185,7 @@ def _setup(args: FinetuneArgs) -> None:
     fabric.launch(main, args, inputs)
 
 
-def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
+def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> Optional[Inputs]:
     """Everything that can be wrong with the inputs is found here, before Lightning, the model or the DDP processes
     start: the flags, the checkpoint folder, the tokenizer, the data (prepared once, here, so DDP ranks never race on
     the cache), the resume state and the disk space for checkpoints. None after --estimate_only."""
@@ -183,7 +196,8 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
         else "cpu"
     run.precision, precision_why = resolve_precision(run.precision, device_type)
     quantize = None if run.quantize in (None, "none", "None") else run.quantize
-    lora = args.lora.config()
+    objective = objective or SFT
+    lora = objective.lora_config(args)
     micro = check_flags(args, quantize, lora)
     if micro is None:
         return None
@@ -208,11 +222,16 @@ def check_inputs(args: FinetuneArgs) -> Optional[Inputs]:
     n_lora = sum(p.numel() for p in meta_model(config, lora).parameters() if p.requires_grad)
     check_disk_space(out_dir, checkpoint_bytes(n_lora))
     max_seq_length = min(data.max_seq_length or config.block_size, config.block_size)
-    settings = DataSettings(max_seq_length, template=data.template, mask_inputs=data.mask_inputs,
-                            ignore_index=IGNORE_INDEX)
-    train_data, val_data, data_meta = ensure_prepared(data.data_dir, tokenizer, settings)
+    train_data, val_data, data_meta = objective.load_data(args, tokenizer, config, max_seq_length)
     return Inputs(given, precision_why, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length,
-                  train_data, val_data, data_meta, resume_path, resume_state)
+                  train_data, val_data, data_meta, resume_path, resume_state, objective)
+
+
+def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
+    """SFT's samples: prepared from --data_dir once, here, so DDP ranks never race on the cache."""
+    settings = DataSettings(max_seq_length, template=args.data.template, mask_inputs=args.data.mask_inputs,
+                            ignore_index=IGNORE_INDEX)
+    return ensure_prepared(args.data.data_dir, tokenizer, settings)
 
 
 def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -> Optional[int]:
@@ -273,6 +292,7 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
         tune_cpu_allocator()  # step temporaries reuse heap pages instead of page-faulting fresh ones each step
     s = build_model(fabric, args, inputs)
     restore(s)
+    inputs.objective.start(s)
     if fabric.global_rank == 0:
         resolved = dict(precision=args.run.precision, micro_batch_size=inputs.micro_batch_size,
                         batch_size=inputs.batch_size, quantize_lm_head=s.train_info["quantize_lm_head"],
@@ -360,15 +380,16 @@ def restore(s: Session) -> None:
 def fit(s: Session) -> None:
     """The training loop: steps, logging, periodic validation and checkpoints, a clean stop on SIGINT/SIGTERM."""
     fabric, args, world = s.fabric, s.args, s.fabric.world_size
-    metrics = MetricsLog(args.run.out_dir, resume_iter=s.step, enabled=fabric.global_rank == 0)
+    objective = s.inputs.objective
+    metrics = MetricsLog(args.run.out_dir, resume_iter=s.step, enabled=fabric.global_rank == 0,
+                         extra_fields=objective.metric_fields)
     stop = StopRequest()
     rows = f" rows of {s.inputs.max_seq_length} packed tokens" if args.data.packing else ""
     fabric.print(f"Training {s.max_steps} iterations: {len(s.inputs.train_data)} samples, batch "
                  f"{s.inputs.batch_size}{rows} (micro {s.inputs.micro_batch_size} x {world} devices x {s.accum} "
                  f"accumulation), lr {args.train.learning_rate}", file=sys.stderr)
     if s.step == 0 and args.eval.eval_iters > 0:  # the starting point, so the curve shows what training changed
-        val0 = validate(s)
-        metrics.log(dict(iter=0, step=0, val_loss=val0, val_ppl=float(torch.tensor(val0).exp())))
+        metrics.log(dict(iter=0, step=0, **objective.validate(s)))
     s.model.train()
     while s.step < s.max_steps:
         t0 = time.perf_counter()
@@ -376,17 +397,17 @@ def fit(s: Session) -> None:
         s.step += 1
         if result is None:  # a skipped step (--nan_policy skip)
             continue
-        loss, tokens = result
+        loss, tokens, extra = result
         dt = time.perf_counter() - t0
         s.train_time += dt
         s.losses.append(loss)
         s.iter_times.append(dt)
         s.iter_tokens.append(tokens)
         row = dict(iter=s.step, step=s.step, loss=loss, lr=s.optimizer.param_groups[0]["lr"], iter_time_ms=dt * 1000,
-                   tokens=tokens, tokens_per_sec=tokens / dt)
+                   tokens=tokens, tokens_per_sec=tokens / dt, **extra)
         if args.eval.eval_iters > 0 and (s.step % args.eval.eval_interval == 0 or s.step == s.max_steps):
-            s.val_loss = validate(s)
-            row.update(val_loss=s.val_loss, val_ppl=float(torch.tensor(s.val_loss).exp()))
+            row.update(objective.validate(s))
+            s.val_loss = row["val_loss"]
         metrics.log(row)
         if fabric.global_rank == 0 and (s.step % args.train.log_interval == 0 or s.step == s.max_steps):
             show_progress(s.step, s.max_steps, loss, dt, tokens, s.train_time)
@@ -408,26 +429,10 @@ def fit(s: Session) -> None:
     metrics.close()
 
 
-def train_step(s: Session) -> Optional[tuple[float, int]]:
-    """One optimizer step over `accum` micro-batches: (loss per target token, tokens), or None if it was skipped."""
-    fabric, t, world, rank = s.fabric, s.args.train, s.fabric.world_size, s.fabric.global_rank
-    micro = [shard_batch(next(s.stream), rank, world) for _ in range(s.accum)]
-    # Normalize by the target tokens of the whole optimizer step on all devices, so accumulation and DDP give the
-    # same update as one big batch.
-    targets = [shift_labels(b["labels"], IGNORE_INDEX) for b in micro]
-    n_tok = torch.tensor(float(sum(int((tg != IGNORE_INDEX).sum()) for tg in targets)), device=fabric.device)
-    n_tok = fabric.all_reduce(n_tok, reduce_op="sum") if world > 1 else n_tok
-    loss_sum = torch.zeros((), device=fabric.device)
-    for j, (batch, tgt) in enumerate(zip(micro, targets)):
-        s.row_slots += batch["input_ids"].numel() * world
-        batch, tgt = unpad(batch, tgt)  # why: see unpad(); the padding would cost as much as real tokens
-        with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
-            loss = _batch_loss(s, batch, tgt)
-            fabric.backward(loss * world / n_tok.clamp(min=1))
-        loss_sum += loss.detach()
-        s.computed_tokens += batch["input_ids"].numel() * world
-    loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
-    step_loss = float(loss_sum / n_tok.clamp(min=1))
+def train_step(s: Session) -> Optional[tuple[float, int, dict]]:
+    """One optimizer step over `accum` micro-batches: (loss, tokens, more metrics), or None if it was skipped."""
+    fabric, t = s.fabric, s.args.train
+    step_loss, tokens, extra = s.inputs.objective.accumulate(s)
     trainable = [p for p in s.gpt.parameters() if p.requires_grad]
     # Under 16-mixed, Fabric's GradScaler multiplies the loss by its scale (2^16 at first), so the gradients of a
     # healthy step can overflow: the scaler finds that, skips the update and halves its scale. Only a non-finite
@@ -463,7 +468,29 @@ def train_step(s: Session) -> Optional[tuple[float, int]]:
         raise TrainingDiverged(f"weights became non-finite at iteration {s.step + 1} ({_last_good(s)}); try "
                                f"--precision bf16-true or bf16-mixed, or a lower --learning_rate than "
                                f"{t.learning_rate}")
-    return step_loss, sum(int(b["lengths"].sum()) for b in micro) * world
+    return step_loss, tokens, extra
+
+
+def sft_accumulate(s: Session) -> tuple[float, int, dict]:
+    """SFT's forwards and backwards of one step: (loss per target token, tokens, no more metrics)."""
+    fabric, world, rank = s.fabric, s.fabric.world_size, s.fabric.global_rank
+    micro = [shard_batch(next(s.stream), rank, world) for _ in range(s.accum)]
+    # Normalize by the target tokens of the whole optimizer step on all devices, so accumulation and DDP give the
+    # same update as one big batch.
+    targets = [shift_labels(b["labels"], IGNORE_INDEX) for b in micro]
+    n_tok = torch.tensor(float(sum(int((tg != IGNORE_INDEX).sum()) for tg in targets)), device=fabric.device)
+    n_tok = fabric.all_reduce(n_tok, reduce_op="sum") if world > 1 else n_tok
+    loss_sum = torch.zeros((), device=fabric.device)
+    for j, (batch, tgt) in enumerate(zip(micro, targets)):
+        s.row_slots += batch["input_ids"].numel() * world
+        batch, tgt = unpad(batch, tgt)  # why: see unpad(); the padding would cost as much as real tokens
+        with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
+            loss = _batch_loss(s, batch, tgt)
+            fabric.backward(loss * world / n_tok.clamp(min=1))
+        loss_sum += loss.detach()
+        s.computed_tokens += batch["input_ids"].numel() * world
+    loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
+    return float(loss_sum / n_tok.clamp(min=1)), sum(int(b["lengths"].sum()) for b in micro) * world, {}
 
 
 def _note_overflow(s: Session, before: float, after: float) -> None:
@@ -541,6 +568,14 @@ def validate(s: Session) -> float:
                      f"sample: {text[:200]!r}", file=sys.stderr)
     s.model.train()
     return val_loss
+
+
+def sft_validate(s: Session) -> dict:
+    return dict(val_loss=(v := validate(s)), val_ppl=float(torch.tensor(v).exp()))
+
+
+SFT = Objective(lora_config=lambda args: args.lora.config(), load_data=sft_data, start=lambda s: None,
+                accumulate=sft_accumulate, validate=sft_validate)
 
 
 def save(s: Session, reason: str) -> Path:

@@ -17,6 +17,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
 from lit_qlora.lora import LoRAConfig
+from lit_qlora.preference import LOSSES
 from lit_qlora.readers import read_yaml
 from lit_qlora.utils import UserError
 
@@ -113,6 +114,9 @@ class LoRAArgs:
     loraplus_lr_ratio: Optional[float] = None
     """LoRA+: B's learning rate is this times --learning_rate (A's), as PEFT's create_loraplus_optimizer groups them
     (e.g. 16); left out: one learning rate."""
+    lora_dora: bool = False
+    """DoRA: each adapted output row of W + alpha/r * B @ A is scaled to a trained magnitude (PEFT's use_dora; the
+    row norms on a 4-bit base come from the base layer itself, no dequantized copy of it is kept)."""
 
     def __post_init__(self) -> None:
         if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
@@ -122,7 +126,8 @@ class LoRAArgs:
     def config(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
                           key=self.lora_key, value=self.lora_value, projection=self.lora_projection, mlp=self.lora_mlp,
-                          head=self.lora_head, rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio)
+                          head=self.lora_head, rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio,
+                          dora=self.lora_dora)
 
 
 @dataclass
@@ -172,6 +177,30 @@ class EvalArgs:
     """Tokens of the validation sample."""
 
 
+@dataclass
+class PreferenceArgs:
+    """Preference tuning (finetune/dpo.py)"""
+
+    loss: str = "dpo"
+    """dpo, ipo, orpo or simpo (lit_qlora/preference.py; as TRL's DPOTrainer sigmoid / ipo, ORPOTrainer, CPOTrainer
+    simpo)."""
+    beta: float = 0.1
+    """dpo/ipo: how far the policy may move from the reference (IPO's tau); orpo: the odds-ratio term's weight
+    (ORPO's lambda); simpo: the reward scale."""
+    gamma: float = 0.5
+    """simpo: the target reward margin (SimPO's gamma, TRL's simpo_gamma)."""
+    lora_path: Optional[Path] = None
+    """An SFT adapter (lit_model_lora_finetuned.pth of finetune/lora.py) to start from: it is trained further and,
+    as it was, is the reference of dpo/ipo. Left out: a fresh adapter, the base model is the reference. Its LoRA
+    settings replace the --lora_* flags."""
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise UserError(f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        if not self.beta > 0:
+            raise UserError(f"--beta must be above 0, got {self.beta}; use e.g. 0.1")
+
+
 GROUPS = (RunArgs, DataArgs, LoRAArgs, TrainArgs, EvalArgs)
 
 
@@ -184,41 +213,51 @@ class FinetuneArgs:
     lora: LoRAArgs
     train: TrainArgs
     eval: EvalArgs
+    pref: Optional[PreferenceArgs] = None  # finetune/dpo.py only
 
     def as_flat_dict(self) -> dict:
         """The flags and their values, as a `--config` file holds them (what hyperparameters.json records)."""
         out = {}
-        for group in (self.run, self.data, self.lora, self.train, self.eval):
+        for group in (self.run, self.data, self.lora, self.train, self.eval, *([self.pref] if self.pref else [])):
             out.update({k: str(v) if isinstance(v, Path) else v for k, v in asdict(group).items()})
         return out
 
 
-def finetune_parser() -> ArgumentParser:
+def finetune_parser(preference: bool = False) -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(prog="finetune/lora.py", description="Fine-tune a model with LoRA on a dense or quantized "
-                                                                  "(QLoRA) base.")
+    parser = ArgumentParser(prog="finetune/dpo.py" if preference else "finetune/lora.py",
+                            description="Preference-tune (DPO, IPO, ORPO, SimPO) a LoRA adapter" if preference else
+                            "Fine-tune a model with LoRA on a dense or quantized (QLoRA) base.")
     parser.add_argument("--config", action="config", help="A YAML file of flags (as --print_config writes it).")
-    for group in GROUPS:
+    for group in _groups(preference):
         parser.add_class_arguments(group, None)
     return parser
 
 
-def parse_finetune_args(argv: Optional[list[str]] = None) -> FinetuneArgs:
-    """Parse the command line; without --checkpoint_dir, the demo preset lies under the flags given."""
+def _groups(preference: bool) -> tuple:
+    return (*GROUPS, PreferenceArgs) if preference else GROUPS
+
+
+def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = False) -> FinetuneArgs:
+    """Parse the command line; without --checkpoint_dir, the demo preset lies under the flags given (finetune/lora.py;
+    finetune/dpo.py needs --checkpoint_dir). `preference`: finetune/dpo.py's flags too."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[-1] == "--resume" or any(a == "--resume" and b.startswith("--") for a, b in zip(argv, argv[1:])):
         argv.insert(argv.index("--resume") + 1, "true")  # a bare `--resume` means `--resume true`
-    argv, sources = _checked_configs(argv)
-    parser = finetune_parser()
+    argv, sources = _checked_configs(argv, preference)
+    parser = finetune_parser(preference)
     parser.exit_on_error = False  # a wrong value is one line naming the flag (and the --config file), not a usage text
     try:
         ns = parser.parse_args(argv)
+        if ns.checkpoint_dir is None and preference:
+            raise UserError("--checkpoint_dir is required (finetune/dpo.py has no demo); pass the model folder, and "
+                            "--data_dir a folder of prompt/chosen/rejected rows")
         if ns.checkpoint_dir is None:
             ns = parser.parse_args(["--config", str(demo.PRESET), *argv])
     except ArgumentError as e:
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
-    return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in GROUPS))
+    return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
 
 
 # what hyperparameters.json records beside the flags: the LoRA settings as one object (also there as lora_* flags) and
@@ -226,11 +265,11 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> FinetuneArgs:
 _RECORD_ONLY = ("lora", "resolved")
 
 
-def _checked_configs(argv: list[str]) -> tuple[list[str], list[str]]:
+def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[str], list[str]]:
     """argv with each `--config FILE` read through lit_qlora.readers (a UserError naming the file and the line or
     the key for undecodable text, bad YAML / JSON, a top level that is not a mapping, a key that is no flag) and
     replaced by its checked content; and the files' names."""
-    flags = {f.name for group in GROUPS for f in fields(group)}
+    flags = {f.name for group in _groups(preference) for f in fields(group)}
     out, sources, i = [], [], 0
     while i < len(argv):
         a = argv[i]

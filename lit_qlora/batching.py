@@ -195,10 +195,14 @@ class BatchStream:
         else:
             idx = self._order[self.position:self.position + self.batch_size]
             self.position += len(idx)
-            batch = collate([self.samples[i] for i in idx], **self.collate_kw)
+            batch = self.collate_batch([self.samples[i] for i in idx])
         if self.position >= len(self._order):
             self.epoch, self.position, self._order, self._window = self.epoch + 1, 0, None, None
         return batch
+
+    def collate_batch(self, samples: list) -> dict[str, Tensor]:
+        """One batch of samples (not packed); a subclass streams other kinds of samples (lit_qlora.preference)."""
+        return collate(samples, **self.collate_kw)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "row": self.row, "seed": self.seed}

@@ -262,8 +262,10 @@ class MetricsLog:
 
     FIELDS = ("iter", "step", "loss", "lr", "iter_time_ms", "tokens", "tokens_per_sec", "val_loss", "val_ppl")
 
-    def __init__(self, out_dir: Path, resume_iter: int = 0, enabled: bool = True) -> None:
+    def __init__(self, out_dir: Path, resume_iter: int = 0, enabled: bool = True, extra_fields: tuple = ()) -> None:
+        """`extra_fields`: more columns after FIELDS (finetune/dpo.py's rewards)."""
         self.enabled = enabled
+        self.FIELDS = (*self.FIELDS, *extra_fields)
         self.path = Path(out_dir) / "metrics.csv"
         self.tb = None
         if not enabled:

@@ -88,6 +88,10 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
                 hf_keys = [f"{prefix}{n}.{param}" for n in fam["q_names"]]
                 plan.append((key, hf_keys, lambda parts, _l=qkv_layout(config): qkv_from_hf(config, _l, parts)))
                 continue
+            if fam["gate_up"] and sub in ("mlp.fc_1", "mlp.fc_2"):  # one HF tensor: fc_1's rows, then fc_2's
+                plan.append((key, [f"{prefix}{fam['gate_up']}.{param}"],
+                             lambda parts, _half=int(sub == "mlp.fc_2"): parts[0].chunk(2)[_half]))
+                continue
             hf_keys = [f"{prefix}{fam['map'][sub]}.{param}"]
         else:
             hf_keys = [f"{fam['globals'][head]}.{param}"]
@@ -95,15 +99,17 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
     return plan
 
 
-def lit_to_hf_plan(config: Config) -> list[tuple[str, str, Optional[int]]]:
-    """[(HF key, our key, index into the split qkv or None)]."""
-    out = []
+def lit_to_hf_plan(config: Config) -> list[tuple[str, tuple[str, ...], Optional[int]]]:
+    """[(HF key, our keys, index into the split qkv or None)]: one key of ours, but two (fc_1, fc_2) whose rows
+    one fused HF tensor stacks (Phi-3's gate_up_proj)."""
+    out: dict[str, tuple[tuple[str, ...], Optional[int]]] = {}
     for key, hf_keys, _ in hf_to_lit_plan(config):
         if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-            out += [(hk, key, j) for j, hk in enumerate(hf_keys)]
+            out.update({hk: ((key,), j) for j, hk in enumerate(hf_keys)})
         else:
-            out.append((hf_keys[0], key, None))
-    return out
+            keys, _ = out.get(hf_keys[0], ((), None))
+            out[hf_keys[0]] = (keys + (key,), None)
+    return [(hk, keys, j) for hk, (keys, j) in out.items()]
 
 
 # ---- reading HF folders lazily ----------------------------------------------------------------
@@ -224,20 +230,21 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
     plan = lit_to_hf_plan(config)
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         specs = []
-        for hf_key, key, j in plan:
-            sl = f.get_slice(key)
+        for hf_key, keys, j in plan:
+            sl = f.get_slice(keys[0])
             shape = list(sl.get_shape())
-            if j is not None and key.endswith(("attn.qkv.weight",
-                                               "attn.qkv.bias")) and len(family(config)["q_names"]) > 1:
+            shape[0] = sum(f.get_slice(k).get_shape()[0] for k in keys)
+            if j is not None and len(family(config)["q_names"]) > 1:
                 shape[0] = config.qkv_sizes[j]
             specs.append((hf_key, torch.Size(shape), DTYPES[sl.get_dtype()]))
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             cache: dict[str, list[torch.Tensor]] = {}
-            for hf_key, key, j in plan:
+            for hf_key, keys, j in plan:
                 if j is None:
-                    yield hf_key, f.get_tensor(key)
+                    yield hf_key, torch.cat([f.get_tensor(k) for k in keys]) if len(keys) > 1 else f.get_tensor(keys[0])
                     continue
+                (key,) = keys
                 if key not in cache:
                     cache.clear()  # one fused tensor alive at a time
                     cache[key] = qkv_to_hf(config, qkv_layout(config), f.get_tensor(key))

@@ -27,8 +27,9 @@ _QK_NORM = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"
 _SEPARATE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
-def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple) -> dict:
-    return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names)
+def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None) -> dict:
+    # gate_up: the HF module holding mlp.fc_1's rows then mlp.fc_2's in one tensor (Phi-3), else None
+    return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up)
 
 
 _LLAMA_NAMES = _names("model.layers.{i}.", _LLAMA_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
@@ -40,6 +41,9 @@ _GEMMA3_NAMES = _names("model.layers.{i}.", {**_GEMMA2_LAYER, **_QK_NORM}, _LLAM
 _OLMO2_LAYER = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                 **{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("norm_")}, **_QK_NORM}
 _OLMO2_NAMES = _names("model.layers.{i}.", _OLMO2_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
+# Phi-3 / Phi-4: one fused [q | k | v] and one fused [gate | up] Linear per layer
+_PHI3_NAMES = _names("model.layers.{i}.", {k: v for k, v in _LLAMA_LAYER.items() if k not in ("mlp.fc_1", "mlp.fc_2")},
+                     _LLAMA_GLOBAL, "fused", ("self_attn.qkv_proj",), gate_up="mlp.gate_up_proj")
 _NEOX_NAMES = _names("gpt_neox.layers.{i}.",
                      {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
                       "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
@@ -272,6 +276,19 @@ def _map_olmo2(hf: dict, arch: str) -> dict:
     return kw
 
 
+def _map_phi3(hf: dict, arch: str) -> dict:
+    rp = dict(_rope_params(hf))
+    if rp.get("rope_type", rp.get("type")) in ("su", "yarn"):  # Phi3Config reads both as longrope
+        rp["rope_type"] = "longrope"
+    # Phi3Config's defaults where config.json has no value
+    hf = {"original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **hf, "rope_parameters": rp}
+    kw = _llama_like(hf, arch)
+    kw.update(rotary_percentage=_partial_rotary(hf), norm_eps=hf["rms_norm_eps"],
+              hf_extra={k: hf.get(k, d) for k, d in (("pad_token_id", 32000), ("bos_token_id", 1),
+                                                     ("eos_token_id", 32000))})
+    return kw
+
+
 def _map_gpt_neox(hf: dict, arch: str) -> dict:
     base, _ = rope_from_hf(_rope_params(hf), hf, arch)
     return dict(
@@ -433,6 +450,15 @@ def _to_olmo2(c: Any) -> dict:
     return d
 
 
+def _to_phi3(c: Any) -> dict:
+    d = _llama_to_hf(c, "phi3")
+    d.pop("attention_bias")  # Phi-3 has no such field (and no biases)
+    d.update(c.hf_extra, partial_rotary_factor=c.rotary_percentage, sliding_window=c.sliding_window_size,
+             original_max_position_embeddings=(c.rope_scaling or {}).get("original_max_position_embeddings",
+                                                                         c.block_size))
+    return d
+
+
 def _to_stablelm(c: Any) -> dict:
     return dict(_common(c), model_type="stablelm", num_key_value_heads=c.n_query_groups,
                 intermediate_size=c.intermediate_size,
@@ -489,6 +515,7 @@ SPECS: dict[str, FamilySpec] = {s.architecture: s for s in (
     FamilySpec("Gemma2ForCausalLM", "gemma2", _map_gemma2, _to_gemma2, _fixed(_GEMMA2_NAMES)),
     FamilySpec("Gemma3ForCausalLM", "gemma3_text", _map_gemma3, _to_gemma3, _fixed(_GEMMA3_NAMES)),
     FamilySpec("Olmo2ForCausalLM", "olmo2", _map_olmo2, _to_olmo2, _fixed(_OLMO2_NAMES)),
+    FamilySpec("Phi3ForCausalLM", "phi3", _map_phi3, _to_phi3, _fixed(_PHI3_NAMES)),
     FamilySpec("StableLmForCausalLM", "stablelm", _map_stablelm, _to_stablelm, _fixed(_LLAMA_NAMES)),
     FamilySpec("GPTNeoXForCausalLM", "gpt_neox", _map_gpt_neox, _to_gpt_neox, _fixed(_NEOX_NAMES)),
     FamilySpec("FalconForCausalLM", "falcon", _map_falcon, _to_falcon, _falcon_names),

@@ -11,6 +11,8 @@ Falcon) the exported LoRA has rank n*r (n = enabled parts): A = the stacked A's,
 its rows permuted into the HF row layout, and `rank_pattern`/`alpha_pattern` keep the scaling alpha/r.
 Importing such a PEFT LoRA (one A of rank R shared by q, k and v) duplicates A for each of our parts and
 de-interleaves B; our own exports are recognised (from the safetensors metadata) and restored as they were.
+Phi-3's fused `gate_up_proj` (our mlp.fc_1 and mlp.fc_2) is exported the same way: rank 2r, A = [A_1; A_2],
+B = block-diagonal; a PEFT LoRA of rank R on it is, exactly, the same A with B's first and second halves of rows.
 """
 from __future__ import annotations
 
@@ -41,15 +43,23 @@ _QKV = ("query", "key", "value")
 _V5_HEAD = "lm_head"
 
 
+_GATE_UP = ("mlp.fc_1", "mlp.fc_2")  # our two halves of a fused HF gate_up Linear (family spec's `gate_up`)
+
+
 def _mlp_names(config: Config) -> tuple[str, ...]:
     return ("mlp.fc", "mlp.proj") if config.mlp_class == "GptNeoxMLP" else ("mlp.fc_1", "mlp.fc_2", "mlp.proj")
+
+
+def _partner(ours_fc_1: str) -> str:
+    """Our mlp.fc_2 beside the mlp.fc_1 that names a fused gate_up LoRA."""
+    return ours_fc_1.removesuffix(_GATE_UP[0]) + _GATE_UP[1]
 
 
 def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]:
     """Every Linear a LoRA can target: (HF module name, our module name, category, layer or None).
 
     category is one of query/key/value (separate HF projections), qkv (one fused HF Linear),
-    projection, mlp, head."""
+    projection, mlp, gate_up (one fused HF Linear over our mlp.fc_1, named by it, and mlp.fc_2), head."""
     fam = family(config)
     fused = qkv_layout(config) != "separate"
     out = []
@@ -60,7 +70,11 @@ def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]
         else:
             out += [(pre + n, ours + "attn.qkv", cat, i) for cat, n in zip(_QKV, fam["q_names"])]
         out.append((pre + fam["map"]["attn.proj"], ours + "attn.proj", "projection", i))
-        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in _mlp_names(config)]
+        mlp = _mlp_names(config)
+        if fam["gate_up"]:
+            out.append((pre + fam["gate_up"], ours + _GATE_UP[0], "gate_up", i))
+            mlp = tuple(m for m in mlp if m not in _GATE_UP)
+        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in mlp]
     out.append((fam["globals"]["lm_head"], "lm_head", "head", None))
     return out
 
@@ -97,10 +111,12 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
                 row += n
             (B,) = qkv_to_hf(base_config, layout, fused_b)
             if len(parts) > 1:
-                short = hf_mod.rsplit(".", 1)[-1]
-                # the same scaling at rank n*r: alpha/r = n*alpha/(n*r); rsLoRA: alpha/sqrt(r) = sqrt(n)*alpha/sqrt(n*r)
-                n_alpha = math.sqrt(len(parts)) * lora.alpha if lora.rslora else len(parts) * lora.alpha
-                rank_pattern[short], alpha_pattern[short] = len(parts) * r, n_alpha
+                _fused_rank(hf_mod, len(parts), lora, rank_pattern, alpha_pattern)
+        elif cat == "gate_up":  # one fused HF Linear over fc_1 | fc_2: rank 2r, block-diagonal B
+            other = _partner(ours)
+            A = torch.cat([A, _get(sd, other + ".lora_A")])
+            B = torch.block_diag(B, _get(sd, other + ".lora_B"))
+            _fused_rank(hf_mod, 2, lora, rank_pattern, alpha_pattern)
         for mod in [hf_mod] + ([_V5_HEAD] if cat == "head" and hf_mod != _V5_HEAD else []):
             tensors[f"{_PREFIX}{mod}.lora_A.weight"] = A.float().clone()
             tensors[f"{_PREFIX}{mod}.lora_B.weight"] = B.float().clone()
@@ -124,6 +140,14 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
     atomic_write(out_dir / PEFT_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta))
     atomic_write(out_dir / PEFT_CONFIG, lambda p: p.write_text(json.dumps(peft_config, indent=2)))
     return out_dir
+
+
+def _fused_rank(hf_mod: str, n: int, lora: LoRAConfig, rank_pattern: dict, alpha_pattern: dict) -> None:
+    """One fused HF Linear carries n of our LoRAs side by side: rank n*r with the same scaling, alpha/r =
+    n*alpha / (n*r), or rsLoRA's alpha/sqrt(r) = sqrt(n)*alpha / sqrt(n*r)."""
+    short = hf_mod.rsplit(".", 1)[-1]
+    rank_pattern[short] = n * lora.r
+    alpha_pattern[short] = math.sqrt(n) * lora.alpha if lora.rslora else n * lora.alpha
 
 
 def _get(sd: dict, key: str) -> torch.Tensor:
@@ -213,6 +237,8 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
         out_f, in_f = shapes[ours + ".weight"]
         if cat in _QKV:
             out_f = base_config.qkv_sizes[_QKV.index(cat)]
+        elif cat == "gate_up":
+            out_f = 2 * out_f
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1] or A.shape[1] != in_f or B.shape[0] != out_f:
             raise UserError(f"{where} has {mod} LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} but the base model "
                             f"{base_name} has that layer as [{out_f}, {in_f}]; use the base model the adapter was made "
@@ -267,6 +293,11 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
         flags.update(next(iter(restored.values()))[3])
     else:
         restored = {}
+    # fused HF gate_up: our own export (rank 2r, block-diagonal) back as its two LoRAs, when every layer still is
+    halves = {ours: _gate_up_halves(lit_meta, *mods[cats["gate_up"]][:2]) for ours, cats in by_ours.items()
+              if "gate_up" in cats}
+    if not all(v is not None for v in halves.values()):
+        halves = {}
     for ours, cats in by_ours.items():
         if "qkv" in cats:  # one fused HF Linear
             A, B, s = fused_qkv[ours]  # B rows in our order [q | k | v]
@@ -277,6 +308,12 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
                 A = torch.cat([A, A, A])
             lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
             ranks[ours] = (r, s)
+        elif "gate_up" in cats:  # one fused HF Linear: fc_1 has its first half of rows, fc_2 the second
+            A, B, s = mods[cats["gate_up"]]
+            (A1, B1), (A2, B2) = halves.get(ours) or ((A, B[:B.shape[0] // 2]), (A, B[B.shape[0] // 2:]))
+            for name, a, b in ((ours, A1, B1), (_partner(ours), A2, B2)):
+                lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = a, b
+                ranks[name] = (a.shape[0], s)
         elif any(c in _QKV for c in cats):  # separate HF projections: stack them
             mlist = [mods[cats[c]] for c in _QKV if c in cats]
             _check_uniform([(m[0].shape[0], m[2]) for m in mlist], where, ours)
@@ -327,7 +364,7 @@ def _layers_by_category(mods: dict, universe: dict) -> dict[str, set]:
     by_cat: dict[str, set] = {}
     for mod in mods:
         _, cat, i = universe[mod]
-        key = cat if cat != "mlp" else f"mlp:{mod.rsplit('.', 1)[-1]}"
+        key = cat if cat not in ("mlp", "gate_up") else f"mlp:{mod.rsplit('.', 1)[-1]}"
         by_cat.setdefault(key, set()).add(i)
     return by_cat
 
@@ -442,6 +479,16 @@ def _lit_meta(meta: dict) -> Optional[dict]:
         return json.loads(meta[_META_KEY]) if _META_KEY in meta else None
     except (json.JSONDecodeError, TypeError):
         return None
+
+
+def _gate_up_halves(lit: Optional[dict], A: torch.Tensor, B: torch.Tensor):
+    """Undo our own export of fc_1's and fc_2's LoRAs as one on a fused gate_up (block-diagonal B, rank 2r), if it is
+    one: ((A_1, B_1), (A_2, B_2)) or None."""
+    r = int((lit or {}).get("r", 0))
+    rows = B.shape[0] // 2
+    if r <= 0 or A.shape[0] != 2 * r or B[:rows, r:].count_nonzero().item() or B[rows:, :r].count_nonzero().item():
+        return None
+    return (A[:r], B[:rows, :r]), (A[r:], B[rows:, r:])
 
 
 def _block_diagonal(config: Config, lit: Optional[dict], A: torch.Tensor, B: torch.Tensor):

@@ -2,8 +2,8 @@
 
 - family_ckpt: a tiny random HF model of each supported family (parametrized), converted, with transformers' model and
   ours loaded (test_model, test_convert)
-- lora_llama / lora_neox / lora_tied / lora_falcon7b / lora_falcon40b: converted tiny checkpoints for LoRA, PEFT and
-  merge tests; lora_ckpt runs a test on each of the first three
+- lora_llama / lora_neox / lora_tied / lora_falcon7b / lora_falcon40b / lora_phi3: converted tiny checkpoints for
+  LoRA, PEFT and merge tests; lora_ckpt runs a test on each of the first three
 - train_setup: a tiny Llama with a byte-level BPE tokenizer and a learnable data set, for the scripts' tests
 - trained_run: (out_dir, result) of one finetune/lora.py run on train_setup that learns the task
 - scripted_chat: a tiny Llama 3-style chat checkpoint whose model answers a known reply (helpers_chat)
@@ -53,6 +53,11 @@ def lora_falcon7b(tmp_path_factory):  # one fused multi-query query_key_value, t
 @pytest.fixture(scope="session")
 def lora_falcon40b(tmp_path_factory):  # one fused query_key_value grouped per kv head, tied head
     return converted_tiny(tmp_path_factory, "falcon40b", "tiny-falcon40b")
+
+
+@pytest.fixture(scope="session")
+def lora_phi3(tmp_path_factory):  # one fused qkv_proj and one fused gate_up_proj in transformers
+    return converted_tiny(tmp_path_factory, "phi3", "tiny-phi3")
 
 
 @pytest.fixture(params=["lora_llama", "lora_neox", "lora_tied"])

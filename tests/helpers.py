@@ -99,6 +99,22 @@ TINY_HF_CONFIGS: dict[str, dict] = {
                     bos_token_id=None, eos_token_id=None,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                      "rope_theta": 10000.0}),
+    # Phi-3: fused qkv_proj and gate_up_proj; longrope (short factors here, long ones in test_families) on half of
+    # each head (partial rotary); a sliding window shorter than the test sequences
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=320, hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=128, original_max_position_embeddings=32, partial_rotary_factor=0.5,
+                 sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}),
+    # Phi-4-mini's shape of it: a tied head, 3/4 of each head rotated, no sliding window
+    "phi4_mini": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=320, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                      max_position_embeddings=128, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                      sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                       "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                                       "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]}),
     # longrope: the short factors (every test sequence is within original_max_position_embeddings; the long ones are
     # tested in test_model)
     "llama_longrope": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,

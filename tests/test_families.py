@@ -2,6 +2,8 @@
 test_model.py, test_convert.py) do not show: longrope's long factors, both config formats of transformers, refusals."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import TINY_HF_CONFIGS, load_ours, make_tiny_hf_model, random_tokens
@@ -11,11 +13,13 @@ from lit_qlora.convert import convert_hf_checkpoint
 from lit_qlora.utils import UserError
 
 
+@pytest.mark.parametrize("kind", ["llama_longrope", "phi3"])
 @torch.no_grad()
-def test_longrope_long_factors_match_transformers(tmp_path):
+def test_longrope_long_factors_match_transformers(tmp_path, kind):
     """Past original_max_position_embeddings (32) longrope switches to its long factors and its attention factor:
-    logits of a 40-token sequence equal transformers', and differ from the short factors' (the switch matters)."""
-    hf = make_tiny_hf_model("llama_longrope", tmp_path, initializer_range=0.2)
+    logits of a 40-token sequence equal transformers', and differ from the short factors' (the switch matters).
+    Phi-3: on the rotated part of each head only (partial rotary)."""
+    hf = make_tiny_hf_model(kind, tmp_path, initializer_range=0.2)
     convert_hf_checkpoint(tmp_path)
     ours = load_ours(tmp_path)
     idx = random_tokens(1, 40, seed=5)
@@ -41,6 +45,23 @@ def test_gemma3_reads_the_same_from_both_config_formats():
     assert a.layer_types[-1] == "full_attention" and a.qk_norm == "head" and a.post_norms
 
 
+@pytest.mark.parametrize("old", ["su", "yarn"])
+def test_phi3_reads_older_rope_type_names_as_longrope(old):
+    """Phi3Config reads a Phi-3 config's rope type "su" (the first 128k configs) or "yarn" as longrope; so do we.
+    In the form those config.json files have: rope_scaling with "type", rope_theta beside it. (transformers 5.24
+    renames "su" too late for its own check, which then misses original_max_position_embeddings: shown on yarn.)"""
+    import transformers
+
+    hf = dict(TINY_HF_CONFIGS["phi3"])
+    rp = hf.pop("rope_parameters")
+    hf.update(rope_theta=rp["rope_theta"], rope_scaling=dict(type=old, short_factor=rp["short_factor"],
+                                                             long_factor=rp["long_factor"]))
+    if old == "yarn":
+        # (a copy: Phi3Config renames the type inside the dict it is given)
+        assert transformers.Phi3Config(**copy.deepcopy(hf)).rope_parameters["rope_type"] == "longrope"
+    assert Config.from_hf_config(hf) == Config.from_hf_config(TINY_HF_CONFIGS["phi3"])
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'dynamic'"),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
@@ -60,7 +81,8 @@ def test_unimplemented_config_fields_are_refused_naming_them(change, message):
     ("gemma2", "attn_softcap", None), ("gemma2", "final_softcap", None), ("gemma3", "qk_norm", None),
     ("gemma3", "rope_local_base", None), ("gemma3", "layer_types", None), ("olmo2", "post_norms", False),
     ("smollm3", "nope_layers", None), ("smollm3", "rope_scaling", None),
-    ("llama_longrope", "rope_scaling", None), ("qwen3", "qk_norm", None),
+    ("llama_longrope", "rope_scaling", None), ("qwen3", "qk_norm", None), ("phi3", "rope_scaling", None),
+    ("phi3", "sliding_window_size", None),
 ])
 @torch.no_grad()
 def test_each_feature_changes_the_logits(tmp_path, kind, field, value):
@@ -101,7 +123,7 @@ def test_olmo2_norm_scales_in_fp32_as_transformers():
     assert not torch.equal(llama_order(x), ref(x))
 
 
-NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "mistral_nemo", "llama_longrope"]
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "mistral_nemo", "llama_longrope", "phi3", "phi4_mini"]
 
 
 @pytest.mark.parametrize("kind", NEW_FAMILIES)

@@ -23,8 +23,9 @@ def test_rslora_scaling_is_alpha_over_sqrt_r():
     assert LoRAConfig(rslora=True).targets() == ["query", "value"]  # a variant flag is no target
 
 
-@pytest.mark.parametrize("which,targets", [("lora_llama", ALL), ("lora_neox", QV), ("lora_falcon40b", ALL)],
-                         ids=["llama-all", "neox-qv", "falcon40b-all"])
+@pytest.mark.parametrize("which,targets", [("lora_llama", ALL), ("lora_neox", QV), ("lora_falcon40b", ALL),
+                                           ("lora_phi3", ALL)],
+                         ids=["llama-all", "neox-qv", "falcon40b-all", "phi3-all"])
 @torch.no_grad()
 def test_rslora_export_runs_in_peft_and_comes_back(which, targets, request, tmp_path):
     from peft import PeftModel

@@ -175,7 +175,8 @@ def test_activation_checkpointing_gives_the_same_gradients(lora_llama, quantize)
         torch.testing.assert_close(checkpointed[name], g, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox", "mistral"], indirect=True)  # mistral: sliding window 8
+# mistral: sliding window 8; phi3: and partial rotary with longrope
+@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox", "mistral", "phi3"], indirect=True)
 def test_packed_samples_train_exactly_as_alone(family_ckpt):
     """Three samples packed into one row (with a padded second row): every token's loss equals its loss when its
     sample runs alone, within 1e-5 in fp32, and so do the LoRA gradients of the summed loss."""

@@ -17,6 +17,7 @@ PEFT_TARGETS = {
     # transformers 5 calls GPT-NeoX's head lm_head (embed_out before): name both so either version adapts it
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "embed_out", "lm_head"],
     "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "lm_head"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"],
 }
 
 
@@ -25,9 +26,10 @@ QV = dict(query=True, value=True)
 
 @pytest.mark.parametrize("which,targets", [
     ("lora_llama", ALL), ("lora_neox", ALL), ("lora_llama", QV), ("lora_neox", QV), ("lora_tied", ALL),
-    ("lora_falcon7b", ALL), ("lora_falcon7b", QV), ("lora_falcon40b", ALL), ("lora_falcon40b", QV)],
+    ("lora_falcon7b", ALL), ("lora_falcon7b", QV), ("lora_falcon40b", ALL), ("lora_falcon40b", QV),
+    ("lora_phi3", ALL), ("lora_phi3", dict(mlp=True))],
     ids=["llama-all", "neox-all", "llama-qv", "neox-qv", "tied-all", "falcon7b-all", "falcon7b-qv", "falcon40b-all",
-         "falcon40b-qv"])
+         "falcon40b-qv", "phi3-all", "phi3-mlp"])
 @torch.no_grad()
 def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     from peft import PeftModel
@@ -56,9 +58,10 @@ def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     ("lora_llama", ["q_proj", "v_proj"], False),
     ("lora_llama", ["o_proj", "down_proj"], False), ("lora_llama", PEFT_TARGETS["llama"], True),
     ("lora_neox", "all-linear", False), ("lora_tied", PEFT_TARGETS["llama"], False),
-    ("lora_falcon7b", PEFT_TARGETS["falcon"], False), ("lora_falcon40b", PEFT_TARGETS["falcon"], False)],
+    ("lora_falcon7b", PEFT_TARGETS["falcon"], False), ("lora_falcon40b", PEFT_TARGETS["falcon"], False),
+    ("lora_phi3", PEFT_TARGETS["phi3"], False), ("lora_phi3", ["gate_up_proj"], False)],
     ids=["llama-all", "neox-all", "llama-qv", "llama-partial-mlp", "llama-rslora", "neox-all-linear", "tied-all",
-         "falcon7b-all", "falcon40b-all"])
+         "falcon7b-all", "falcon40b-all", "phi3-all", "phi3-gate-up-only"])
 @torch.no_grad()
 def test_peft_made_adapter_imports_exactly(which, peft_targets, rslora, request, tmp_path):
     from peft import LoraConfig, get_peft_model

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_qlora import chat_template as ct
-from lit_qlora.batching import unpad
+from lit_qlora.batching import BatchStream, unpad
 from lit_qlora.prepare import DataSettings, find_raw_files, resolve_template
 from lit_qlora.records import load_records, split
 from lit_qlora.templates import CHAT, get_template
@@ -170,6 +170,14 @@ def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.
     logits = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target, **packed)
     sums, counts = sequence_logps(token_logps(logits, tgt[has_target]), seq_ids, n_seq)
     return split_pairs(sums, counts)
+
+
+class PairStream(BatchStream):
+    """BatchStream's reproducible, resumable order over pairs; a batch is the list of its pairs (each device collates
+    its share of them with `collate_pairs`)."""
+
+    def collate_batch(self, samples: list) -> list:
+        return samples
 
 
 # ---- data ---------------------------------------------------------------------------------------------

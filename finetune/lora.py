@@ -53,6 +53,7 @@ from lit_qlora.memory import plan_micro_batch_size
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
 from lit_qlora.prepare import DataSettings, ensure_prepared
 from lit_qlora.prequantized import load_note
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import (
     assert_trainable_4bit,
     check_quantize,
@@ -62,6 +63,7 @@ from lit_qlora.quantize import (
 )
 from lit_qlora.templates import CHAT
 from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.tracking import RunWatch
 from lit_qlora.training import (
     FINAL_ADAPTER,
     OPTIMIZERS,
@@ -158,6 +160,7 @@ class Session:
     overflow_skips: int = 0  # updates the fp16 GradScaler skipped
     overflows_in_a_row: int = 0
     val_loss: Optional[float] = None
+    watch: Optional[RunWatch] = None  # trackers and early stopping (lit_qlora/tracking.py), set by fit
 
 
 def setup(args: FinetuneArgs, objective: Optional[Objective] = None) -> None:
@@ -195,7 +198,8 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
     device_type = "cuda" if run.accelerator == "cuda" or (run.accelerator == "auto" and torch.cuda.is_available()) \
         else "cpu"
     run.precision, precision_why = resolve_precision(run.precision, device_type)
-    quantize = None if run.quantize in (None, "none", "None") else run.quantize
+    quantize = QuantMode.parse(run.quantize)
+    quantize = quantize and quantize.value  # the canonical flag value: what checkpoints and adapters record
     objective = objective or SFT
     lora = objective.lora_config(args)
     micro = check_flags(args, quantize, lora)
@@ -255,6 +259,9 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
         raise UserError(f"unknown --nan_policy {t.nan_policy!r}; choose stop or skip")
     check_world(run.devices, run.num_nodes)
     check_strategy(run.strategy, quantize, run.precision, t.optimizer, run.compile)
+    if lora.dora and run.strategy == "fsdp":
+        raise UserError("--lora_dora true with --strategy fsdp is not supported (the magnitudes start from the whole "
+                        "base rows); use --strategy ddp")
     micro = t.micro_batch_size
     if run.estimate_only or micro == "auto":  # before anything is loaded
         micro = plan_micro_batch_size(
@@ -383,13 +390,18 @@ def fit(s: Session) -> None:
     objective = s.inputs.objective
     metrics = MetricsLog(args.run.out_dir, resume_iter=s.step, enabled=fabric.global_rank == 0,
                          extra_fields=objective.metric_fields)
+    e = args.eval
+    s.watch = watch = RunWatch(args.run.out_dir, args.run.logger, args.run.logger_dir, e.early_stopping_patience,
+                               e.early_stopping_min_delta, e.save_best, s.step, enabled=fabric.global_rank == 0)
     stop = StopRequest()
     rows = f" rows of {s.inputs.max_seq_length} packed tokens" if args.data.packing else ""
     fabric.print(f"Training {s.max_steps} iterations: {len(s.inputs.train_data)} samples, batch "
                  f"{s.inputs.batch_size}{rows} (micro {s.inputs.micro_batch_size} x {world} devices x {s.accum} "
                  f"accumulation), lr {args.train.learning_rate}", file=sys.stderr)
     if s.step == 0 and args.eval.eval_iters > 0:  # the starting point, so the curve shows what training changed
-        metrics.log(dict(iter=0, step=0, **objective.validate(s)))
+        metrics.log(row := dict(iter=0, step=0, **objective.validate(s)))
+        watch.log(row)
+        watch.validated(0, row["val_loss"], lambda path: write_adapter(s, path))
     s.model.train()
     while s.step < s.max_steps:
         t0 = time.perf_counter()
@@ -409,8 +421,11 @@ def fit(s: Session) -> None:
             row.update(objective.validate(s))
             s.val_loss = row["val_loss"]
         metrics.log(row)
+        watch.log(row)
         if fabric.global_rank == 0 and (s.step % args.train.log_interval == 0 or s.step == s.max_steps):
             show_progress(s.step, s.max_steps, loss, dt, tokens, s.train_time)
+        if "val_loss" in row and watch.validated(s.step, row["val_loss"], lambda path: write_adapter(s, path)):
+            break  # early stopping: summarize writes the last adapter and says which is the best
         saved = s.step % args.train.save_interval == 0 and s.step < s.max_steps
         if saved:
             save(s, f"every {args.train.save_interval} iterations")
@@ -631,6 +646,7 @@ def summarize(s: Session) -> None:
                    quantized_bytes=r["quantized_bytes"],
                    bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"],
                    ranks=per_rank)
+    summary.update(s.watch.summary() if s.watch else {})
     if fabric.global_rank != 0:
         return
     Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step}, tensors=lora).save(
@@ -645,6 +661,17 @@ def summarize(s: Session) -> None:
     print(f"Saved the adapter to {out_dir / FINAL_ADAPTER}", file=sys.stderr)
     print(f"Training time: {s.train_time:.2f}s", file=sys.stderr)
     print(f"Memory used: {mem:.2f} GB", file=sys.stderr)
+    if s.watch:
+        s.watch.finish(summary, out_dir / FINAL_ADAPTER)
+        if s.args.eval.early_stopping_patience or s.args.eval.save_best:
+            print(s.watch.closing_line(out_dir / FINAL_ADAPTER), file=sys.stderr)
+
+
+def write_adapter(s: Session, path: Path) -> None:
+    """The adapter as it is now (every rank calls: FSDP gathers the shards), written by rank 0."""
+    lora = full_lora_state_dict(s.gpt) if is_sharded(s.fabric) else lora_state_dict(s.gpt)
+    if s.fabric.global_rank == 0:
+        Adapter.of_model(s.gpt, s.inputs.lora, train={**s.train_info, "iter": s.step}, tensors=lora).save(path)
 
 
 def rank_figures(s: Session) -> list[dict]:

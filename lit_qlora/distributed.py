@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.lora import lora_state_dict
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.utils import UserError
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -95,9 +96,9 @@ def check_strategy(strategy: str, quantize: Optional[str], precision: str, optim
         raise UserError(f"--optimizer {optimizer} keeps its state in bitsandbytes' own buffers of whole tensors, which "
                         "FSDP cannot shard (bitsandbytes#89); use --optimizer AdamW with --strategy fsdp (its state "
                         "is sharded too), or --strategy ddp")
-    if quantize == "bnb.int8":
-        raise UserError("--quantize bnb.int8 cannot be sharded (its row scales live on the weight object, which FSDP "
-                        "replaces); use --quantize bnb.nf4-dq with --strategy fsdp, or --strategy ddp")
+    if quantize is not None and not QuantMode.parse(quantize).shardable:
+        raise UserError(f"--quantize {quantize} cannot be sharded (its row scales live on the weight object, which "
+                        "FSDP replaces); use --quantize bnb.nf4-dq with --strategy fsdp, or --strategy ddp")
     if precision == "16-mixed":
         raise UserError("--precision 16-mixed needs a gradient scaler that sees every shard, which --strategy fsdp "
                         "does not set up; use bf16-mixed or bf16-true, or --strategy ddp")

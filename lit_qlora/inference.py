@@ -57,8 +57,7 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
     (`merge`), so a quantized model rounds once; `merge=False` keeps separate LoRA layers. `quantize_lm_head` None:
     as the adapter was trained (its file records it), else the loader's default. `precision` is resolved
     (`resolve_generation_precision`); `precision_why` says how, in the "Loaded" line."""
-    quantize = None if quantize in (None, "none", "None") else quantize
-    check_quantize(quantize, precision, device)
+    quantize = check_quantize(quantize, precision, device)
     config = ensure_converted(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     adapter = Adapter.load(Path(lora_path), config) if lora_path else None

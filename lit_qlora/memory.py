@@ -9,7 +9,7 @@ mirrors what actually exists during training:
 
 - quantized weights: the bytes bitsandbytes keeps per layer (4-bit: packed nibbles + one fp32 absmax per
   64-value block, or with double quantization one uint8 absmax per block + fp32 scales per 256 blocks; int8:
-  one byte per value + one fp32 scale per output row), see `quantized_layer_bytes`;
+  one byte per value + one fp32 scale per output row), see `QuantMode.layer_bytes`;
 - dense weights in the dtypes of `lit_qlora.quantize.Precision` (under *-mixed frozen Linear weights are in
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
@@ -50,7 +50,8 @@ from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.precision import Precision, parse_precision
-from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, QUANTIZE_MODES
+from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quantize import CPU_QUANTIZE_CHUNK
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -67,23 +68,13 @@ CPU_DEQUANT_CHURN = 2.5  # ... per byte of the largest sub-threshold dequantized
 # fixes glibc's threshold at 32 MiB on CPU (lit_qlora.utils.tune_cpu_allocator), the most its adaptive one reaches.
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB
 CUDA_RUNTIME_BYTES = 64 * MiB  # cuBLAS workspaces and small buffers that go through the caching allocator
-BNB_4BIT_BLOCKSIZE = 64
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' 8-bit optimizers keep fp32 state for smaller tensors
 BNB_OPTIM_BLOCKSIZE = 256
 
 
 # ---- weights -----------------------------------------------------------------------------------
-def quantized_layer_bytes(out_features: int, in_features: int, mode: str) -> int:
-    """Bytes bitsandbytes stores for one quantized [out, in] weight, statistics included."""
-    n = out_features * in_features
-    if mode == "bnb.int8":
-        return n + 4 * out_features  # int8 values + one fp32 absmax per row (SCB)
-    blocks = -(-n // BNB_4BIT_BLOCKSIZE)
-    size = -(-n // 2) + 16 * 4  # two 4-bit values per byte + the layer's 16-entry fp32 code table
-    if mode.endswith("-dq"):
-        # absmax itself quantized to uint8 (blocks of 256), plus its fp32 scales, 256-entry code and offset
-        return size + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4
-    return size + 4 * blocks
+def _int8(quantize: Optional[QuantMode]) -> bool:
+    return quantize is not None and quantize.is_int8
 
 
 def _shard_rows(rows: int, world: int) -> int:
@@ -95,11 +86,11 @@ def _dtype_bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
+def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "str | QuantMode | None",
                  quantize_lm_head: Optional[bool] = None, shard_world: int = 1) -> dict:
     """Quantized and dense bytes of the frozen model, the LoRA parameter count and the quantized layer shapes; with
     `shard_world` > 1 also what one rank holds of them under FSDP ("*_rank": rank 0's shard, the largest)."""
-    prec = parse_precision(precision)
+    prec, quantize = parse_precision(precision), QuantMode.parse(quantize)
     model = meta_model(config, lora)
     quantize_lm_head = bool(quantize_lm_head)
     linear_b, other_b = _dtype_bytes(prec.frozen_linear_dtype), _dtype_bytes(prec.frozen_other_dtype)
@@ -129,8 +120,8 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: Opt
             seen.add(id(p))
             if quantized:
                 out_f, in_f = p.shape
-                layer = quantized_layer_bytes(out_f, in_f, quantize)
-                packed = -(-p.numel() // 2) if quantize != "bnb.int8" else p.numel()  # the sharded part
+                layer = quantize.layer_bytes(out_f, in_f)
+                packed = -(-p.numel() // 2) if quantize.is_4bit else p.numel()  # the sharded part
                 quant += layer
                 quant_rank += layer - packed + _shard_rows(packed, shard_world)
                 quant_params += p.numel()
@@ -195,7 +186,7 @@ def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
 
 
 def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
-                  quantize: Optional[str], in_bytes: int, saved_inputs: set, input_name: str,
+                  quantize: Optional[QuantMode], in_bytes: int, saved_inputs: set, input_name: str,
                   int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
     """What a (LoRA-wrapped, maybe quantized) Linear saves for backward, and whether its output needs grad.
 
@@ -203,9 +194,9 @@ def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, tar
     tensor, so activation checkpointing does not free them."""
     s: list[int] = []
     N = d.N
-    if quantize == "bnb.int8" and grad_in and int8_inputs is not None:
+    if _int8(quantize) and grad_in and int8_inputs is not None:
         int8_inputs[input_name] = N * in_f * in_bytes
-    if quantize == "bnb.int8" and grad_in and input_name not in saved_inputs:
+    if _int8(quantize) and grad_in and input_name not in saved_inputs:
         s.append(N * in_f * in_bytes)  # bitsandbytes' int8 matmul keeps its input (ctx.A) for a weight gradient
         saved_inputs.add(input_name)
     if name not in targets:
@@ -233,7 +224,7 @@ def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, tar
     return s, True
 
 
-def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[str], d: _Dims, i: int,
+def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: _Dims, i: int,
                  grad_in: bool, int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
     """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
     targets = lora_targets(c, lora)
@@ -343,7 +334,7 @@ def estimate_training_memory(
     config: Config,
     lora: Optional[LoRAConfig] = None,
     precision: str = "bf16-true",
-    quantize: Optional[str] = None,
+    quantize: "str | QuantMode | None" = None,
     optimizer: str = "AdamW",
     micro_batch_size: int = 1,
     seq_length: Optional[int] = None,
@@ -359,9 +350,7 @@ def estimate_training_memory(
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
     lora = lora or LoRAConfig()
-    quantize = None if quantize in (None, "none", "None") else quantize
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise UserError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZE_MODES)} or none")
+    quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)
     c = config
     B = int(micro_batch_size)
@@ -417,7 +406,7 @@ def estimate_training_memory(
     return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
 
 
-def _static_terms(w: dict, prec: Precision, quantize: Optional[str], optimizer: str, device_type: str,
+def _static_terms(w: dict, prec: Precision, quantize: Optional[QuantMode], optimizer: str, device_type: str,
                   shard_world: int = 1) -> dict:
     """What exists for the whole run: the runtime, frozen weights, LoRA weights with their gradients, optimizer
     state; sharded over `shard_world` ranks, one rank's part of each plus what FSDP gathers for compute."""
@@ -447,8 +436,9 @@ class _Activations:
     chunk_tokens: int  # positions of one logits chunk, times the batch
 
 
-def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[str], quantize: Optional[str], d: _Dims,
-                       prec: Precision, n_lora: int, activation_checkpointing: bool) -> _Activations:
+def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[QuantMode],
+                       quantize: Optional[QuantMode], d: _Dims, prec: Precision, n_lora: int,
+                       activation_checkpointing: bool) -> _Activations:
     """Saved for backward, block by block (the first block's input never needs grad), then the tail and logits."""
     grad, blocks, block_max, int8_kept = False, [], [], []
     for i in range(c.n_layer):
@@ -490,7 +480,7 @@ class _Phase:
         return sum(self.saved) + sum(self.held) + sum(self.temps)
 
 
-def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], w: dict, act: _Activations,
+def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[QuantMode], w: dict, act: _Activations,
                  activation_checkpointing: bool, validation: bool, device_type: str) -> list[_Phase]:
     """The candidate peaks of one step, in backward order. Backward first runs the loss of every chunk (the fp32
     gradients of one chunk at a time), then the head (the gradients of all logits), then
@@ -498,8 +488,8 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[str], 
     N, C, V, a, N_c = d.N, c.n_embd, c.vocab_size, d.a, act.chunk_tokens
     # A quantized layer computes with a dequantized copy of its weight. int8: bitsandbytes scales the int8 copy in
     # place by fp32 row scales, which on CPU goes through two fp32 temporaries of the weight's size.
-    per_value = a + (8 if a != 4 and device_type == "cpu" else 0) if quantize == "bnb.int8" else a
-    if d.cpu_half and quantize != "bnb.int8":
+    per_value = a + (8 if a != 4 and device_type == "cpu" else 0) if _int8(quantize) else a
+    if d.cpu_half and not _int8(quantize):
         per_value = 4  # dequantized straight to fp32 for the fp32 kernel
     dq = {name: out_f * in_f * per_value for name, out_f, in_f in w["quantized_shapes"]}
     layer_dq = max((v for k, v in dq.items() if k != "lm_head"), default=0)
@@ -538,7 +528,7 @@ def _small(sizes: list[int]) -> int:
     return sum(t for t in sizes if t < GLIBC_MMAP_THRESHOLD_MAX)
 
 
-def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str], optimizer: str, w: dict,
+def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[QuantMode], optimizer: str, w: dict,
            prec: Precision, d: _Dims, phase: str, temp_note: str, activation_checkpointing: bool,
            device_type: str) -> dict[str, str]:
     """The 'Detail' column of the estimate's table."""
@@ -568,7 +558,7 @@ def _notes(c: Config, lora: LoRAConfig, precision: str, quantize: Optional[str],
     }
 
 
-def _load_temp(c: Config, quantize: Optional[str], device_type: str) -> int:
+def _load_temp(c: Config, quantize: Optional[QuantMode], device_type: str) -> int:
     """What loading holds beyond the weights it has placed. On a GPU the largest tensor, read on the CPU, is
     quantized from its copy on the device. On CPU quantized layers are quantized from the file a chunk at a time
     (`CPU_QUANTIZE_CHUNK` elements; bitsandbytes' quantizers make ~16 bytes of fp32/int32 copies per element) and
@@ -576,7 +566,7 @@ def _load_temp(c: Config, quantize: Optional[str], device_type: str) -> int:
     measured: 3-5 MiB above the loaded weights)."""
     if device_type == "cuda":
         big = max(c.vocab_size * c.n_embd, c.intermediate_size * c.n_embd, sum(c.qkv_sizes) * c.n_embd)
-        return big * (2 + 1) if quantize == "bnb.int8" else big * 2 if quantize else 0
+        return big * (2 + 1) if _int8(quantize) else big * 2 if quantize else 0
     return CPU_QUANTIZE_CHUNK * 16 if quantize else 0
 
 

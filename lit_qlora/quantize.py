@@ -21,18 +21,18 @@ from lit_qlora import cpu_half
 from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.utils import UserError, release_freed_memory
 
-QUANTIZE_MODES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
 
-
-def check_quantize(quantize: Optional[str], precision: str, device: torch.device | str = "cpu") -> None:
-    """Refuse up front, in one line, what cannot run. Everything else in the precision table runs."""
+def check_quantize(quantize: "str | QuantMode | None", precision: str,
+                   device: torch.device | str = "cpu") -> Optional[QuantMode]:
+    """The mode `quantize` names (None for none), after refusing up front, in one line, what cannot run. Everything
+    else in the precision table runs."""
     parse_precision(precision)
+    quantize = QuantMode.parse(quantize)
     if quantize is None:
-        return
-    if quantize not in QUANTIZE_MODES:
-        raise UserError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZE_MODES)} or leave it out")
+        return None
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"--quantize {quantize} runs on CPU and CUDA, not on {device.type}; use --accelerator cpu or "
@@ -45,6 +45,7 @@ def check_quantize(quantize: Optional[str], precision: str, device: torch.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--quantize {quantize} on CUDA but no GPU is visible; run on a GPU machine or use "
                         "--accelerator cpu")
+    return quantize
 
 
 def _deferred_compile(fn=None, **options):
@@ -118,17 +119,16 @@ def load_bnb():
     return sys.modules["bitsandbytes"]
 
 
-def make_quantized_linear(linear: nn.Linear, mode: str, compute_dtype: torch.dtype) -> nn.Module:
+def make_quantized_linear(linear: nn.Linear, mode: QuantMode, compute_dtype: torch.dtype) -> nn.Module:
     """An empty (meta) bitsandbytes layer of the same shape as `linear`; `quantize_into` fills it."""
-    bnb = load_bnb()
+    bnb, mode = load_bnb(), QuantMode.parse(mode)
     out_f, in_f = linear.weight.shape
     has_bias = linear.bias is not None
-    if mode == "bnb.int8":
+    if mode.is_int8:
         q = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=6.0, device="meta")
     else:
-        quant_type = "nf4" if "nf4" in mode else "fp4"
-        q = _cpu_linear4bit()(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=quant_type,
-                compress_statistics=mode.endswith("-dq"), device="meta")
+        q = _cpu_linear4bit()(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=mode.kind,
+                compress_statistics=mode.double_quant, device="meta")
         # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
         # turns it back on where it is valid (`enable_cpu_inference_packing`).
         q.support_avx512bf16_for_cpu = False
@@ -355,7 +355,8 @@ def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uin
     return n
 
 
-def swap_linears(model: nn.Module, mode: str, compute_dtype: torch.dtype, quantize_lm_head: bool = False) -> list[str]:
+def swap_linears(model: nn.Module, mode: QuantMode, compute_dtype: torch.dtype,
+                 quantize_lm_head: bool = False) -> list[str]:
     """Replace the frozen base Linear layers of `model` (on meta) by empty bitsandbytes layers. Returns their names.
 
     The output layer only with `quantize_lm_head` (`--quantize_lm_head true`). A tied head stays shared with the

@@ -21,6 +21,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.loader import load_model
 from lit_qlora.precision import parse_precision, resolve_precision
 from lit_qlora.prequantized import stored_mismatch, stored_path, write_stored
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import check_quantize
 from lit_qlora.utils import UserError, run_cli
 
@@ -34,10 +35,10 @@ def quantize_checkpoint(checkpoint_dir: Path, quantize: str = "bnb.nf4", precisi
         precision: The --precision of the later loads (auto: what they would pick on this CPU). Weights are quantized
             from its compute dtype (bf16-true and bf16-mixed share one file; 32-true, 16-true/16-mixed have their own).
     """
-    if quantize in (None, "none", "None"):
+    if QuantMode.parse(quantize) is None:
         raise UserError("--quantize none stores nothing; pass the mode the later loads use, e.g. --quantize bnb.nf4")
     precision, _ = resolve_precision(precision, "cpu")
-    check_quantize(quantize, precision, "cpu")
+    quantize = check_quantize(quantize, precision, "cpu")
     ensure_converted(checkpoint_dir)
     weights, dtype = Path(checkpoint_dir) / LIT_WEIGHTS, parse_precision(precision).dtype
     if stored_mismatch(weights, quantize, dtype) is None:  # nothing to do (a benchmark or a setup script rerun)

@@ -3,8 +3,9 @@ small helpers the model, LoRA, PEFT and merge tests share, and bitsandbytes' own
 reference."""
 from __future__ import annotations
 
+import contextlib
+import io
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,25 +176,27 @@ def hf_model(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def run_script(name: str, *args) -> subprocess.CompletedProcess:
-    """A script in a fresh interpreter, as a user runs it (slow: only where the exit path itself is tested)."""
-    from helpers_train import env
-
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env=env())
+def run_in_process(script: "Path | str", *args) -> SimpleNamespace:
+    """A script's CLI (argument parsing included) in this process, as `python script args` would run it but without
+    a fresh interpreter's seconds: (returncode, stderr). `script`: a path, or a name under scripts/. For the exit path
+    of a real process (signals, imports at start-up) use helpers_train.run_script."""
+    path = Path(script) if Path(script).is_absolute() else ROOT / "scripts" / script
+    argv, err, code = sys.argv, io.StringIO(), 0
+    sys.argv = [str(path), *map(str, args)]
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    sys.stderr.write(err.getvalue())  # still visible to capsys / on failure
+    return SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
 def run_script_here(name: str, *args) -> int:
-    """A script's CLI (argument parsing included) in this process; returns its exit code."""
-    argv = sys.argv
-    sys.argv = [str(ROOT / "scripts" / name), *map(str, args)]
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = argv
-    return 0
+    """`run_in_process`'s exit code."""
+    return run_in_process(name, *args).returncode
 
 
 def converted_tiny(tmp_path_factory, kind: str, name: str, **overrides) -> SimpleNamespace:

@@ -41,7 +41,7 @@ def write_json(path: Path, obj) -> Path:
     return path
 
 
-def assert_one_line_error(exc: pytest.ExceptionInfo, *parts: str) -> None:
+def assert_one_line_message(exc: pytest.ExceptionInfo, *parts: str) -> None:
     msg = str(exc.value)
     assert "\n" not in msg and ";" in msg, msg
     for p in parts:

@@ -4,14 +4,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import adapter_of, converted_tiny, lora_cfg, random_tokens, run_script, run_script_here
+from helpers import ROOT, adapter_of, converted_tiny, lora_cfg, random_tokens, run_script_here
+from helpers_train import run_script
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
 from lit_qlora.convert import write_random_checkpoint
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.lora import LoRAConfig, lora_modules
-from lit_qlora.quantize import QUANTIZE_MODES
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.training import find_resume
 from lit_qlora.utils import UserError
 
@@ -28,7 +29,7 @@ def test_adapter_for_another_base_is_refused(lora_llama, override, tmp_path_fact
     assert "\n" not in msg and "tiny-llama" in msg and "tiny-other" in msg
     args = ("--checkpoint_dir", other.folder, "--lora_path", tmp_path / "adapter.pth", "--out_dir", tmp_path / "merged")
     if "hidden_size" in override:  # once as a user runs it: one line on stderr, exit code 2
-        res = run_script("merge_lora.py", *args)
+        res = run_script(ROOT / "scripts" / "merge_lora.py", list(args))
         code, err = res.returncode, res.stderr
     else:
         capsys.readouterr()
@@ -43,7 +44,7 @@ def test_adapter_for_another_base_is_refused(lora_llama, override, tmp_path_fact
     assert "\n" not in str(e.value) and "tiny-llama" in str(e.value) and "tiny-other" in str(e.value)
 
 
-QUANTS = [None, *QUANTIZE_MODES]
+QUANTS = [None, *QuantMode.names()]
 # how far the adapter's effect on a quantized base may stray from its effect on the dense one, relative to its size:
 # the LoRA branch sees the quantized model's activations. Measured on this model: 0.12-0.15 for the 4-bit modes, 0.01
 # for int8; an adapter that is not applied gives 1.0

@@ -1,8 +1,5 @@
 """Checkpoint conversion both ways (bit-identical round trips, shards, .bin files, dtypes) and the convert scripts."""
-import contextlib
-import io
 import json
-import runpy
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT, random_tokens
-from helpers_train import env
+from helpers import ROOT, random_tokens, run_in_process
+from helpers_train import assert_one_line_error, env
 from safetensors.torch import load_file, save_file
 
 from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
@@ -95,31 +92,9 @@ def test_convert_dtype(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
-def run_script(script: Path, *args: str) -> SimpleNamespace:
-    """Run a script as `python script args` would, but in this process (a fresh interpreter costs seconds)."""
-    argv, err = sys.argv, io.StringIO()
-    sys.argv = [str(script), *map(str, args)]
-    code = 0
-    try:
-        with contextlib.redirect_stderr(err):
-            runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code
-    finally:
-        sys.argv = argv
-    return SimpleNamespace(returncode=code, stderr=err.getvalue())
-
-
 def spawn(script: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT.parent, env=env())
-
-
-def assert_one_line_error(returncode, stderr: str, expect: str) -> None:
-    assert returncode == 2, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
-    assert expect in lines[0], stderr
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +132,7 @@ def test_script_errors_are_one_line(broken_folders, case):
                                str(b / "tensor" / LIT_CONFIG)),
         "export_missing_folder": (LIT_SCRIPT, ["--checkpoint_dir", b / "nope", "--out_dir", b / "x"], str(b / "nope")),
     }[case]
-    r = run_script(script, *args)
-    assert_one_line_error(r.returncode, r.stderr, expect)
+    assert_one_line_error(run_in_process(script, *args), expect)
 
 
 def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
@@ -171,7 +145,8 @@ def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
                                                                                                  "--checkpoint_dir", ok,
                                                                                                  "--dtype", "bf16")
     _, err = failing.communicate(timeout=120)
-    assert_one_line_error(failing.returncode, err, "'model.layers.1.mlp.up_proj.weight'")
+    assert_one_line_error(SimpleNamespace(returncode=failing.returncode, stderr=err),
+                          "'model.layers.1.mlp.up_proj.weight'")
     _, err = converting.communicate(timeout=120)
     assert converting.returncode == 0 and LIT_WEIGHTS in err, err
     assert {t.dtype for t in load_file(ok / LIT_WEIGHTS).values()} == {torch.bfloat16}

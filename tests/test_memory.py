@@ -14,8 +14,9 @@ from helpers_train import env
 from lit_qlora import cpu_half
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
-from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, quantized_layer_bytes, weight_bytes
-from lit_qlora.quantize import QUANTIZE_MODES, memory_report
+from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, weight_bytes
+from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quantize import memory_report
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
@@ -49,7 +50,7 @@ def memory_ckpts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("quantize", QUANTIZE_MODES)
+@pytest.mark.parametrize("quantize", QuantMode.names())
 def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
     from lit_qlora.loader import load_model
 
@@ -62,7 +63,7 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
     assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]
     assert sum(predicted["lora_numels"]) == real["trainable_params"]
     # the figures the estimator is built on, for a large layer
-    bits = 8 * quantized_layer_bytes(4096, 4096, quantize) / 4096**2
+    bits = 8 * QuantMode(quantize).layer_bytes(4096, 4096) / 4096**2
     assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
                                  abs=2e-3)
 

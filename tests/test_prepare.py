@@ -4,13 +4,12 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import helpers_train
 import pytest
 import torch
-from helpers_data import DEMO, RECORDS, REPO, CharTokenizer, assert_one_line_error, write_json
-from helpers_train import env
+from helpers_data import DEMO, RECORDS, REPO, CharTokenizer, assert_one_line_message, write_json
 
 from lit_qlora.prepare import DataSettings, ensure_prepared, load_prepared, prepare_samples, save_prepared
 from lit_qlora.templates import get_template
@@ -85,7 +84,7 @@ def test_custom_keys_and_missing_field():
     assert CharTokenizer().decode(samples[0]["input_ids"]) == "Add.\n1 + 1\n2"
     with pytest.raises(UserError) as e:
         samples_of(recs, CharTokenizer(), "plain", 100)
-    assert_one_line_error(e, "record 0", "'instruction'")
+    assert_one_line_message(e, "record 0", "'instruction'")
 
 
 def test_truncation_counts():
@@ -105,7 +104,7 @@ def test_truncation_counts():
     assert all((s["labels"] != -100).any() for s in samples)
     with pytest.raises(UserError) as e:
         samples_of(RECORDS, tok, "plain", 5)
-    assert_one_line_error(e, "max_seq_length=5")
+    assert_one_line_message(e, "max_seq_length=5")
     samples, _ = samples_of(RECORDS, tok, "plain", 5, mask_inputs=False)  # unmasked: all kept
     assert len(samples) == 4
 
@@ -182,24 +181,24 @@ def test_ensure_prepared_prepared_folder(tmp_path):
 
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer("char-b"), 256)
-    assert_one_line_error(e, "char-a", "char-b", "prepare_alpaca.py")
+    assert_one_line_message(e, "char-a", "char-b", "prepare_alpaca.py")
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 128)
-    assert_one_line_error(e, "max_seq_length=256", "max_seq_length=128")
+    assert_one_line_message(e, "max_seq_length=256", "max_seq_length=128")
 
 
 def test_ensure_prepared_errors(tmp_path):
     with pytest.raises(UserError) as e:
         prepared(tmp_path / "nope", CharTokenizer(), 64)
-    assert_one_line_error(e, "does not exist")
+    assert_one_line_message(e, "does not exist")
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 64)
-    assert_one_line_error(e, "holds no data")
+    assert_one_line_message(e, "holds no data")
     write_json(tmp_path / "a.json", RECORDS)
     write_json(tmp_path / "b.json", RECORDS)
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 64)
-    assert_one_line_error(e, "a.json", "b.json")
+    assert_one_line_message(e, "a.json", "b.json")
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +212,7 @@ def prepare_ckpt(tmp_path_factory) -> Path:
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env=env())
+    return helpers_train.run_script(REPO / "scripts" / name, list(args), timeout=120)
 
 
 def test_prepare_alpaca_script(prepare_ckpt, tmp_path):
@@ -329,7 +327,7 @@ def test_conversation_truncation(chatml):
     assert all(s["labels"].tolist() == labels[:first_trained + 2] for s in samples)
     with pytest.raises(UserError) as e:
         samples_of(CHATS[1:2], tok, "chat", first_trained)
-    assert_one_line_error(e, f"max_seq_length={first_trained}", "raise --max_seq_length")
+    assert_one_line_message(e, f"max_seq_length={first_trained}", "raise --max_seq_length")
 
 
 @pytest.mark.parametrize("row,message", [
@@ -344,7 +342,7 @@ def test_bad_conversation_rows_are_refused_before_tokenizing(chatml, tmp_path, r
     write_jsonl(tmp_path / "val.jsonl", [CHATS[0], row])  # the second file too, before anything is tokenized
     with pytest.raises(UserError) as e:
         prepared(tmp_path, tok, 512)
-    assert_one_line_error(e, f"row 2 of {tmp_path / 'val.jsonl'}", message)
+    assert_one_line_message(e, f"row 2 of {tmp_path / 'val.jsonl'}", message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl", "val.jsonl"]  # nothing written
 
 
@@ -353,13 +351,13 @@ def test_template_choice_errors(chatml, tmp_path):
     write_json(tmp_path / "chats.json", CHATS)
     with pytest.raises(UserError) as e:
         prepared(tmp_path, tok, 512, template="alpaca")
-    assert_one_line_error(e, "holds conversations", "--template chat")
+    assert_one_line_message(e, "holds conversations", "--template chat")
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 512)  # a tokenizer without a chat template
-    assert_one_line_error(e, "has no chat template")
+    assert_one_line_message(e, "has no chat template")
     with pytest.raises(UserError) as e:
         prepared(tmp_path, tok, 512, template="vicuna")
-    assert_one_line_error(e, "unknown prompt template 'vicuna'", "chat", "auto")
+    assert_one_line_message(e, "unknown prompt template 'vicuna'", "chat", "auto")
     write_json(tmp_path / "chats.json", RECORDS)
     assert prepared(tmp_path, tok, 512)[2]["template"] == "alpaca"  # instruction records: alpaca unless told
 

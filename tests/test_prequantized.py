@@ -36,7 +36,8 @@ from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
 from lit_qlora.prequantized import load_note, stored_path
-from lit_qlora.quantize import QUANTIZE_MODES, is_quantized, quiet_bnb_import
+from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quantize import is_quantized, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
@@ -75,7 +76,7 @@ def checkpoint_weight(folder: Path, key: str, tied: bool) -> torch.Tensor:
 
 # ---- 1. the stored layers are bitsandbytes' own quantization ---------------------------------------------------
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied, tmp_path, monkeypatch, mode,
                                                                        precision):
     folder = copy_of(lora_tied.folder, tmp_path)

@@ -33,8 +33,8 @@ from lit_qlora.generation import generate
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, LoRALinear
 from lit_qlora.precision import PRECISIONS, parse_precision
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import (
-    QUANTIZE_MODES,
     assert_trainable_4bit,
     check_quantize,
     dequantize_weight,
@@ -145,7 +145,7 @@ def assert_same_forward_backward(ours: nn.Module, ref: nn.Module, dtype: torch.d
 
 # ---- 1. bit-identical to the bitsandbytes reference ---------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_layer_matches_bnb_reference(mode, dtype):
     w = (0.02 * torch.randn(96, 192, generator=torch.Generator().manual_seed(1))).to(dtype)
     ours, ref = our_layer(mode, w, dtype), reference_layer(mode, w, dtype)
@@ -156,7 +156,7 @@ def test_layer_matches_bnb_reference(mode, dtype):
 
 # (odd in_features would send bitsandbytes' CPU dequantize to a torch.compile'd fallback: seconds per shape)
 @pytest.mark.parametrize("shape", [(96, 192), (33, 100)], ids=["whole-blocks", "tail-block"])
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
     """quantize_into works through big weights a few blocks / rows at a time on CPU (peak memory); force many chunks."""
     import lit_qlora.quantize as q
@@ -232,7 +232,7 @@ def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
     assert q._deferred_compile(lambda x: x)(3) == 30 and len(compiled) == 2  # the bare-decorator form
 
 
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch, mode):
     """The loader hands quantize_into a FileTensor (nothing read yet); on CPU it reads the weight a chunk at a time
     from the file (never the whole 16-bit tensor) and stores the same bits as bitsandbytes from the whole tensor."""
@@ -332,7 +332,7 @@ def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_loaded_model_layers_match_bnb_reference(small_ckpt, mode, precision):
     dtype = parse_precision(precision).dtype
     model = load_model(small_ckpt, precision=precision, quantize=mode, quantize_lm_head=True,
@@ -357,7 +357,7 @@ def expected_bits_ok(mode: str, bits: float) -> None:
         assert bits <= 8.1, (mode, bits)
 
 
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_bits_per_param_of_a_layer(mode):
     """A Linear 1024 -> 4096 (an MLP up-projection of a small model), bf16 source weights."""
     w = (0.02 * torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
@@ -419,7 +419,7 @@ def test_quantized_logits_error(tmp_path):
     with torch.no_grad():
         ref = load_model(ckpt, precision="32-true").eval()(idx)
         err, w_err = {}, {}
-        for mode in QUANTIZE_MODES:
+        for mode in QuantMode.names():
             model = load_model(ckpt, precision="32-true", quantize=mode).eval()
             err[mode] = float((model(idx) - ref).norm() / ref.norm())
             w = checkpoint_tensor(ckpt, "transformer.h.0.mlp.fc_1.weight")
@@ -472,7 +472,7 @@ def test_random_init_recorder_sees_a_dense_init(monkeypatch):
     assert ("nn.init.kaiming_uniform_", False, st.data_ptr(), st.nbytes()) in calls
 
 
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_loading_never_randomly_initializes_quantized_weights(small_ckpt, monkeypatch, mode):
     with record_random_inits(monkeypatch) as calls:
         model = load_model(small_ckpt, precision="bf16-true", quantize=mode, quantize_lm_head=True,
@@ -509,7 +509,7 @@ def assert_all_lora_grads_flow(model, grads: dict[str, torch.Tensor], which: str
         assert torch.isfinite(grads[n]).all() and grads[n].abs().sum() > 0, f"{n} got a zero gradient"
 
 
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", QuantMode.names())
 def test_lora_grads_survive_validation_and_generation(small_ckpt, mode):
     model = load_model(small_ckpt, precision="bf16-true", quantize=mode, lora=LoRAConfig(**ALL_LORA), seed=0)
     opt = torch.optim.AdamW(lora_params(model).values(), lr=1e-2)
@@ -620,7 +620,7 @@ def test_4bit_layers_are_right_where_bitsandbytes_cpu_dequantization_is_not(in_f
 
 
 # ---- 6. precision x quantize -----------------------------------------------------------------------
-@pytest.mark.parametrize("quantize", [None, *QUANTIZE_MODES], ids=lambda q: str(q))
+@pytest.mark.parametrize("quantize", [None, *QuantMode.names()], ids=lambda q: str(q))
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_precision_quantize_matrix_trains(small_ckpt, precision, quantize):
     prec = parse_precision(precision)
@@ -641,7 +641,7 @@ def test_precision_quantize_matrix_trains(small_ckpt, precision, quantize):
 def test_unknown_quantize_and_precision_are_refused(small_ckpt):
     with pytest.raises(UserError) as e:
         load_model(small_ckpt, precision="bf16-true", quantize="nf4")
-    assert "'nf4'" in str(e.value) and all(q in str(e.value) for q in QUANTIZE_MODES)
+    assert "'nf4'" in str(e.value) and all(q in str(e.value) for q in QuantMode.names())
     with pytest.raises(UserError) as e:
         load_model(small_ckpt, precision="bf16")
     assert "'bf16'" in str(e.value) and all(p in str(e.value) for p in PRECISIONS)

@@ -5,7 +5,7 @@ import csv
 import json
 
 import pytest
-from helpers_data import RECORDS, assert_one_line_error, write_json
+from helpers_data import RECORDS, assert_one_line_message, write_json
 
 from lit_qlora.records import load_records, split
 from lit_qlora.utils import UserError
@@ -43,7 +43,7 @@ def test_load_errors(tmp_path):
             (tmp_path / name).write_text(content)
         with pytest.raises(UserError) as e:
             load_records(tmp_path / name)
-        assert_one_line_error(e, *parts)
+        assert_one_line_message(e, *parts)
 
 
 def test_split_deterministic():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers_data import assert_one_line_error
+from helpers_data import assert_one_line_message
 
 from lit_qlora.templates import get_template
 from lit_qlora.utils import UserError
@@ -18,4 +18,4 @@ def test_templates():
     assert get_template("plain").format("Do it.", "x") == "Do it.\nx\n"
     with pytest.raises(UserError) as e:
         get_template("vicuna")
-    assert_one_line_error(e, "alpaca", "plain")
+    assert_one_line_message(e, "alpaca", "plain")

@@ -287,6 +287,12 @@ _HF_CONFIGS: dict[str, dict] = {
                        num_attention_heads=16, num_hidden_layers=36, num_key_value_heads=4, rms_norm_eps=1e-06,
                        rope_scaling=None, rope_theta=5000000.0, sliding_window=None, use_sliding_window=False,
                        vocab_size=128256),
+    # mehmetcc/pal: phi-4/config.json (microsoft/phi-4: Phi3ForCausalLM, 14B)
+    "phi-4": dict(architectures=["Phi3ForCausalLM"], bos_token_id=100257, eos_token_id=100257, hidden_act="silu",
+                  hidden_size=5120, intermediate_size=17920, max_position_embeddings=16384, num_attention_heads=40,
+                  num_hidden_layers=40, num_key_value_heads=10, original_max_position_embeddings=16384,
+                  pad_token_id=100257, rms_norm_eps=1e-05, rope_scaling=None, rope_theta=250000,
+                  sliding_window=16384, tie_word_embeddings=False, vocab_size=100352),
     # kevinstephano/thunder_model_blocks: thunder_model_blocks/mistral/mistral_config.py
     "Mistral-Nemo-Base-2407": dict(architectures=["MistralForCausalLM"], head_dim=128, hidden_act="silu",
                                    hidden_size=5120, intermediate_size=14336, max_position_embeddings=128000,

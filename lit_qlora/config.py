@@ -245,6 +245,34 @@ _OLMO2_13B = dict(architectures=["Olmo2ForCausalLM"], attention_bias=False, hidd
                   intermediate_size=13824, max_position_embeddings=4096, num_attention_heads=40, num_hidden_layers=40,
                   num_key_value_heads=40, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=500000,
                   tie_word_embeddings=False, vocab_size=100352)
+# longrope factors of the Phi configs below, as published (one per rotated channel pair)
+_PHI35_SHORT = [
+    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+    1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+    1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+    2.749999523162842, 2.8399994373321533]
+_PHI35_LONG = [
+    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+    1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+    4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+    17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+    32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457, 62.61000442504883,
+    62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457, 63.77000427246094, 63.93000411987305,
+    63.96000289916992, 63.970001220703125, 64.02999877929688, 64.06999969482422, 64.08000183105469,
+    64.12000274658203, 64.41000366210938, 64.4800033569336, 64.51000213623047, 64.52999877929688, 64.83999633789062]
+_PHI4_MINI_LONG = [
+    1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6,
+    32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
 _HF_CONFIGS: dict[str, dict] = {
     # mephisto1484/Neko-LoRA-Build-Your-AI-Catgirl: Qwen3-1.7B/config.json (a re-saved copy: dtype and layer_types
     # added by a newer transformers, the architecture fields as published)
@@ -287,6 +315,55 @@ _HF_CONFIGS: dict[str, dict] = {
                        num_attention_heads=16, num_hidden_layers=36, num_key_value_heads=4, rms_norm_eps=1e-06,
                        rope_scaling=None, rope_theta=5000000.0, sliding_window=None, use_sliding_window=False,
                        vocab_size=128256),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py (its presets are the models' config.json; "qwen3_0.6b")
+    "Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, max_window_layers=28, tie_word_embeddings=True),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "gemma2_2b" (eos [1, 107]: the -it config.json)
+    "gemma-2-2b-it": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                          hidden_activation="gelu_pytorch_tanh", hidden_size=2304, intermediate_size=9216,
+                          max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=26,
+                          num_key_value_heads=4, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0,
+                          sliding_window=4096, vocab_size=256000),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "gemma2_27b" (eos 1: the base config.json)
+    "gemma-2-27b": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, head_dim=128, hidden_act="gelu_pytorch_tanh",
+                        hidden_activation="gelu_pytorch_tanh", hidden_size=4608, intermediate_size=36864,
+                        max_position_embeddings=8192, num_attention_heads=32, num_hidden_layers=46,
+                        num_key_value_heads=16, query_pre_attn_scalar=144, rms_norm_eps=1e-06, rope_theta=10000.0,
+                        sliding_window=4096, vocab_size=256000),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py at 8f49ea6b (before 95d50546 removed it), "phi-3"
+    # (_name_or_path Phi-3-mini-4k-instruct)
+    "Phi-3-mini-4k-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=1, eos_token_id=32000,
+                                   hidden_act="silu", hidden_size=3072, intermediate_size=8192,
+                                   max_position_embeddings=4096, num_attention_heads=32, num_hidden_layers=32,
+                                   num_key_value_heads=32, original_max_position_embeddings=4096, pad_token_id=32000,
+                                   rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000.0, sliding_window=2047,
+                                   tie_word_embeddings=False, vocab_size=32064),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "phi-3_5" (_name_or_path Phi-3.5-mini-instruct)
+    "Phi-3.5-mini-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=1, eos_token_id=32000,
+                                  hidden_act="silu", hidden_size=3072, intermediate_size=8192,
+                                  max_position_embeddings=131072, num_attention_heads=32, num_hidden_layers=32,
+                                  num_key_value_heads=32, original_max_position_embeddings=4096, pad_token_id=32000,
+                                  rms_norm_eps=1e-05, rope_theta=10000.0, sliding_window=262144,
+                                  rope_scaling=dict(type="longrope", short_factor=_PHI35_SHORT,
+                                                    long_factor=_PHI35_LONG),
+                                  tie_word_embeddings=False, vocab_size=32064),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "phi-4" (_name_or_path Phi-4-mini-instruct; its
+    # full_attn_mod, interpolate_factor, lm_head_bias false and mlp_bias false are not Phi3Config fields)
+    "Phi-4-mini-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=199999, eos_token_id=199999,
+                                hidden_act="silu", hidden_size=3072, intermediate_size=8192,
+                                max_position_embeddings=131072, num_attention_heads=24, num_hidden_layers=32,
+                                num_key_value_heads=8, original_max_position_embeddings=4096, pad_token_id=199999,
+                                partial_rotary_factor=0.75, rms_norm_eps=1e-05, rope_theta=10000.0,
+                                rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                  long_factor=_PHI4_MINI_LONG),
+                                sliding_window=262144, tie_word_embeddings=True, vocab_size=200064),
+    # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "olmo2_7b" (OLMo 2's one 7B: OLMo-2-1124-7B)
+    "OLMo-2-1124-7B": dict(architectures=["Olmo2ForCausalLM"], hidden_act="silu", hidden_size=4096,
+                           intermediate_size=11008, max_position_embeddings=4096, num_attention_heads=32,
+                           num_hidden_layers=32, num_key_value_heads=32, rms_norm_eps=1e-06, rope_theta=500000.0,
+                           tie_word_embeddings=False, vocab_size=100352),
     # mehmetcc/pal: phi-4/config.json (microsoft/phi-4: Phi3ForCausalLM, 14B)
     "phi-4": dict(architectures=["Phi3ForCausalLM"], bos_token_id=100257, eos_token_id=100257, hidden_act="silu",
                   hidden_size=5120, intermediate_size=17920, max_position_embeddings=16384, num_attention_heads=40,

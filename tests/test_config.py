@@ -46,5 +46,8 @@ def test_named_config_round_trips_through_transformers(name):
     assert rope["rope_theta"] == ours.rope_base
     assert rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) == ours.rotary_percentage
     if ours.rope_scaling:
-        assert rope["rope_type"] == "llama3" and rope["factor"] == ours.rope_scaling["factor"]
+        assert rope["rope_type"] == ours.rope_scaling.get("rope_type", "llama3")
+        assert rope["factor"] == ours.rope_scaling["factor"]
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):  # longrope
+            assert rope.get(key) == ours.rope_scaling.get(key), key
     assert hf.tie_word_embeddings == ours.tie_embeddings

@@ -128,7 +128,8 @@ class Adapter:
         load_lora_weights(model, self.lora)
 
     def delta(self, module: str, weight_shape: tuple[int, int]) -> torch.Tensor:
-        """The fp32 update this adapter adds to the [out, in] weight of our module `module`."""
+        """The fp32 update s*B@A this adapter adds to the [out, in] weight of our module `module` (DoRA then scales the
+        rows of the sum: `merged`)."""
         parts = self.targets()[module]
         out_f, in_f = weight_shape
         parts = parts or [(0, out_f)]
@@ -151,7 +152,13 @@ class Adapter:
         if not self.changes(key):
             return tensor
         module = key.removesuffix(".weight")
-        return (tensor.float() + self.delta(module, tuple(tensor.shape))).to(dtype or tensor.dtype)
+        merged = tensor.float() + self.delta(module, tuple(tensor.shape))
+        if self.config.dora:  # DoRA, as PEFT merges it: each adapted row of W + s*B@A scaled to its magnitude
+            parts = self.targets()[module] or [(0, tensor.shape[0])]
+            rows = torch.cat([torch.arange(a, a + n) for a, n in parts])
+            m = self.lora[module + ".lora_magnitude"].float()
+            merged[rows] *= (m / torch.linalg.norm(merged[rows], dim=1))[:, None]
+        return merged.to(dtype or tensor.dtype)
 
     def changes(self, key: str) -> bool:
         """Whether merging this adapter changes the base checkpoint's tensor `key`."""
@@ -160,7 +167,7 @@ class Adapter:
 
 _LORA_FIELDS = {"r": "size", "alpha": "number", "dropout": "fraction", "query": "bool", "key": "bool", "value": "bool",
                 "projection": "bool", "mlp": "bool", "head": "bool", "rslora": "bool",
-                "loraplus_lr_ratio": "positive"}
+                "loraplus_lr_ratio": "positive", "dora": "bool"}
 
 
 def check_payload(payload: dict, where: object) -> None:

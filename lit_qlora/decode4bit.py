@@ -382,7 +382,7 @@ def enable_fast_decode(model: nn.Module) -> int:
         # bitsandbytes' AVX512-BF16 repacking would rewrite the weight into a layout the kernel cannot read
         m.support_avx512bf16_for_cpu = False
     for m in model.modules():  # unmerged adapters over those layers: base and update in one call
-        if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit:
+        if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit and not m.dora:  # DoRA: LoRALinear's forward
             m.__class__ = DecodeLoRALinear
     return len(layers)
 

@@ -28,6 +28,7 @@ from lit_qlora.quantize import (
     StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
+    dequantize_weight,
     is_quantized,
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
@@ -172,6 +173,9 @@ def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed:
             m.lora_A = nn.Parameter(torch.empty(m.lora_A.shape, device=device, dtype=dtype))
             m.lora_B = nn.Parameter(torch.empty(m.lora_B.shape, device=device, dtype=dtype))
             m.reset_lora_parameters()
+            if m.dora:  # the base's row norms, from a dequantized copy of its weight that is dropped at once
+                m.lora_magnitude = nn.Parameter(torch.empty(m.lora_magnitude.shape, device=device, dtype=dtype))
+                m.init_dora(dequantize_weight(m.base) if is_quantized(m.base) else m.base.weight)
     if seed is not None:
         torch.random.set_rng_state(gen_state)
 

@@ -24,7 +24,7 @@ DECODE_ROWS = 16
 
 
 # LoRAConfig's bool fields that choose a variant of LoRA rather than a layer to adapt
-_VARIANT_FLAGS = ("rslora",)
+_VARIANT_FLAGS = ("rslora", "dora")
 
 
 def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
@@ -45,6 +45,7 @@ class LoRAConfig:
     head: bool = False
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r) (PEFT's use_rslora)
     loraplus_lr_ratio: Optional[float] = None  # LoRA+: B's learning rate is this times A's (training only)
+    dora: bool = False  # DoRA: a trained magnitude per adapted output row (PEFT's use_dora)
 
     @property
     def scaling(self) -> float:
@@ -63,7 +64,7 @@ class LoRALinear(nn.Module):
     """y = base(x) + scaling * B(A(dropout(x))), with the update limited to row ranges `parts` of the output."""
 
     def __init__(self, base: nn.Module, in_features: int, out_features: int, r: int, alpha: float, dropout: float,
-                 parts: Optional[list[tuple[int, int]]] = None, rslora: bool = False) -> None:
+                 parts: Optional[list[tuple[int, int]]] = None, rslora: bool = False, dora: bool = False) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
@@ -73,12 +74,72 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(len(self.parts) * r, in_features, device=device))  # [n*r, in]
         self.lora_B = nn.Parameter(torch.empty(sum(n for _, n in self.parts), r, device=device))  # [rows, r]
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dora = dora
+        if dora:  # DoRA (Liu et al. 2024, as PEFT's DoraLinearLayer): y = m / ||W + s*B@A||_row * (W + s*B@A) x + bias
+            rows = sum(n for _, n in self.parts)
+            self.lora_magnitude = nn.Parameter(torch.empty(rows, device=device))  # m, one per adapted row
+            # ||W||^2 of every row of the base (constant): with it the row norms of W + s*B@A need no copy of W
+            self.register_buffer("lora_wnorm2", torch.empty(out_features, device=device), persistent=False)
 
     def reset_lora_parameters(self) -> None:
         init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r)
 
+    def init_dora(self, weight: torch.Tensor) -> None:
+        """Record the base's row norms from its full-precision (dequantized) weight [out, in], which the caller frees
+        after, and start the magnitudes at ||W + s*B@A|| (||W|| for B = 0), as PEFT does."""
+        with torch.no_grad():
+            self.lora_wnorm2 = weight.float().square().sum(1).to(self.lora_A.device)
+            self.lora_magnitude.copy_(self.dora_weight_norm())
+
+    def dora_weight_norm(self) -> torch.Tensor:
+        """||W + s*B@A|| of each adapted row, fp32, detached (DoRA's section 4.3, as PEFT): from ||W||^2 (kept),
+        2s <W, B@A> (= 2s sum_k B_ik (W A^T)_ik, W A^T by the base layer itself on A's r rows) and s^2 ||B@A||^2
+        (= B (A A^T) B^T): no dequantized W, on a 4-bit base, and r instead of `in` products per row."""
+        with torch.no_grad():
+            A, B = self.lora_A.float(), self.stacked_B().float()
+            dtype = getattr(getattr(self.base, "weight", None), "dtype", A.dtype)
+            wa = linear(self.base, A.to(dtype if dtype.is_floating_point else torch.float32)).float()  # [n*r, out]
+            bias = getattr(self.base, "bias", None)
+            if bias is not None:
+                wa = wa - bias.float()
+            cross = (B * wa.T).sum(1)
+            ba2 = ((B @ (A @ A.T)) * B).sum(1)
+            s = self.scaling
+            norm2 = (self.lora_wnorm2.float() + 2 * s * cross + s * s * ba2).clamp_min(0).sqrt()
+            return norm2[self.dora_rows()]
+
+    def dora_rows(self) -> torch.Tensor:
+        """The output rows the magnitudes belong to, in lora_B's order."""
+        return torch.cat([torch.arange(a, a + n, device=self.lora_A.device) for a, n in self.parts])
+
+    def dora_scale(self) -> torch.Tensor:
+        """m / ||W + s*B@A|| for every output row (1 for rows without LoRA), differentiable in m only."""
+        g = self.lora_magnitude / self.dora_weight_norm().to(self.lora_magnitude.dtype)
+        if len(self.parts) == 1 and self.parts[0] == (0, self.out_features):
+            return g
+        return g.new_ones(self.out_features).index_put((self.dora_rows(),), g)
+
+    def _dora_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + (g - 1) * W x' + g * s * B A x', g = `dora_scale`, x' = dropout(x): PEFT's DoRA term, which with dropout
+        on in training takes W x' from one more base product (without, W x' = y - bias)."""
+        dropping = isinstance(self.dropout, nn.Dropout) and self.training and self.dropout.p > 0
+        xd = self.dropout(x) if dropping else x
+        ax = cpu_half.linear(xd.to(self.lora_A.dtype), self.lora_A)
+        lora = cpu_half.linear(ax, self.stacked_B() * self.scaling)
+        if dropping:
+            wx = linear(self.base, xd)
+        else:
+            wx = y
+        bias = getattr(self.base, "bias", None)
+        if bias is not None:
+            wx = wx - bias.to(wx.dtype)
+        g = self.dora_scale()
+        return y + ((g - 1) * wx.to(g.dtype) + g * lora.to(g.dtype)).to(y.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(self.base, x)
+        if self.dora:  # (not the decoding fast path: it has no place for the per-row factor)
+            return self._dora_forward(x, y)
         if self._decoding(x):
             # Why fp32: a decoding step's products are tiny ([rows, in] @ [in, r] @ [r, out]), and 16-bit CPU matmuls
             # of that size cost several times their fp32 ones (oneDNN's per-call overhead: 18 against 2.5 us for
@@ -225,7 +286,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
         base = getattr(parent, child)
         out_f, in_f = base.weight.shape
         setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts,
-                                           rslora=lora.rslora))
+                                           rslora=lora.rslora, dora=lora.dora))
     mark_only_lora_trainable(model)
 
 

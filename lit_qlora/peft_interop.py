@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -117,9 +117,12 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
             A = torch.cat([A, _get(sd, other + ".lora_A")])
             B = torch.block_diag(B, _get(sd, other + ".lora_B"))
             _fused_rank(hf_mod, 2, lora, rank_pattern, alpha_pattern)
+        magnitude = _dora_magnitude(sd, ours, cat, parts, enabled, base_config) if lora.dora else None
         for mod in [hf_mod] + ([_V5_HEAD] if cat == "head" and hf_mod != _V5_HEAD else []):
             tensors[f"{_PREFIX}{mod}.lora_A.weight"] = A.float().clone()
             tensors[f"{_PREFIX}{mod}.lora_B.weight"] = B.float().clone()
+            if magnitude is not None:
+                tensors[f"{_PREFIX}{mod}.lora_magnitude_vector"] = magnitude.clone()
         short = hf_mod.rsplit(".", 1)[-1]
         for n in [short] + ([_V5_HEAD] if cat == "head" else []):
             if n not in names:
@@ -131,7 +134,7 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path or None,
         "r": r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": names,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": lora.rslora, "use_dora": False, "lora_bias": False, "modules_to_save": None,
+        "use_rslora": lora.rslora, "use_dora": lora.dora, "lora_bias": False, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True, "inference_mode": True,
         "revision": None,
     }
@@ -150,6 +153,25 @@ def _fused_rank(hf_mod: str, n: int, lora: LoRAConfig, rank_pattern: dict, alpha
     alpha_pattern[short] = math.sqrt(n) * lora.alpha if lora.rslora else n * lora.alpha
 
 
+def _dora_magnitude(sd: dict, ours: str, cat: str, parts: list, enabled: list, config: Config) -> torch.Tensor:
+    """PEFT's lora_magnitude_vector of one HF module: our magnitudes of its rows (in the HF row order)."""
+    m = _get(sd, ours + ".lora_magnitude")
+    if cat in _QKV:
+        j = enabled.index(cat)
+        row = sum(n for _, n in parts[:j])
+        return m[row:row + parts[j][1]]
+    if cat == "qkv":  # every row of the fused Linear has a magnitude in PEFT: only whole qkv LoRAs map exactly
+        if len(parts) != len(_QKV):
+            raise UserError("a DoRA adapter on some of q/k/v cannot be exported to this model's fused "
+                            "query_key_value (PEFT keeps a magnitude for every row); train it with --lora_query, "
+                            "--lora_key and --lora_value all true")
+        (hf,) = qkv_to_hf(config, qkv_layout(config), m[:, None])
+        return hf[:, 0]
+    if cat == "gate_up":
+        return torch.cat([m, _get(sd, _partner(ours) + ".lora_magnitude")])
+    return m
+
+
 def _get(sd: dict, key: str) -> torch.Tensor:
     if key not in sd:
         raise UserError(f"adapter tensor {key} is missing; the adapter file is incomplete: use another checkpoint of "
@@ -158,6 +180,7 @@ def _get(sd: dict, key: str) -> torch.Tensor:
 
 
 # ---- import: read, check, convert ---------------------------------------------------------------
+_MAGNITUDE = ".lora_magnitude_vector"
 _KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 
 
@@ -169,6 +192,7 @@ class PeftFolder:
     tensors: dict[str, torch.Tensor]
     metadata: dict  # safetensors metadata (our own exports record their LoRAConfig there)
     where: str  # how error messages name it
+    magnitudes: dict = field(default_factory=dict)  # DoRA: HF module -> lora_magnitude_vector (filled by check_peft)
 
 
 def import_peft(folder: Path, base_config: Config) -> tuple[dict[str, torch.Tensor], LoRAConfig, dict]:
@@ -203,6 +227,9 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
     found: dict[str, dict[str, torch.Tensor]] = {}  # HF module -> {"lora_A": ..., "lora_B": ...}
     for key, t in peft.tensors.items():
         k = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+        if k.endswith(_MAGNITUDE):  # DoRA
+            peft.magnitudes[k.removesuffix(_MAGNITUDE)] = t.detach().float()
+            continue
         m = _KEY_RE.match(k)
         if not m:
             # PEFT's copy of an untouched base weight (save_embedding_layers): not part of the LoRA
@@ -211,7 +238,7 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
                     raise UserError(f"{where} holds {k} of shape {tuple(t.shape)} but the base model {base_name} has "
                                     f"{tuple(base_copies[k])}; use the base model the adapter was made for")
                 continue
-            raise UserError(f"{where} holds {key!r}, which is not a LoRA A/B weight (bias, embedding LoRA, DoRA or "
+            raise UserError(f"{where} holds {key!r}, which is not a LoRA A/B weight (bias, embedding LoRA or "
                             "modules_to_save are not supported); save the adapter with bias='none' and only Linear "
                             "targets")
         found.setdefault(m["mod"], {})[m["ab"]] = t.detach().float()
@@ -328,7 +355,11 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
 
     rslora = bool(peft.config.get("use_rslora"))
     alpha = s * math.sqrt(r) if rslora else s * r  # the scaling s as alpha / sqrt(r) or alpha / r
-    lora = LoRAConfig(r=r, alpha=alpha, dropout=float(peft.config.get("lora_dropout") or 0.0), rslora=rslora, **flags)
+    dora = bool(peft.config.get("use_dora"))
+    lora = LoRAConfig(r=r, alpha=alpha, dropout=float(peft.config.get("lora_dropout") or 0.0), rslora=rslora,
+                      dora=dora, **flags)
+    if dora:
+        lora_sd.update(_our_magnitudes(peft, by_ours, base_config))
     if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), alpha, rel_tol=1e-12):
         lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
     if lit_meta is not None and lit_meta.get("loraplus_lr_ratio") is not None:
@@ -338,12 +369,37 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
     # MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0
     for name, parts in targets.items():
         if name + ".lora_A" not in lora_sd:
+            if dora:  # an inert DoRA layer needs the base's row norms as magnitudes, which the folder has not
+                raise UserError(f"{where} is a DoRA adapter that leaves {name} alone while adapting others of its "
+                                "kind; lit-qlora adapts all of them: make the adapter with every MLP Linear targeted")
             out_f, in_f = shapes[name + ".weight"]
             lora_sd[name + ".lora_A"] = torch.zeros(len(parts or [None]) * r, in_f)
             lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
     extra = set(k.rsplit(".", 1)[0] for k in lora_sd) - set(targets)
     assert not extra, f"internal error: LoRA tensors for {sorted(extra)} outside the targets"
     return {k: v.contiguous() for k, v in lora_sd.items()}, lora
+
+
+def _our_magnitudes(peft: PeftFolder, by_ours: dict[str, dict[str, str]], config: Config) -> dict[str, torch.Tensor]:
+    """DoRA's magnitudes in our layout: our module + ".lora_magnitude" -> one per row of its lora_B."""
+    def get(mod: str) -> torch.Tensor:
+        if mod not in peft.magnitudes:
+            raise UserError(f"{peft.where} is a DoRA adapter without lora_magnitude_vector for {mod}; the adapter is "
+                            "incomplete: save it again")
+        return peft.magnitudes[mod]
+
+    out = {}
+    for ours, cats in by_ours.items():
+        if "qkv" in cats:
+            out[ours + ".lora_magnitude"] = qkv_from_hf(config, qkv_layout(config), [get(cats["qkv"])[:, None]])[:, 0]
+        elif "gate_up" in cats:
+            m = get(cats["gate_up"])
+            out[ours + ".lora_magnitude"], out[_partner(ours) + ".lora_magnitude"] = m.chunk(2)
+        elif any(c in _QKV for c in cats):
+            out[ours + ".lora_magnitude"] = torch.cat([get(cats[c]) for c in _QKV if c in cats])
+        else:
+            out[ours + ".lora_magnitude"] = get(next(iter(cats.values())))
+    return out
 
 
 def _universe(config: Config) -> dict[str, tuple[str, str, Optional[int]]]:
@@ -393,8 +449,6 @@ def _read_peft_config(folder: Path) -> dict:
     if pc.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be "
                         "loaded")
-    if pc.get("use_dora"):
-        raise UserError(f"{folder} is a DoRA adapter (use_dora=true); only plain LoRA adapters can be loaded")
     if pc.get("lora_bias") or pc.get("bias", "none") not in ("none", None):
         raise UserError(f"{folder} trains biases (bias={pc.get('bias')!r}, lora_bias={pc.get('lora_bias')}); "
                         "only adapters with bias='none' can be loaded")

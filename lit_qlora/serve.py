@@ -93,6 +93,9 @@ class AdapterBank:
                 self.base_layers[module_name] = self.model.get_submodule(module_name)
             base = self.base_layers[module_name]
             cfg = adapter.config
+            if cfg.dora:
+                raise UserError(f"adapter {name} is a DoRA adapter, which the server cannot switch per request yet; "
+                                "merge it into the base first (scripts/merge_lora.py) and serve that")
             w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
                            rslora=cfg.rslora)
             device = w.lora_A.device

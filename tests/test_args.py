@@ -14,8 +14,8 @@ import yaml
 from lit_qlora import demo
 from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
 
-FLAG_COUNT = 49  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
-# lora_rslora, loraplus_lr_ratio
+FLAG_COUNT = 50  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
+# lora_rslora, loraplus_lr_ratio, lora_dora
 
 
 def test_flags_are_flat_and_unchanged():

@@ -99,3 +99,140 @@ def test_loraplus_flag_is_checked():
     with pytest.raises(UserError, match="--loraplus_lr_ratio must be a number above 0"):
         LoRAArgs(loraplus_lr_ratio=0)
     assert LoRAArgs(lora_rslora=True, loraplus_lr_ratio=4).config() == LoRAConfig(rslora=True, loraplus_lr_ratio=4)
+
+
+# ---- DoRA --------------------------------------------------------------------------------------------------------
+def _peft_dora_layer(base: torch.nn.Module, r: int, alpha: float, rslora: bool = False):
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as PeftLoraLinear
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, use_dora=True, use_rslora=rslora)
+    return PeftLoraLinear(base, "default", config, r=r, lora_alpha=alpha)
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["dora", "dora+rslora"])
+def test_dora_forward_and_gradients_equal_peft(rslora):
+    """fp32, a dense base with a bias: ours and PEFT's DoRA layer on the same weights give the same output and the
+    same gradients for A, B, the magnitudes and the input."""
+    from lit_qlora.lora import LoRALinear
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 40, bias=True)
+    ref = _peft_dora_layer(torch.nn.Linear(24, 40, bias=True), 4, 8, rslora)
+    ref.base_layer.load_state_dict(base.state_dict())
+    ours = LoRALinear(base, 24, 40, 4, 8, 0.0, rslora=rslora, dora=True)
+    ours.reset_lora_parameters()
+    ours.init_dora(base.weight)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ref.lora_A["default"].weight.copy_(torch.randn(4, 24, generator=g) * 0.3)
+        ref.lora_B["default"].weight.copy_(torch.randn(40, 4, generator=g) * 0.3)
+        ref.lora_magnitude_vector["default"].weight.mul_(1 + 0.2 * torch.randn(40, generator=g))
+        ours.lora_A.copy_(ref.lora_A["default"].weight)
+        ours.lora_B.copy_(ref.lora_B["default"].weight)
+        ours.lora_magnitude.copy_(ref.lora_magnitude_vector["default"].weight)
+    x = torch.randn(3, 5, 24, generator=g)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours.train()(xa), ref.train()(xb)
+    assert (ya - yb).abs().max().item() <= 1e-5
+    w = torch.randn(ya.shape, generator=g)
+    (ya * w).sum().backward()
+    (yb * w).sum().backward()
+    pairs = [(xa.grad, xb.grad), (ours.lora_A.grad, ref.lora_A["default"].weight.grad),
+             (ours.lora_B.grad, ref.lora_B["default"].weight.grad),
+             (ours.lora_magnitude.grad, ref.lora_magnitude_vector["default"].weight.grad)]
+    for a, b in pairs:
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_dora_starts_at_the_base_and_keeps_no_weight_copy(lora_llama):
+    """At init (B = 0) the magnitudes are the base's row norms, the model computes the base exactly, and besides
+    the 1-D norms nothing of the size of a weight is kept (on a 4-bit base)."""
+    idx = random_tokens(2, 8, seed=2)
+    base = load_model(lora_llama.folder, precision="32-true", quantize="bnb.nf4")
+    lora = replace(lora_cfg(**QV), dora=True)
+    model = load_model(lora_llama.folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0)
+    with torch.no_grad():
+        assert (model(idx) - base(idx)).abs().max().item() <= 1e-4
+    from lit_qlora.lora import lora_modules
+    for m in lora_modules(model).values():
+        assert {n: tuple(b.shape) for n, b in m.named_buffers(recurse=False)} == {"lora_wnorm2": (m.out_features,)}
+        assert m.lora_magnitude.shape == (m.lora_B.shape[0],)
+
+
+def _peft_dora_model(tiny, targets, seed=5, **kw):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(hf_model(tiny.folder), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=True,
+                                                                  target_modules=targets, task_type="CAUSAL_LM", **kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude" in name:
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("which,targets,rslora", [
+    ("lora_llama", ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    ("lora_llama", ["q_proj", "v_proj"], True), ("lora_neox", ["query_key_value", "dense"], False)],
+    ids=["llama-all", "llama-qv-rslora", "neox-fused"])
+@torch.no_grad()
+def test_dora_adapters_both_ways_with_peft(which, targets, rslora, request, tmp_path):
+    """A PEFT DoRA adapter imports and computes PEFT's logits here; exported back, PEFT loads it (use_dora, the
+    lora_magnitude_vector keys) with the same logits; the merged weights equal PEFT's merge_and_unload."""
+    from peft import PeftModel
+
+    tiny = request.getfixturevalue(which)
+    peft_model = _peft_dora_model(tiny, targets, use_rslora=rslora)
+    idx = random_tokens(2, 12, seed=6)
+    expected = peft_model(idx).logits
+    peft_model.save_pretrained(tmp_path / "peft")
+    adapter = Adapter.load(tmp_path / "peft", tiny.config)
+    assert adapter.config.dora and adapter.config.rslora == rslora
+    ours = load_model_with_adapter(tiny.folder, adapter, precision="32-true")
+    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    adapter.export_peft(tiny.config, tmp_path / "back")
+    again = PeftModel.from_pretrained(hf_model(tiny.folder), tmp_path / "back").eval()
+    assert again.peft_config["default"].use_dora
+    assert (again(idx).logits - expected).abs().max().item() <= 1e-4
+    merged = load_model(tiny.folder, precision="32-true", merge_adapter=adapter)  # Adapter.merged, the one merge rule
+    assert (merged(idx) - peft_model.merge_and_unload()(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_dora_export_refuses_a_partial_fused_qkv(lora_neox, tmp_path):
+    lora = replace(lora_cfg(**QV), dora=True)
+    model = load_model(lora_neox.folder, precision="32-true", lora=lora, seed=0)
+    with pytest.raises(UserError, match="lora_key and --lora_value all true"):
+        adapter_of(model, lora).export_peft(lora_neox.config, tmp_path / "peft")
+
+
+@torch.no_grad()
+def test_unmerged_dora_generation_falls_back_from_the_decode_kernel(lora_llama, tmp_path):
+    """Generation with an unmerged DoRA adapter on nf4: the 4-bit bases may decode through the kernel, the DoRA
+    layers stay LoRALinear (the fused base + update kernel has no per-row factor), and the tokens and logits are
+    those of the same model without the kernel."""
+    from lit_qlora.decode4bit import DecodeLoRALinear, kernel
+    from lit_qlora.generation import generate
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.lora import LoRALinear, lora_modules
+
+    peft_model = _peft_dora_model(lora_llama, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model.save_pretrained(tmp_path / "peft")
+    adapter = Adapter.load(tmp_path / "peft", lora_llama.config)
+    plain, fast = (load_model_with_adapter(lora_llama.folder, adapter, precision="bf16-true", quantize="bnb.nf4")
+                   .eval() for _ in range(2))
+    on_kernel = fast_cpu_4bit_decoding(fast)
+    assert on_kernel > 0 or kernel() is None
+    assert all(type(m) is LoRALinear for m in lora_modules(fast).values())
+    assert not any(isinstance(m, DecodeLoRALinear) for m in fast.modules())
+    prompt = random_tokens(6, seed=9)
+    a, b = generate(plain, prompt, 8), generate(fast, prompt, 8)
+    assert torch.equal(a, b)
+    la, lb = plain(a[None]).float(), fast(a[None]).float()
+    assert (la - lb).abs().max().item() <= 0.05 * la.abs().max().item()
+    dense = load_model_with_adapter(lora_llama.folder, adapter, precision="32-true", quantize="bnb.nf4").eval()
+    ld = dense(a[None])  # the same DoRA model in fp32: bf16 decoding is close to it
+    assert (la - ld).abs().max().item() <= 0.05 * ld.abs().max().item()

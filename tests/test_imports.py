@@ -79,3 +79,48 @@ def test_the_checker_sees_a_cycle():
     """The cycle finder itself, on a graph with a cycle hidden two steps deep (so the tests above can fail)."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
+
+
+def architecture_layers() -> dict[str, int]:
+    """module (lit_qlora.x) -> its layer number, from the table in ARCHITECTURE.md (`| 3 model | model, lora | ...`)."""
+    layers = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0][:1].isdigit():
+            for name in cells[1].split(","):
+                layers[f"lit_qlora.{name.strip()}"] = int(cells[0].split()[0])
+    return layers
+
+
+def upward_imports(imports: dict, layers: dict[str, int]) -> list[str]:
+    """Every import of a module from a higher layer than its own, as 'module (layer) imports target (layer)'."""
+    def layer(m: str) -> int:
+        return layers.get(m, layers.get(m.rsplit(".", 1)[0], 0))  # lit_qlora.demo.x sits with lit_qlora.demo
+
+    return [f"{mod}:{line} (layer {layer(mod)}) imports {target} (layer {layer(target)})"
+            for mod, deps in imports.items() if mod != "lit_qlora"
+            for target, _, line in deps if target != "lit_qlora" and layer(target) > layer(mod)]
+
+
+def test_every_module_has_a_layer_in_architecture_md():
+    layers = architecture_layers()
+    missing = [m for m in package_imports() if m != "lit_qlora" and m not in layers
+               and m.rsplit(".", 1)[0] not in layers]
+    assert not missing, f"{missing}: place each in a layer of the table in ARCHITECTURE.md"
+    stale = [m for m in layers if m not in package_imports()]
+    assert not stale, f"ARCHITECTURE.md names modules that do not exist: {stale}"
+
+
+def test_imports_only_go_down():
+    bad = upward_imports(package_imports(), architecture_layers())
+    assert not bad, "upward imports (move the code down, or the module up in ARCHITECTURE.md):\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    layers = {"lit_qlora.utils": 1, "lit_qlora.model": 3}
+    assert upward_imports({"lit_qlora.utils": [("lit_qlora.model", [], 7)], "lit_qlora.model": []}, layers) == [
+        "lit_qlora.utils:7 (layer 1) imports lit_qlora.model (layer 3)"]
+    assert upward_imports({"lit_qlora.model": [("lit_qlora.utils", [], 3)]}, layers) == []

@@ -145,6 +145,46 @@ def test_dora_forward_and_gradients_equal_peft(rslora):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
 
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+def test_dora_over_a_4bit_base_equals_peft_bnb_dora(mode):
+    """fp32 compute, the same bitsandbytes nf4 layer under ours and under PEFT's bnb Linear4bit DoRA layer: the same
+    output and gradients (PEFT dequantizes the whole weight for its norms; ours never does after init)."""
+    import copy
+
+    from helpers import reference_layer
+    from peft import LoraConfig
+    from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
+
+    from lit_qlora.lora import LoRALinear
+    from lit_qlora.quantize import dequantize_weight
+
+    g = torch.Generator().manual_seed(3)
+    base = reference_layer(mode, torch.randn(48, 64, generator=g) * 0.1, torch.float32)
+    ref = PeftLinear4bit(copy.deepcopy(base), "default", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                    use_dora=True), r=4, lora_alpha=8)
+    ours = LoRALinear(base, 64, 48, 4, 8, 0.0, dora=True)
+    ours.reset_lora_parameters()
+    ours.init_dora(dequantize_weight(base))
+    assert (ours.lora_magnitude - ref.lora_magnitude_vector["default"].weight).abs().max().item() <= 1e-6
+    with torch.no_grad():
+        ref.lora_A["default"].weight.copy_(torch.randn(4, 64, generator=g) * 0.3)
+        ref.lora_B["default"].weight.copy_(torch.randn(48, 4, generator=g) * 0.3)
+        ref.lora_magnitude_vector["default"].weight.mul_(1 + 0.2 * torch.randn(48, generator=g))
+        ours.lora_A.copy_(ref.lora_A["default"].weight)
+        ours.lora_B.copy_(ref.lora_B["default"].weight)
+        ours.lora_magnitude.copy_(ref.lora_magnitude_vector["default"].weight)
+    x = torch.randn(2, 7, 64, generator=g)
+    ya, yb = ours.train()(x), ref.train()(x)
+    assert (ya - yb).abs().max().item() <= 1e-5
+    w = torch.randn(ya.shape, generator=g)
+    (ya * w).sum().backward()
+    (yb * w).sum().backward()
+    for a, b in [(ours.lora_A.grad, ref.lora_A["default"].weight.grad),
+                 (ours.lora_B.grad, ref.lora_B["default"].weight.grad),
+                 (ours.lora_magnitude.grad, ref.lora_magnitude_vector["default"].weight.grad)]:
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
 def test_dora_starts_at_the_base_and_keeps_no_weight_copy(lora_llama):
     """At init (B = 0) the magnitudes are the base's row norms, the model computes the base exactly, and besides
     the 1-D norms nothing of the size of a weight is kept (on a 4-bit base)."""

@@ -39,8 +39,12 @@ Q = gguf.GGMLQuantizationType
 # MistralForCausalLM there too); TinyLlama and SmolLM2 are LlamaForCausalLM.
 # llama.cpp architecture of each family whose spec names one (lit_qlora/families.py)
 ARCHITECTURES = {a: s.gguf for a, s in SPECS.items() if s.gguf}
-SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM) and "
-             "Qwen2/2.5 (Qwen2ForCausalLM)")
+SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM), "
+             "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM) and Phi-3 / Phi-4 (Phi3ForCausalLM)")
+# What an architecture adds to the llama baseline that `gguf_architecture` checks (Config field -> the value written)
+_ARCH_FIELDS = {"qwen3": dict(qk_norm="head")}
+# llama.cpp architectures whose q|k|v and gate|up are one tensor each (`attn_qkv`, `ffn_up`), as in the HF weights
+_FUSED = ("phi3",)
 
 # --dtype -> (type of the 2-D weights, general.file_type). Norms, biases and rope factors always stay f32.
 DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
@@ -50,9 +54,11 @@ DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
     "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 
-# Our tensor names -> llama.cpp's. The fused qkv is split into attn_q / attn_k / attn_v by `gguf_parts`.
+# Our tensor names -> llama.cpp's. The fused qkv is split into attn_q / attn_k / attn_v by `gguf_parts` (but for the
+# architectures of _FUSED).
 _LAYER_NAMES = {"norm_1": "attn_norm", "attn.proj": "attn_output", "norm_2": "ffn_norm", "mlp.fc_1": "ffn_gate",
-                "mlp.fc_2": "ffn_up", "mlp.proj": "ffn_down"}
+                "mlp.fc_2": "ffn_up", "mlp.proj": "ffn_down", "attn.q_norm": "attn_q_norm",
+                "attn.k_norm": "attn_k_norm"}
 _GLOBAL_NAMES = {"transformer.wte": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes of tokenizer.json files (a Split before a regex-free ByteLevel) -> llama.cpp's name for them
@@ -78,11 +84,12 @@ def gguf_architecture(config: Config) -> str:
                     rope_n_elem=config.head_size, qk_norm=None, pre_norms=True, post_norms=False, attn_softcap=None,
                     final_softcap=None, attention_scale=None, nope_layers=None, rope_local_base=None,
                     rope_type=None)
+    expected.update(_ARCH_FIELDS.get(arch, {}))
     for key, want in expected.items():
         have = (config.rope_scaling or {}).get("rope_type") if key == "rope_type" else getattr(config, key)
         if have != want:
-            raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which llama.cpp's "
-                            f"{arch!r} architecture cannot express ({want!r} needed); export it with "
+            raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which the GGUF export of llama.cpp's "
+                            f"{arch!r} architecture does not write ({want!r} needed); export it with "
                             "scripts/export_hf.py")
     return arch
 
@@ -94,6 +101,8 @@ def gguf_parts(config: Config, arch: str, name: str) -> list[tuple[str, Optional
     if not module.startswith("transformer.h."):
         return [(f"{_GLOBAL_NAMES[module]}.{param}", None, None)]
     i, _, sub = module[len("transformer.h."):].partition(".")
+    if arch in _FUSED and sub in ("attn.qkv", "mlp.fc_1", "mlp.fc_2"):  # fc_1 then fc_2 stack into one ffn_up
+        return [(f"blk.{i}.{'attn_qkv' if sub == 'attn.qkv' else 'ffn_up'}.{param}", None, None)]
     if sub != "attn.qkv":
         return [(f"blk.{i}.{_LAYER_NAMES[sub]}.{param}", None, None)]
     q, k, v = config.qkv_sizes
@@ -381,20 +390,34 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
     specs, stream = merged_tensors(checkpoint_dir, adapter, config)
     factors = rope_factors(config)
     plan: Plan = [("rope_freqs.weight", tuple(factors.shape), Q.F32)] if factors is not None else []
+    pieces: dict[str, int] = {}  # llama.cpp tensor -> how many of ours stack into it (2 for Phi-3's ffn_up)
     for name, shape, _ in specs:
         for gguf_name, rows, _ in gguf_parts(config, arch, name):
             gguf_shape = (rows[1], *shape[1:]) if rows else tuple(shape)
-            plan.append((gguf_name, gguf_shape, tensor_type(gguf_shape, dtype)))
+            if gguf_name in pieces:  # the next rows of a tensor already planned
+                j = next(j for j, (n, _, _) in enumerate(plan) if n == gguf_name)
+                gguf_shape = (plan[j][1][0] + gguf_shape[0], *gguf_shape[1:])
+                plan[j] = (gguf_name, gguf_shape, tensor_type(gguf_shape, dtype))
+            else:
+                plan.append((gguf_name, gguf_shape, tensor_type(gguf_shape, dtype)))
+            pieces[gguf_name] = pieces.get(gguf_name, 0) + 1
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         if factors is not None:
             yield "rope_freqs.weight", factors
+        held: dict[str, list[torch.Tensor]] = {}
         for name, t in stream:
-            yield from split_gguf(config, arch, name, t)
+            for gguf_name, part in split_gguf(config, arch, name, t):
+                held.setdefault(gguf_name, []).append(part)
+                if len(held[gguf_name]) == pieces[gguf_name]:
+                    parts = held.pop(gguf_name)
+                    yield gguf_name, torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def metadata(w: gguf.GGUFWriter) -> None:
         w.add_type(gguf.GGUFType.MODEL)
         _shape_metadata(w, config, config.name or Path(checkpoint_dir).name, DTYPES[dtype][1])
+        if arch == "phi3" and config.sliding_window_size:  # llama.cpp's phi3 attends within it, as transformers
+            w.add_sliding_window(config.sliding_window_size)
         vocab.write(w)
 
     _write(out_file, arch, metadata, plan, tensors())
@@ -404,6 +427,9 @@ def write_lora(config: Config, out_file: Path, dtype: str, adapter: Adapter) -> 
     """The adapter as llama.cpp's LoRA file: per adapted weight `<name>.lora_a` [r, in] and `<name>.lora_b` [out, r],
     applied as W + alpha / r * B @ A (our scaling)."""
     arch = gguf_architecture(config)
+    if arch in _FUSED:
+        raise UserError(f"a LoRA file for llama.cpp's {arch!r} architecture (one fused attn_qkv and ffn_up per layer) "
+                        "is not written; export the merged model instead (drop --lora_only)")
     lora = adapter.config
     q, k, _ = config.qkv_sizes
     pairs: list[tuple[str, torch.Tensor]] = []
@@ -468,7 +494,8 @@ def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[Adapter 
         return out_file
     vocab = read_vocab(checkpoint_dir, config.vocab_size)
     notes = list(vocab.notes)
-    if config.sliding_window_size and config.sliding_window_size < config.block_size:
+    if config.sliding_window_size and config.sliding_window_size < config.block_size and \
+            gguf_architecture(config) != "phi3":  # phi3 writes its window
         notes.append(f"llama.cpp's {gguf_architecture(config)!r} architecture has no sliding-window attention: the "
                      f"GGUF model attends to the whole context (the same as this one up to "
                      f"{config.sliding_window_size} tokens)")

@@ -2,8 +2,9 @@
 file alone), llama.cpp's own `gguf` package (reader, tensor name map, dequantization) and sentencepiece.
 
 Tiny models of every supported family: llama (sentencepiece tokenizer, chat template), llama3 (tied embeddings,
-Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer) and qwen2 (biases,
-tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding).
+Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer), qwen2 (biases,
+tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding), qwen3 (QK-norm, head_dim != hidden / heads)
+and phi3 (fused attn_qkv and ffn_up, a sliding window).
 """
 import os
 import shutil
@@ -63,6 +64,14 @@ def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
         "mistral": _model(base, "mistral", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320)),
         "qwen2": _model(base, "qwen2", lambda f: make_hf_bpe_tokenizer(
             f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None)),
+        # transformers' qwen3 reader takes no head_dim from the file (Qwen3Config's default, 128, is the real models')
+        "qwen3": _model(base, "qwen3", lambda f: make_hf_bpe_tokenizer(
+            f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None),
+                        head_dim=128),
+        # Phi-3-mini-4k's kind: fused qkv and gate_up, full rotary, no rope scaling (transformers' phi3 reader takes
+        # neither a partial rotary nor longrope from the file; the export refuses them)
+        "phi3": _model(base, "phi3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), partial_rotary_factor=1.0,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     }
 
 
@@ -110,7 +119,7 @@ def seq_len(model) -> int:  # the GGUF has no sliding window (llama.cpp's llama 
 
 # ---- weights: logits through transformers' GGUF reader -------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"])
 @torch.no_grad()
 def test_logits_match(models, kind, dtype, tmp_path):
     model = models[kind]
@@ -147,7 +156,7 @@ def test_rope_factors_match_transformers_llama3(models, tmp_path):
     torch.testing.assert_close(factors, default / scaled, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "phi3"])
 def test_metadata_and_names(models, kind, tmp_path):
     """The config transformers rebuilds from the file equals the original config.json, and the tensor names are the
     ones llama.cpp's name map gives for the HF tensors (no more, no fewer)."""
@@ -166,11 +175,15 @@ def test_metadata_and_names(models, kind, tmp_path):
     assert rebuilt.bos_token_id == 1 and rebuilt.eos_token_id == 2
 
     reader = gguf.GGUFReader(path)
-    arch = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2"}[kind]
+    arch = {"llama3": "llama"}.get(kind, kind)
     assert field(reader, "general.architecture") == arch and field(reader, "general.type") == "model"
     assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
-    assert field(reader, f"{arch}.rope.dimension_count") == model.config.head_size == 16
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
+    assert field(reader, f"{arch}.rope.dimension_count") == model.config.head_size == (128 if kind == "qwen3" else 16)
+    if kind == "qwen3":  # head_dim 128 with hidden 64: written for llama.cpp, which assumes hidden / heads otherwise
+        assert field(reader, "qwen3.attention.key_length") == field(reader, "qwen3.attention.value_length") == 128
+    if kind == "phi3":  # llama.cpp's phi3 attends within the window, as transformers does
+        assert field(reader, "phi3.attention.sliding_window") == model.config.sliding_window_size == 8
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
                                      original.num_hidden_layers)
     hf_keys = [k for k, _, _ in lit_to_hf_plan(model.config)]
     expected = {names.get_name(k.rpartition(".")[0]) + "." + k.rpartition(".")[2] for k in hf_keys}
@@ -384,6 +397,34 @@ def test_lora_only_refusals(models, tmp_path):
 
 
 # ---- bad input through the script --------------------------------------------------------------
+FULL_ROTARY_LONGROPE = dict(partial_rotary_factor=1.0, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5] * 4, "long_factor": [2.0, 3.0] * 4})
+
+
+@pytest.mark.parametrize("kind, overrides, message", [
+    ("phi3", FULL_ROTARY_LONGROPE,
+     "has rope_type='longrope', which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
+    ("phi4_mini", {}, "has rope_n_elem=12, which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
+])
+def test_phi3_features_no_reader_checks_are_refused(kind, overrides, message, tmp_path):
+    """longrope and a partial rotary: transformers' GGUF reader takes neither from a phi3 file, so nothing proves an
+    export of them; refused in one line, before anything is converted or written."""
+    folder = tmp_path / f"tiny-{kind}"
+    make_tiny_hf_model(kind, folder, **overrides)
+    make_hf_bpe_tokenizer(folder, vocab_size=320)
+    with pytest.raises(UserError, match=message):
+        export_gguf(folder, tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists() and not (folder / "lit_model.safetensors").exists()
+
+
+def test_phi3_lora_only_is_refused(models, tmp_path):
+    """llama.cpp's phi3 has one fused attn_qkv and ffn_up: a LoRA file for them is not written (merged export is)."""
+    model = models["phi3"]
+    adapter = make_adapter(model, seed=2, query=True, value=True, mlp=True)
+    with pytest.raises(UserError, match="fused attn_qkv and ffn_up.*drop --lora_only"):
+        export(model, tmp_path, adapter=adapter, lora_only=True)
+
+
 def test_bad_input_one_line_and_nothing_written(models, tmp_path):
     gemma = tmp_path / "tiny-gemma"
     make_tiny_hf_model("gemma", gemma)

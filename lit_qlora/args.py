@@ -19,6 +19,7 @@ from lit_qlora import demo
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.preference import LOSSES
 from lit_qlora.readers import read_yaml
+from lit_qlora.tracking import parse_loggers
 from lit_qlora.utils import UserError
 
 
@@ -65,7 +66,15 @@ class RunArgs:
     """GB per device for --micro_batch_size auto (default: the memory free now)."""
     bench_json: bool = False
     """Print a machine-readable `BENCH_JSON {...}` line with per-iteration figures at the end."""
+    logger: Optional[str] = None
+    """Experiment trackers besides metrics.csv, comma-separated: csv, tensorboard, wandb (offline unless W&B is
+    configured), mlflow (lit_qlora/tracking.py). Each logs the hyperparameters, the resolved precision, every row of
+    metrics.csv, the memory report and the adapter paths."""
+    logger_dir: Optional[Path] = None
+    """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlruns/); default: --out_dir."""
 
+    def __post_init__(self) -> None:
+        parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 @dataclass
 class DataArgs:
@@ -175,7 +184,20 @@ class EvalArgs:
     """Validation batches (0: no validation)."""
     eval_max_new_tokens: int = 32
     """Tokens of the validation sample."""
+    early_stopping_patience: Optional[int] = None
+    """Stop after this many validations in a row without a lower val_loss (the last adapter is written as usual)."""
+    early_stopping_min_delta: float = 0.0
+    """An improvement is a val_loss below the best so far by more than this."""
+    save_best: bool = False
+    """Also keep the adapter of the best validation as out_dir/lit_model_lora_best.pth."""
 
+    def __post_init__(self) -> None:
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise UserError(f"--early_stopping_patience must be at least 1, got {self.early_stopping_patience}")
+        if not self.early_stopping_min_delta >= 0:
+            raise UserError(f"--early_stopping_min_delta must be 0 or more, got {self.early_stopping_min_delta}")
+        if (self.early_stopping_patience or self.save_best) and self.eval_iters < 1:
+            raise UserError("--early_stopping_patience and --save_best need validations; set --eval_iters above 0")
 
 @dataclass
 class PreferenceArgs:

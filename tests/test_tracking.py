@@ -1,0 +1,185 @@
+"""--logger (Lightning's CSV, W&B and MLflow loggers) read back with each library's own reader, and early stopping
+(--early_stopping_patience, --save_best) on a scripted validation-loss curve in the real training loop, uninterrupted
+and resumed.
+
+The scripted curve: finetune/lora.py's own loop and SFT steps, with the validation replaced by a table of losses per
+iteration (tests/helpers_train.py's tiny setup; a driver script runs setup() with that objective in a subprocess).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import helpers_train as h
+import pytest
+import torch
+
+# validations every 2 iterations: best at 4; 6 and 8 are no better -> with patience 2 the run stops at 8
+CURVE = {0: 5.0, 2: 4.0, 4: 3.0, 6: 3.5, 8: 3.2, 10: 2.0, 12: 1.0}
+DRIVER = '''
+import json, os, runpy, sys
+from dataclasses import replace
+ft = runpy.run_path({finetune!r})
+curve = {{int(k): v for k, v in json.loads(os.environ["SCRIPTED_VAL"]).items()}}
+objective = replace(ft["SFT"], validate=lambda s: dict(val_loss=curve[s.step], val_ppl=0.0))
+from lit_qlora.args import parse_finetune_args
+from lit_qlora.utils import run_main
+run_main(lambda: ft["setup"](parse_finetune_args(), objective))
+'''
+ES = dict(max_iters=12, eval_interval=2, save_interval=2, keep_checkpoints=0, early_stopping_patience=2,
+          save_best="true", learning_rate=1e-2)
+
+
+def run_scripted(setup: dict, out: Path, tmp: Path, **kw):
+    driver = tmp / "scripted_val.py"
+    driver.write_text(DRIVER.format(finetune=str(h.FINETUNE)))
+    env = {**h.env(), "SCRIPTED_VAL": json.dumps(CURVE)}
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(driver), *h.train_args(setup, out, **{**ES, **kw})], capture_output=True,
+                       text=True, env=env, cwd=h.ROOT, timeout=180)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_early_stopping_on_a_scripted_curve_and_resume(train_setup, tmp_path):
+    out = tmp_path / "A"
+    r = run_scripted(train_setup, out, tmp_path)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["iterations"] == 8 and m["stopped_early"] and m["stopped_at_iter"] == 8
+    assert m["best_iter"] == 4 and m["best_val_loss"] == 3.0
+    last = h.last_line(r.stderr)
+    assert "Stopped early at iteration 8" in last and "iteration 4" in last and "lit_model_lora_best.pth" in last
+    best = torch.load(out / "lit_model_lora_best.pth", weights_only=False)
+    assert best["train"]["iter"] == 4
+    assert h.max_abs_diff(best["lora"], h.load_lora(out / "checkpoints/iter-000004.pth")) == 0
+    assert h.max_abs_diff(h.load_lora(out / "lit_model_lora_finetuned.pth"),
+                          h.load_lora(out / "checkpoints/iter-000008.pth")) == 0
+    assert h.max_abs_diff(best["lora"], h.load_lora(out / "lit_model_lora_finetuned.pth")) > 0  # best != last
+
+    # resumed from iteration 6 (one validation without improvement so far): it stops at 8 again, best still 4
+    resumed = tmp_path / "B"
+    shutil.copytree(out, resumed)
+    (resumed / "metrics.json").unlink()
+    (resumed / "lit_model_lora_best.pth").unlink()  # written again only if the run forgot the best was at 4
+    run_scripted(train_setup, resumed, tmp_path, resume=resumed / "checkpoints/iter-000006.pth")
+    m2 = json.loads((resumed / "metrics.json").read_text())
+    assert (m2["iterations"], m2["stopped_at_iter"], m2["best_iter"]) == (8, 8, 4), m2
+    assert not (resumed / "lit_model_lora_best.pth").exists()
+
+
+def test_no_early_stop_without_patience(train_setup, tmp_path):
+    """The same curve without --early_stopping_patience runs all 12 iterations; the best (12) is kept."""
+    out = tmp_path / "C"
+    run_scripted(train_setup, out, tmp_path, early_stopping_patience=None, max_iters=12)
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["iterations"], m["stopped_early"], m["best_iter"]) == (12, False, 12)
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run's .wandb file, decoded with wandb's own protobuf Record. (wandb 0.31 no
+    longer ships the Python reader of the file; its framing is LevelDB's log format: a 7-byte ":W&B" header, then
+    32 KiB blocks of chunks, each crc32c (4 bytes), length (2, little-endian), type (1: full, 2-4: first, middle,
+    last).)"""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, pos, parts = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # too little room for a chunk header: the rest of the block is padding
+            pos += left
+            continue
+        n, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0 and n == 0:
+            continue
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(parts)
+            records.append(rec)
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "history"]
+
+
+def wandb_config(run_dir: Path) -> dict:
+    config = {}
+    for r in wandb_records(run_dir):
+        if r.WhichOneof("record_type") == "config":
+            config.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                           for item in r.config.update})
+    return config
+
+
+def test_loggers_hold_the_run(train_setup, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    out = tmp_path / "run"
+    for k in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no netrc: W&B is not configured, so offline
+    h.train(train_setup, out, max_iters=4, eval_interval=2, logger="csv,wandb,mlflow")
+    losses = h.losses_by_iter(out)
+    with open(out / "metrics.csv") as f:
+        vals = {int(r["iter"]): float(r["val_loss"]) for r in csv.DictReader(f) if r["val_loss"]}
+    metrics = json.loads((out / "metrics.json").read_text())
+    adapter = str(out / "lit_model_lora_finetuned.pth")
+
+    # MLflow: the store at out_dir/mlruns, read with MlflowClient
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("lit-qlora").experiment_id])
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == pytest.approx(losses)
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_loss")} == pytest.approx(vals)
+    params = run.data.params
+    assert params["resolved/precision"] == "32-true" and params["adapter_path"] == adapter
+    assert params["lora_r"] == "8" or params["lora/r"] == "8"
+    peak = client.get_metric_history(run.info.run_id, "final/peak_memory_gb")
+    assert peak and peak[0].value == pytest.approx(metrics["peak_memory_gb"])
+    assert client.get_metric_history(run.info.run_id, "final/quantized_bytes")  # the memory report
+
+    # W&B: one offline run folder under out_dir/wandb
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    hist = wandb_history(run_dir)
+    assert {int(r["_step"]): r["loss"] for r in hist if "loss" in r} == pytest.approx(losses)
+    config = wandb_config(run_dir)
+    value = {k: v["value"] if isinstance(v, dict) and "value" in v else v for k, v in config.items()}
+    assert value["resolved/precision"] == "32-true" and value["adapter_path"] == adapter, config
+
+    # Lightning's CSV logger
+    (csv_file,) = (out / "logs" / "csv").glob("version_*/metrics.csv")
+    with open(csv_file) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss")]
+    assert {int(r["step"]): float(r["loss"]) for r in rows} == pytest.approx(losses)
+
+
+def test_missing_logger_package_is_one_line(train_setup, tmp_path):
+    r = h.train(train_setup, tmp_path / "x", check=False, logger="csv,nosuchlogger")
+    h.assert_one_line_error(r, "--logger", "nosuchlogger")
+
+
+def test_missing_package_names_it(monkeypatch):
+    import importlib.util
+
+    from lit_qlora import tracking
+    from lit_qlora.utils import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(UserError, match="--logger wandb needs the wandb package.*pip install wandb"):
+        tracking.parse_loggers("csv,wandb")
+    assert tracking.parse_loggers("csv,mlflow") == ["csv", "mlflow"]

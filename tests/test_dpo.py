@@ -1,0 +1,210 @@
+"""finetune/dpo.py end to end, as real subprocesses on the tiny Llama of helpers_train (no mocks): a bnb.nf4 run
+whose first DPO loss is ln 2 and whose reference is the quantized base without the adapter, a resumed run equal to
+the uninterrupted one, the adapter in generate/lora.py and in PEFT, a run from an SFT adapter (its reference is
+that adapter), and the bad inputs refused in one line with nothing written."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+
+import helpers_train as h
+import pytest
+import torch
+
+from lit_qlora import preference as pf
+from lit_qlora.adapter import Adapter
+from lit_qlora.loader import load_model
+from lit_qlora.prepare import DataSettings
+from lit_qlora.tokenizer import Tokenizer
+
+DPO = h.ROOT / "finetune" / "dpo.py"
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+RUN = dict(max_iters=8, save_interval=4, keep_checkpoints=0, eval_interval=4, micro_batch_size=4, batch_size=4,
+           learning_rate=1e-2, lora_dropout=0.1, quantize="bnb.nf4", lora_mlp=True)
+
+
+def make_pairs(n: int = 40, seed: int = 0) -> list[dict]:
+    """Say the kind of a word (helpers_train's task): the right kind chosen, a wrong one rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        kind = rng.choice(list(h.KINDS))
+        wrong = rng.choice([k for k in h.KINDS if k != kind])
+        rows.append({"prompt": f"kind {rng.choice(h.KINDS[kind])}", "chosen": f" {kind}", "rejected": f" {wrong}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    s = dict(h.tiny_setup(tmp_path_factory))
+    pairs = tmp_path_factory.mktemp("pairs")
+    (pairs / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_pairs()))
+    return {**s, "data": pairs}
+
+
+def dpo_args(setup, out, **kw) -> list[str]:
+    return h.train_args(setup, out, **{"eval_max_new_tokens": None, **kw})
+
+
+def run_dpo(setup, out, check=True, **kw):
+    r = h.run_script(DPO, dpo_args(setup, out, **kw))
+    if check:
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def nf4_run(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo") / "A"
+    run_dpo(setup, out, **RUN)
+    return out
+
+
+def test_nf4_run_starts_at_ln2_and_logs_trl_rewards(nf4_run):
+    rows = h.read_metrics(nf4_run)
+    assert [int(r["iter"]) for r in rows] == list(range(1, 9))
+    assert abs(float(rows[0]["loss"]) - math.log(2)) < 1e-5  # policy = reference: the first loss is ln 2
+    for k in REWARDS:
+        assert all(r[k] != "" for r in rows), k
+    assert float(rows[0]["rewards/margins"]) == 0.0
+    assert any(float(r["rewards/margins"]) != 0 for r in rows[1:])  # the policy moved away from the reference
+    assert rows[3]["val_loss"] and rows[3]["val_rewards/accuracies"]
+    train = Adapter.load(nf4_run / "lit_model_lora_finetuned.pth").train
+    assert train["objective"] == "dpo" and train["quantize"] == "bnb.nf4"
+
+
+def test_reference_is_the_base_without_the_adapter(setup, nf4_run):
+    """reference_logps.pt holds what the nf4 base alone (no LoRA layers at all) gives every training pair."""
+    tok = Tokenizer(setup["ckpt"])
+    train, _, _ = pf.load_pairs(setup["data"], tok, DataSettings(128, template="plain"))
+    base = load_model(setup["ckpt"], precision="32-true", quantize="bnb.nf4").eval()
+    with torch.no_grad():
+        lp = pf.batch_logps(base, pf.collate_pairs(train, pad_id=tok.eos_id))
+    ref = torch.load(nf4_run / "reference_logps.pt")["train"]
+    torch.testing.assert_close(ref, torch.stack([lp.chosen, lp.rejected], 1), atol=1e-4, rtol=1e-5)
+
+
+def test_resumed_run_equals_uninterrupted(setup, nf4_run, tmp_path):
+    """B is A's folder as it stood at iteration 4 (later checkpoints and results removed), resumed."""
+    b = tmp_path / "B"
+    shutil.copytree(nf4_run, b)
+    (b / "checkpoints" / "iter-000008.pth").unlink()
+    for f in ("lit_model_lora_finetuned.pth", "metrics.json"):
+        (b / f).unlink()
+    run_dpo(setup, b, resume="true", **RUN)
+    la, lb = h.losses_by_iter(nf4_run), h.losses_by_iter(b)
+    assert sorted(la) == sorted(lb) == list(range(1, 9))
+    for i in range(5, 9):
+        assert abs(la[i] - lb[i]) <= 1e-6, (i, la[i], lb[i])
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(nf4_run / final), h.load_lora(b / final)) < 1e-6
+
+
+def test_adapter_generates_and_exports_to_peft(setup, nf4_run, tmp_path):
+    from helpers import hf_model
+    from peft import PeftModel
+
+    adapter_file = nf4_run / "lit_model_lora_finetuned.pth"
+    r = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", setup["ckpt"], "--lora_path", adapter_file, "--prompt",
+                                       "kind", "--input", "cat", "--max_new_tokens", 3])
+    assert r.returncode == 0, r.stderr
+    adapter = Adapter.load(adapter_file)
+    model = load_model(setup["ckpt"], precision="32-true", lora=adapter.config)
+    adapter.load_into(model)
+    adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(setup["ckpt"]))
+    idx = torch.randint(0, h.VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(hf_model(setup["ckpt"]), tmp_path / "peft").eval()(idx).logits
+        assert (peft_logits - model.eval()(idx)).abs().max().item() <= 1e-4
+
+
+def test_from_an_sft_adapter_the_reference_is_that_adapter(setup, tmp_path):
+    """IPO from an SFT adapter: at the first step policy = reference = base + adapter, so the loss is
+    (0 - 1 / (2 beta))^2 = 1 for beta 0.5; had the reference been the base, it would not be."""
+    from helpers import randomize_lora
+
+    from lit_qlora.lora import LoRAConfig
+
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, value=True, mlp=True)
+    model = load_model(setup["ckpt"], precision="32-true", lora=lora, seed=0)
+    randomize_lora(model, seed=5)
+    sft = tmp_path / "sft.pth"
+    Adapter.of_model(model, lora).save(sft)
+    out = tmp_path / "out"
+    run_dpo(setup, out, max_iters=2, loss="ipo", beta=0.5, lora_path=sft, lora_r=16)
+    rows = h.read_metrics(out)
+    assert abs(float(rows[0]["loss"]) - 1.0) < 1e-5, rows[0]["loss"]
+    trained = Adapter.load(out / "lit_model_lora_finetuned.pth")
+    assert trained.config == lora  # the SFT adapter's settings, not --lora_r 16
+    tok = Tokenizer(setup["ckpt"])
+    train, _, _ = pf.load_pairs(setup["data"], tok, DataSettings(128, template="plain"))
+    with torch.no_grad():
+        lp = pf.batch_logps(model.eval(), pf.collate_pairs(train[:4], pad_id=tok.eos_id))
+    ref = torch.load(out / "reference_logps.pt")["train"][:4]
+    torch.testing.assert_close(ref, torch.stack([lp.chosen, lp.rejected], 1), atol=1e-4, rtol=1e-5)
+
+
+def write_bad(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.parametrize("case", ["same", "missing", "long_prompt", "other_base", "packing", "loss"])
+def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case):
+    good = make_pairs(6)
+    kw, expect = {}, ""
+    data = setup["data"]
+    if case == "same":
+        data = write_bad(tmp_path / "d", [*good[:2], {"prompt": "kind cat", "chosen": " x", "rejected": " x"}])
+        expect = "row 3 of"
+    elif case == "missing":
+        data = write_bad(tmp_path / "d", [*good[:1], {"prompt": "kind cat", "chosen": " x"}])
+        expect = "row 2 of"
+    elif case == "long_prompt":
+        data = write_bad(tmp_path / "d", [*good[:3], {"prompt": "kind " * 200, "chosen": " a", "rejected": " b"}])
+        expect = "row 4 of"
+    elif case == "other_base":
+        from helpers import make_tiny_hf_model
+
+        from lit_qlora.convert import ensure_converted
+        from lit_qlora.lora import LoRAConfig
+
+        other = tmp_path / "other"
+        make_tiny_hf_model("llama", other, vocab_size=h.VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1)
+        ensure_converted(other, quiet=True)
+        lora = LoRAConfig(r=2, alpha=4)
+        Adapter.of_model(load_model(other, precision="32-true", lora=lora), lora).save(tmp_path / "other.pth")
+        kw, expect = dict(lora_path=tmp_path / "other.pth"), "was trained on"
+    elif case == "packing":
+        kw, expect = dict(packing="true"), "--packing"
+    else:
+        kw, expect = dict(loss="kto"), "--loss"
+    before = h.snapshot(data)
+    out = tmp_path / "out"
+    capsys.readouterr()  # (what building the other model printed)
+    code = run_here(dpo_args(setup, out, data_dir=data, max_seq_length=64, **kw))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
+    assert not out.exists() or not any(out.iterdir())  # (as finetune/lora.py: at most the empty --out_dir)
+    assert h.snapshot(data) == before
+
+
+def run_here(argv: list) -> int:
+    """finetune/dpo.py's CLI in this process (the refusals come before any model is loaded); its exit code."""
+    import runpy
+    import sys
+
+    saved = sys.argv
+    sys.argv = [str(DPO), *map(str, argv)]
+    try:
+        runpy.run_path(str(DPO), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = saved
+    return 0

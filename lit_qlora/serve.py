@@ -14,6 +14,7 @@ generation at the next token.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import secrets
 import threading
@@ -466,11 +467,20 @@ class Server:
                     seed if seed is not None else secrets.randbits(63), n)
 
 
+class _CancelledOnShutdown(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" traceback for a request it cancelled itself because it outlived
+    --grace_s: that cancellation is the shutdown working (uvicorn says so in its own line before)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
 def serve(app, host: str, port: int, grace_s: float = 10.0) -> None:
     """Run `app` with uvicorn until SIGINT/SIGTERM: then no new connections, up to `grace_s` for the requests in
     flight to finish, the rest cancelled (their generation stops), and the worker stopped."""
     import uvicorn
 
+    logging.getLogger("uvicorn.error").addFilter(_CancelledOnShutdown())
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
                             access_log=False)
     uvicorn.Server(config).run()

@@ -314,3 +314,60 @@ def test_bad_flags_are_one_line(tmp_path):
                         "--lora_path", "nopath"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "LIT_QLORA_DEBUG": ""})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --lora_path 'nopath'")
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_max_concurrent_429_and_timeout_504(served):
+    """--max_concurrent 1: of four requests sent at once one is admitted, the others get 429 with the OpenAI error
+    JSON; --timeout_s 0.05: the admitted one (100 tokens take longer) is stopped with 504, not left running."""
+    proc, url = _start(served["folder"], {}, "--max_concurrent", "1", "--timeout_s", "0.05")
+    try:
+        body = {"model": "base", "prompt": "robots", "max_tokens": 100, "temperature": 0}
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: answers.append(_post(url, body))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [429, 429, 429, 504], codes
+        for r in answers:
+            err = r.json()["error"]
+            assert err["type"] == ("rate_limit_error" if r.status_code == 429 else "timeout"), err
+            assert "--max_concurrent 1" in err["message"] if r.status_code == 429 else "--timeout_s" in err["message"]
+        health = httpx.get(url + "/health").json()
+        assert health["in_flight"] == 0 and health["generated_tokens"] == 0, health
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_cancels_what_outlives_the_grace(served):
+    """--grace_s 0.2: SIGTERM during a request that needs far longer (8 choices x 100 tokens); the server stops
+    within the grace plus start-up slack, the stream is cut short (no [DONE]) and nothing prints a traceback."""
+    proc, url = _start(served["folder"], {}, "--grace_s", "0.2")
+    lines: list[str] = []
+    try:
+        body = {"model": "base", "prompt": "robots", "max_tokens": 100, "n": 8, "stream": True, "temperature": 0.9}
+        t0 = None
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json=body) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 2:
+                        proc.terminate()
+                        t0 = time.monotonic()
+        except httpx.TransportError:
+            pass  # the connection is closed under the stream: the cut is the point
+        assert proc.wait(30) in (0, -signal.SIGTERM, 1)
+        assert time.monotonic() - t0 < 10
+        assert "data: [DONE]" not in lines and len(lines) < 8 * 100, len(lines)
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

@@ -202,3 +202,142 @@ class RunWatch:
 
             wandb.finish()
         self.loggers = []
+
+
+# ---- the run report (scripts/report.py OUT_DIR) ---------------------------------------------------------------------
+REPORT_MD, REPORT_PNG = "report.md", "report.png"
+
+
+def _read_optional_json(path: Path) -> dict:
+    from lit_qlora.readers import read_json
+
+    if not path.is_file():
+        return {}
+    try:
+        return read_json(path, dict, fix="the report is written without it")
+    except UserError as e:
+        print(f"warning: {e}", file=sys.stderr)
+        return {}
+
+
+def _floats(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = []
+    for r in rows:
+        try:
+            points.append((int(r["iter"]), float(r[key])))
+        except (TypeError, ValueError, KeyError):
+            continue
+    return [i for i, _ in points], [v for _, v in points]
+
+
+def _fmt(v: Any, spec: str = ".4g", unit: str = "") -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}{unit}"
+
+
+def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]:
+    """One page about one run of finetune/lora.py: out_dir/report.md (the figures and the settings) and, with
+    matplotlib, out_dir/report.png (training and validation loss, learning rate, tokens/s per iteration, memory).
+    Reads metrics.csv (required), metrics.json and hyperparameters.json (either may be missing: a run in progress)."""
+    from lit_qlora.training import MetricsLog
+
+    out_dir = Path(out_dir)
+    if not (out_dir / "metrics.csv").is_file():
+        raise UserError(f"{out_dir} holds no metrics.csv; pass the --out_dir of a finetune/lora.py run")
+    rows = MetricsLog.read_rows(out_dir / "metrics.csv")
+    m = _read_optional_json(out_dir / "metrics.json")
+    hp = _read_optional_json(out_dir / "hyperparameters.json")
+    resolved = hp.get("resolved", {}) if isinstance(hp.get("resolved"), dict) else {}
+    it, loss = _floats(rows, "loss")
+    vit, vloss = _floats(rows, "val_loss")
+    _, tps = _floats(rows, "tokens_per_sec")
+    median_tps = sorted(tps)[len(tps) // 2] if tps else m.get("tokens_per_sec")
+    png = out_dir / REPORT_PNG if plots and _plot(out_dir / REPORT_PNG, rows, m, str(out_dir)) else None
+
+    best = min(zip(vloss, vit)) if vloss else None
+    lines = [f"# Run report: {out_dir}", ""]
+    status = "finished" if m else "in progress (no metrics.json yet)"
+    if m.get("stopped_early"):
+        status = f"stopped early at iteration {m.get('stopped_at_iter')} (patience {m.get('early_stopping_patience')})"
+    lines += [f"Model **{m.get('model', hp.get('checkpoint_dir', '?'))}**, {status}.", ""]
+    if png:
+        lines += [f"![training curves]({png.name})", ""]
+    figures = [
+        ("Iterations", _fmt(m.get("iterations", it[-1] if it else None), "d")),
+        ("Training loss (first -> last)", f"{_fmt(loss[0] if loss else None)} -> {_fmt(loss[-1] if loss else None)}"),
+        ("Validation loss (first -> last)",
+         f"{_fmt(vloss[0] if vloss else None)} -> {_fmt(vloss[-1] if vloss else None)}"),
+        ("Best validation loss", f"{_fmt(best[0])} at iteration {best[1]}" if best else "-"),
+        ("Tokens/s (median of iterations)", _fmt(median_tps, ".1f")),
+        ("Training time", _fmt(m.get("training_time_s"), ".1f", " s")),
+        ("Peak memory", _fmt(m.get("peak_memory_gb"), ".2f", f" GB ({m.get('memory_kind', '')})")),
+        ("Weights in memory", _fmt(((m.get("quantized_bytes") or 0) + (m.get("dense_bytes") or 0)) / 2**20
+                                   if "dense_bytes" in m else None, ".1f", " MiB")),
+        ("Trainable parameters", _fmt(m.get("trainable_params"), ",d")),
+        ("Last adapter", f"`{out_dir / 'lit_model_lora_finetuned.pth'}`" if m else "-"),
+        ("Best adapter", f"`{m['best_adapter']}`" if m.get("best_adapter") else "-"),
+    ]
+    lines += ["| Figure | Value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in figures] + [""]
+    settings = {**{k: v for k, v in hp.items() if k not in ("resolved", "lora")}, **resolved}
+    keys = ("checkpoint_dir", "data_dir", "precision", "quantize", "optimizer", "learning_rate", "warmup_steps",
+            "batch_size", "micro_batch_size", "max_seq_length", "max_steps", "lora_r", "lora_alpha", "lora_dropout",
+            "template", "packing", "seed")
+    lines += ["## Settings", "", "| Setting | Value |", "|---|---|"]
+    lines += [f"| {k} | `{settings[k]}` |" for k in keys if k in settings] + [""]
+    rest = {k: v for k, v in settings.items() if k not in keys}
+    if rest:
+        lines += ["<details><summary>All flags</summary>", "", "| Flag | Value |", "|---|---|"]
+        lines += [f"| {k} | `{v}` |" for k, v in sorted(rest.items())] + ["", "</details>", ""]
+    md = out_dir / REPORT_MD
+    md.write_text("\n".join(lines))
+    return md, png
+
+
+def _plot(path: Path, rows: list[dict], m: dict, title: str) -> bool:
+    """report.png: four panels; False without matplotlib (a note says how to get it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed, so no report.png (pip install 'lit-qlora[plots]' or pip install "
+              "matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    it, loss = _floats(rows, "loss")
+    vit, vloss = _floats(rows, "val_loss")
+    a = ax[0][0]
+    a.plot(it, loss, color="tab:blue", lw=1, label="training loss")
+    if vloss:
+        a.plot(vit, vloss, "o-", color="tab:orange", ms=4, label="validation loss")
+        b = min(range(len(vloss)), key=vloss.__getitem__)
+        a.plot([vit[b]], [vloss[b]], "*", color="tab:red", ms=12, label=f"best: {vloss[b]:.3f} (iter {vit[b]})")
+    if m.get("stopped_early"):
+        a.axvline(m.get("stopped_at_iter") or 0, color="gray", ls="--", lw=1, label="early stop")
+    a.set(title="Loss", xlabel="iteration", ylabel="loss (per target token)")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    for a, key, name, color in ((ax[0][1], "lr", "Learning rate", "tab:green"),
+                                (ax[1][0], "tokens_per_sec", "Training tokens/s", "tab:purple")):
+        x, y = _floats(rows, key)
+        a.plot(x, y, color=color, lw=1)
+        a.set(title=name, xlabel="iteration")
+        a.grid(alpha=0.3)
+    ax[0][1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    a = ax[1][1]
+    gib = 2**30
+    bars = [("weights", ((m.get("quantized_bytes") or 0) + (m.get("dense_bytes") or 0)) / gib if m else None),
+            ("after load", m.get("rss_after_load_gb")), ("peak", m.get("peak_memory_gb"))]
+    bars = [(k, v) for k, v in bars if isinstance(v, (int, float))]
+    if bars:
+        rects = a.bar([k for k, _ in bars], [v for _, v in bars], color=["tab:gray", "tab:cyan", "tab:red"][:len(bars)])
+        for r, (_, v) in zip(rects, bars):
+            label = f"{v:.2f} GB" if v >= 0.1 else f"{v * 1024:.1f} MiB"
+            a.annotate(label, (r.get_x() + r.get_width() / 2, r.get_height()), ha="center", va="bottom", fontsize=8)
+    a.set(title=f"Memory ({m.get('memory_kind', 'no metrics.json yet')})", ylabel="GB")
+    settings = ", ".join(str(v) for v in (m.get("precision"), m.get("quantize"), m.get("optimizer")) if v)
+    fig.suptitle(f"{m.get('model', '')} {settings}\n{title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

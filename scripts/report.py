@@ -1,6 +1,11 @@
-"""Collect the cells written by scripts/run_matrix.sh into one comparison table and plots.
+"""Collect the cells written by scripts/run_matrix.sh into one comparison table and plots, or report on one run.
 
     python scripts/report.py out/matrix
+    python scripts/report.py out/lora/demo     # one finetune/lora.py run: report.md + report.png in that folder
+
+A run folder (it holds metrics.csv) gets one page: out_dir/report.md with the figures (losses, best validation,
+tokens/s, time, peak memory, adapters) and the settings, and out_dir/report.png with the loss and validation curves,
+the learning rate, tokens/s per iteration and the memory (lit_qlora.tracking.run_report).
 
 Reads OUT_ROOT/<model>/<setting>/{cell.json, status.json, metrics.json, metrics.csv, generate_metrics.json} and
 writes OUT_ROOT/report.md (also printed), OUT_ROOT/report.csv and, when matplotlib is installed
@@ -217,12 +222,20 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
 def main() -> None:
     p = argparse.ArgumentParser(description="Collect scripts/run_matrix.sh results into report.md, report.csv and "
                                             "plots.")
-    p.add_argument("out_root", type=Path, help="the OUT_ROOT of scripts/run_matrix.sh")
+    p.add_argument("out_root", type=Path, help="the OUT_ROOT of scripts/run_matrix.sh, or one run's --out_dir")
     p.add_argument("--no_plots", action="store_true", help="skip the PNG plots")
     args = p.parse_args()
     if not args.out_root.is_dir():
         print(f"error: {args.out_root} is not a folder; pass the OUT_ROOT of scripts/run_matrix.sh", file=sys.stderr)
         sys.exit(2)
+    if (args.out_root / "metrics.csv").is_file():  # one run of finetune/lora.py
+        from lit_qlora.tracking import run_report
+        from lit_qlora.utils import run_main
+
+        md, png = run_main(lambda: run_report(args.out_root, plots=not args.no_plots))
+        print(md.read_text())
+        print(f"\nWrote {md}" + (f" and {png}" if png else ""), file=sys.stderr)
+        return
     cells = collect(args.out_root)
     if not cells:
         print(f"error: no cells in {args.out_root} (expected <model>/<setting>/status.json); run scripts/run_matrix.sh",

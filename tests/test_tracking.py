@@ -183,3 +183,27 @@ def test_missing_package_names_it(monkeypatch):
     with pytest.raises(UserError, match="--logger wandb needs the wandb package.*pip install wandb"):
         tracking.parse_loggers("csv,wandb")
     assert tracking.parse_loggers("csv,mlflow") == ["csv", "mlflow"]
+
+
+def test_run_report(trained_run, tmp_path):
+    """scripts/report.py OUT_DIR on one run: report.md holds metrics.json's figures and the settings, report.png is a
+    picture of the four panels."""
+    import shutil as sh
+
+    from helpers import run_script_here
+
+    out = tmp_path / "run"
+    sh.copytree(trained_run[0], out)
+    assert run_script_here("report.py", out) == 0
+    md = (out / "report.md").read_text()
+    m = json.loads((out / "metrics.json").read_text())
+    rows = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["val_loss"]]
+    best = min(rows, key=lambda r: float(r["val_loss"]))
+    assert f"| Best validation loss | {float(best['val_loss']):.4g} at iteration {best['iter']} |" in md
+    assert f"| Peak memory | {m['peak_memory_gb']:.2f} GB (peak RSS) |" in md
+    assert f"| Iterations | {m['iterations']} |" in md and "| learning_rate | `0.01` |" in md
+    assert "![training curves](report.png)" in md
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1210, 825), (width, height)

@@ -270,7 +270,7 @@ def test_two_clients_at_once_get_their_own_answers(served):
 
 def test_a_client_that_disconnects_stops_its_generation(served):
     before = httpx.get(served["url"] + "/health").json()
-    body = {"model": "base", "prompt": "robots", "max_tokens": 90, "stream": True}
+    body = {"model": "base", "prompt": "robots", "max_tokens": 90, "n": 8, "stream": True}  # long enough to leave
     with httpx.stream("POST", served["url"] + "/v1/completions", json=body, timeout=30,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         for i, _ in enumerate(r.iter_lines()):
@@ -333,7 +333,9 @@ def test_max_concurrent_429_and_timeout_504(served):
         for t in threads:
             t.join(60)
         codes = sorted(r.status_code for r in answers)
-        assert codes == [429, 429, 429, 504], codes
+        # at least one is refused while another runs, and whatever was admitted is stopped (which one arrives
+        # first, and whether a late one finds the first already stopped, is the scheduler's)
+        assert len(codes) == 4 and set(codes) == {429, 504}, codes
         for r in answers:
             err = r.json()["error"]
             assert err["type"] == ("rate_limit_error" if r.status_code == 429 else "timeout"), err

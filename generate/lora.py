@@ -1,6 +1,6 @@
 """Generate with a LoRA adapter (ours or a PEFT folder), merged into the base for speed.
 
-    python generate/lora.py                  # the demo adapter written by `python finetune/lora.py`
+    python generate/lora.py                  # the demo: the question, the base model's and the fine-tuned answer
     python generate/lora.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf \
         --lora_path out/lora/alpaca/lit_model_lora_finetuned.pth --prompt "Recommend a movie" --quantize bnb.nf4
 
@@ -11,14 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from lit_qlora import demo
+from lit_qlora.generation import generate
 from lit_qlora.inference import (
+    autocast_for,
     encode_prompt,
     load_for_inference,
     pick_device,
     resolve_generation_precision,
     run_prompts,
 )
+from lit_qlora.tracking import run_report
 from lit_qlora.utils import UserError, run_cli
 
 
@@ -65,6 +70,7 @@ def main(
             trained with (for chat, the very template text recorded in it).
         metrics_file: also write tokens/s, time and memory as JSON there.
     """
+    demo_run = checkpoint_dir is None and lora_path is None and prompt is None
     if checkpoint_dir is None:
         checkpoint_dir = demo.DEMO_CHECKPOINT
         lora_path = lora_path or Path("out/lora/demo/lit_model_lora_finetuned.pth")
@@ -83,8 +89,27 @@ def main(
                                                    merge, quantize_lm_head=quantize_lm_head,
                                                    precision_why=precision_why)
     ids, stops = encode_prompt(tokenizer, prompt if prompt is not None else "", input, adapter, template)
+    if demo_run:  # what the demo changed: the same question to the base model and to the fine-tuned one
+        base, _, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
+                                        quantize_lm_head=quantize_lm_head)
+        print(f"Question: {prompt}" + (f" {input}" if input else ""))
+        for name, m in (("Base model", base), ("Fine-tuned", model)):
+            print(f"{name}: {greedy_answer(m, tokenizer, ids, stops, max_new_tokens, precision, device)}")
+        md, png = run_report(Path(lora_path).parent)
+        print(f"Run report: {md}" + (f" (curves: {png})" if png else ""))
+        return
     run_prompts(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, num_samples, stream, device,
                 metrics_file, precision, stops=stops)
+
+
+def greedy_answer(model, tokenizer, ids: torch.Tensor, stops: list[int], max_new_tokens: int, precision: str,
+                  device: torch.device) -> str:
+    """The greedy continuation of `ids` as one line of text (or a note saying it is empty)."""
+    n = min(max_new_tokens, model.config.block_size - len(ids))
+    with autocast_for(precision, device):
+        out = generate(model, ids, n, eos_ids=stops)
+    text = tokenizer.decode([t for t in out[len(ids):].tolist() if t not in stops]).strip()
+    return text.replace("\n", " ") if text else "(nothing: it ends at once)"
 
 
 if __name__ == "__main__":

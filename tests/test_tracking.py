@@ -207,3 +207,35 @@ def test_run_report(trained_run, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == (1210, 825), (width, height)
+
+
+def test_demo_generate_shows_question_answers_and_report(train_setup, trained_run, tmp_path, monkeypatch, capsys):
+    """`python generate/lora.py` with no flags after the demo's training: the question, the base model's answer, the
+    fine-tuned answer (what `--lora_path ... --prompt ...` prints) and where the run report is. The demo's model and
+    prompt are the tiny setup's here (the real demo trains for minutes)."""
+    import runpy
+    import sys
+
+    from lit_qlora import demo
+
+    run = tmp_path / "out" / "lora" / "demo"
+    shutil.copytree(trained_run[0], run)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "DEMO_CHECKPOINT", train_setup["ckpt"])
+    monkeypatch.setattr(demo, "DEMO_PROMPT", ("kind", "owl"))
+    tuned = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", train_setup["ckpt"], "--lora_path",
+                                            run / "lit_model_lora_finetuned.pth", "--prompt", "kind", "--input", "owl",
+                                            "--precision", "32-true"])
+    assert tuned.returncode == 0, tuned.stderr
+    # the base model on the prompt as the adapter's template ("plain") renders it
+    base = h.run_script(h.GENERATE_BASE, ["--checkpoint_dir", train_setup["ckpt"], "--prompt", "kind\nowl\n",
+                                          "--max_new_tokens", 100, "--precision", "32-true"])
+    assert base.returncode == 0, base.stderr
+    monkeypatch.setattr(sys, "argv", [str(h.GENERATE_LORA), "--precision", "32-true"])
+    runpy.run_path(str(h.GENERATE_LORA), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "Question: kind owl"
+    assert lines[1] == f"Base model: {base.stdout.strip()}" and lines[2] == f"Fine-tuned: {tuned.stdout.strip()}"
+    assert base.stdout != tuned.stdout  # the adapter changed the answer
+    assert lines[3] == f"Run report: {Path('out/lora/demo/report.md')} (curves: {Path('out/lora/demo/report.png')})"
+    assert (run / "report.md").is_file() and (run / "report.png").is_file()

@@ -40,11 +40,34 @@ Q = gguf.GGMLQuantizationType
 # llama.cpp architecture of each family whose spec names one (lit_qlora/families.py)
 ARCHITECTURES = {a: s.gguf for a, s in SPECS.items() if s.gguf}
 SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM), "
-             "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM) and Phi-3 / Phi-4 (Phi3ForCausalLM)")
-# What an architecture adds to the llama baseline that `gguf_architecture` checks (Config field -> the value written)
-_ARCH_FIELDS = {"qwen3": dict(qk_norm="head")}
+             "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Phi-3 / Phi-4 (Phi3ForCausalLM), Gemma 2 "
+             "(Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM)")
 # llama.cpp architectures whose q|k|v and gate|up are one tensor each (`attn_qkv`, `ffn_up`), as in the HF weights
 _FUSED = ("phi3",)
+# llama.cpp's Gemmas: norms stored as 1 + weight (its converter adds the 1), sliding windows in a fixed pattern
+_GEMMA = ("gemma2", "gemma3")
+_WINDOWED = ("phi3", *_GEMMA)  # llama.cpp architectures that attend within the sliding window written to the file
+ANY = object()  # in `_arch_fields`: whatever the model has (it is written to the file)
+
+
+def _arch_fields(arch: str, config: Config) -> dict:
+    """What llama.cpp's `arch` computes differently from its llama baseline (Config field -> the value it needs)."""
+    if arch == "qwen3":
+        return dict(qk_norm="head")
+    if arch not in _GEMMA:
+        return {}
+    period = 2 if arch == "gemma2" else 6  # llama.cpp's fixed pattern: every period-th layer attends to everything
+    types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(config.n_layer)]
+    # llama.cpp scales queries by 1/sqrt(head_dim), but by 1/sqrt(n_embd / n_head) for the 27B models (by layer count)
+    big = config.n_layer == (46 if arch == "gemma2" else 62)
+    fields = dict(norm_unit_offset=True, scale_embeddings=True, activation="gelu_tanh", post_norms=True,
+                  attention_scale=float(config.n_embd // config.n_head if big else config.head_size) ** -0.5,
+                  layer_types=types if config.sliding_window_size else None, attn_softcap=ANY, final_softcap=ANY)
+    if arch == "gemma2":  # its GGUF has no output tensor (llama.cpp's gemma2 tensor list): the head is the embedding
+        fields.update(tie_embeddings=True)
+    if arch == "gemma3":  # and the sliding layers' RoPE base is llama.cpp's fixed 10000
+        fields.update(qk_norm="head", rope_local_base=10000.0, attn_softcap=None, final_softcap=None)
+    return fields
 
 # --dtype -> (type of the 2-D weights, general.file_type). Norms, biases and rope factors always stay f32.
 DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
@@ -58,7 +81,8 @@ DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
 # architectures of _FUSED).
 _LAYER_NAMES = {"norm_1": "attn_norm", "attn.proj": "attn_output", "norm_2": "ffn_norm", "mlp.fc_1": "ffn_gate",
                 "mlp.fc_2": "ffn_up", "mlp.proj": "ffn_down", "attn.q_norm": "attn_q_norm",
-                "attn.k_norm": "attn_k_norm"}
+                "attn.k_norm": "attn_k_norm", "post_attention_norm": "post_attention_norm",
+                "post_mlp_norm": "post_ffw_norm"}
 _GLOBAL_NAMES = {"transformer.wte": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes of tokenizer.json files (a Split before a regex-free ByteLevel) -> llama.cpp's name for them
@@ -84,8 +108,10 @@ def gguf_architecture(config: Config) -> str:
                     rope_n_elem=config.head_size, qk_norm=None, pre_norms=True, post_norms=False, attn_softcap=None,
                     final_softcap=None, attention_scale=None, nope_layers=None, rope_local_base=None,
                     rope_type=None)
-    expected.update(_ARCH_FIELDS.get(arch, {}))
+    expected.update(_arch_fields(arch, config))
     for key, want in expected.items():
+        if want is ANY:
+            continue
         have = (config.rope_scaling or {}).get("rope_type") if key == "rope_type" else getattr(config, key)
         if have != want:
             raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which the GGUF export of llama.cpp's "
@@ -125,8 +151,11 @@ def rotate_half_to_interleaved(rows: torch.Tensor, n_heads: int) -> torch.Tensor
 
 def split_gguf(config: Config, arch: str, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """Our tensor -> the llama.cpp tensors it becomes, in llama.cpp's layout."""
+    gemma_norm = arch in _GEMMA and name.rpartition(".")[0].endswith(("norm_1", "norm_2", "_norm", "ln_f"))
     for gguf_name, rows, heads in gguf_parts(config, arch, name):
         part = t[rows[0]:rows[0] + rows[1]] if rows else t
+        if gemma_norm:  # ours scales by 1 + weight, llama.cpp's Gemma by its stored weight
+            part = part.float() + 1
         yield gguf_name, rotate_half_to_interleaved(part, heads) if heads else part
 
 
@@ -365,7 +394,7 @@ def _write(path: Path, arch: str, metadata: Callable[[gguf.GGUFWriter], None], p
     atomic_write(path, write)
 
 
-def _shape_metadata(w: gguf.GGUFWriter, config: Config, name: str, file_type: int) -> None:
+def _shape_metadata(w: gguf.GGUFWriter, config: Config, arch: str, name: str, file_type: int) -> None:
     w.add_name(name)
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -379,7 +408,7 @@ def _shape_metadata(w: gguf.GGUFWriter, config: Config, name: str, file_type: in
     w.add_rope_dimension_count(config.rope_n_elem)
     w.add_rope_freq_base(config.rope_base)
     w.add_layer_norm_rms_eps(config.norm_eps)
-    if config.head_size * config.n_head != config.n_embd:  # llama.cpp assumes n_embd / n_head otherwise
+    if config.head_size * config.n_head != config.n_embd or arch in _GEMMA:  # else llama.cpp takes n_embd / n_head
         w.add_key_length(config.head_size)
         w.add_value_length(config.head_size)
 
@@ -415,9 +444,13 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
 
     def metadata(w: gguf.GGUFWriter) -> None:
         w.add_type(gguf.GGUFType.MODEL)
-        _shape_metadata(w, config, config.name or Path(checkpoint_dir).name, DTYPES[dtype][1])
-        if arch == "phi3" and config.sliding_window_size:  # llama.cpp's phi3 attends within it, as transformers
+        _shape_metadata(w, config, arch, config.name or Path(checkpoint_dir).name, DTYPES[dtype][1])
+        if arch in _WINDOWED and config.sliding_window_size:  # llama.cpp attends within it, as transformers does
             w.add_sliding_window(config.sliding_window_size)
+        if config.attn_softcap is not None:
+            w.add_attn_logit_softcapping(config.attn_softcap)
+        if config.final_softcap is not None:
+            w.add_final_logit_softcapping(config.final_softcap)
         vocab.write(w)
 
     _write(out_file, arch, metadata, plan, tensors())
@@ -495,7 +528,7 @@ def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[Adapter 
     vocab = read_vocab(checkpoint_dir, config.vocab_size)
     notes = list(vocab.notes)
     if config.sliding_window_size and config.sliding_window_size < config.block_size and \
-            gguf_architecture(config) != "phi3":  # phi3 writes its window
+            gguf_architecture(config) not in _WINDOWED:
         notes.append(f"llama.cpp's {gguf_architecture(config)!r} architecture has no sliding-window attention: the "
                      f"GGUF model attends to the whole context (the same as this one up to "
                      f"{config.sliding_window_size} tokens)")

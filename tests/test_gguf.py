@@ -3,8 +3,9 @@ file alone), llama.cpp's own `gguf` package (reader, tensor name map, dequantiza
 
 Tiny models of every supported family: llama (sentencepiece tokenizer, chat template), llama3 (tied embeddings,
 Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer), qwen2 (biases,
-tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding), qwen3 (QK-norm, head_dim != hidden / heads)
-and phi3 (fused attn_qkv and ffn_up, a sliding window).
+tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding), qwen3 (QK-norm, head_dim != hidden / heads),
+phi3 (fused attn_qkv and ffn_up, a sliding window), gemma2 (soft-caps that clip, norms of 1 + weight, post norms) and
+gemma3 (QK-norm, 5:1 sliding / full layers with their own RoPE bases).
 """
 import os
 import shutil
@@ -72,6 +73,15 @@ def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
         # neither a partial rotary nor longrope from the file; the export refuses them)
         "phi3": _model(base, "phi3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), partial_rotary_factor=1.0,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # soft-caps that clip; queries scaled by 1/sqrt(head_dim), as llama.cpp scales them below 27B; tied, as every
+        # Gemma 2 (llama.cpp's gemma2 has no output tensor)
+        "gemma2": _model(base, "gemma2", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), query_pre_attn_scalar=16,
+                         tie_word_embeddings=True),
+        # llama.cpp's Gemma 3: 5 sliding layers then a full one, the sliding layers' RoPE base 10000, no scaling
+        "gemma3": _model(base, "gemma3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), query_pre_attn_scalar=32,
+                         num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     }
 
 
@@ -82,9 +92,18 @@ def export(model: SimpleNamespace, out_dir: Path, **kw) -> Path:
 
 
 def hf_from_gguf(path: Path):
+    """transformers' model of a GGUF file. For the Gemmas, the fields its reader leaves at their defaults are taken
+    from the file as llama.cpp takes them: the soft-caps written there, queries scaled by 1/sqrt(head_dim)."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    arch = field(gguf.GGUFReader(path), "general.architecture")
+    if arch in ("gemma2", "gemma3"):
+        reader = gguf.GGUFReader(path)
+        config.query_pre_attn_scalar = config.head_dim
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            setattr(config, key, field(reader, f"{arch}.{key}"))
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                              dtype=torch.float32).eval()
 
 
@@ -119,7 +138,7 @@ def seq_len(model) -> int:  # the GGUF has no sliding window (llama.cpp's llama 
 
 # ---- weights: logits through transformers' GGUF reader -------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 @torch.no_grad()
 def test_logits_match(models, kind, dtype, tmp_path):
     model = models[kind]
@@ -403,14 +422,34 @@ FULL_ROTARY_LONGROPE = dict(partial_rotary_factor=1.0, rope_parameters={
     "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5] * 4, "long_factor": [2.0, 3.0] * 4})
 
 
+def _gemma3_rope(full: dict, sliding_base: float) -> dict:
+    return dict(rope_parameters={"full_attention": {"rope_theta": 1e6, **full},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": sliding_base}})
+
+
+GEMMA3_PATTERN = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                      query_pre_attn_scalar=32)
+DEFAULT = {"rope_type": "default"}
+
+
 @pytest.mark.parametrize("kind, overrides, message", [
     ("phi3", FULL_ROTARY_LONGROPE,
      "has rope_type='longrope', which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
     ("phi4_mini", {}, "has rope_n_elem=12, which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
+    ("gemma2", dict(query_pre_attn_scalar=16), "has tie_embeddings=False, which the GGUF export of llama.cpp's "
+                                               "'gemma2'"),
+    ("gemma2", dict(tie_word_embeddings=True), "has attention_scale=0.2041"),  # query_pre_attn_scalar 24, head_dim 16
+    ("gemma3", dict(query_pre_attn_scalar=32, **_gemma3_rope(DEFAULT, 1e4)),
+     "has layer_types=.*'full_attention', 'sliding_attention'"),
+    ("gemma3", dict(GEMMA3_PATTERN, **_gemma3_rope({"rope_type": "linear", "factor": 4.0}, 1e4)),
+     "has rope_type='linear'"),
+    ("gemma3", dict(GEMMA3_PATTERN, **_gemma3_rope(DEFAULT, 100.0)), "has rope_local_base=100.0"),
 ])
-def test_phi3_features_no_reader_checks_are_refused(kind, overrides, message, tmp_path):
-    """longrope and a partial rotary: transformers' GGUF reader takes neither from a phi3 file, so nothing proves an
-    export of them; refused in one line, before anything is converted or written."""
+def test_features_no_reader_checks_are_refused(kind, overrides, message, tmp_path):
+    """What llama.cpp computes otherwise, or transformers' GGUF reader cannot take from the file, so nothing proves
+    an export of it: phi3's longrope and partial rotary, an untied Gemma 2 (no output tensor there), a query scale
+    other than llama.cpp's, Gemma 3 layer kinds off its fixed 5:1 pattern, RoPE scaling or another sliding-layer
+    base. Refused in one line, before anything is converted or written."""
     folder = tmp_path / f"tiny-{kind}"
     make_tiny_hf_model(kind, folder, **overrides)
     make_hf_bpe_tokenizer(folder, vocab_size=320)

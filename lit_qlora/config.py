@@ -57,13 +57,6 @@ class Config:
     attention_scale: Optional[float] = None  # softmax scale; None: 1/sqrt(head_size) (Gemma 2/3: query_pre_attn)
     attn_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     final_softcap: Optional[float] = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
-    # Mixture of experts (Qwen3-MoE, Mixtral): the MLP of a layer is `moe_n_expert` gated MLPs of
-    # `moe_intermediate_size` and a router; each token runs through the `moe_top_k` experts its router scores highest
-    moe_n_expert: int = 0  # 0: no mixture of experts
-    moe_top_k: int = 0
-    moe_intermediate_size: Optional[int] = None  # None: intermediate_size
-    moe_norm_topk: bool = False  # the top-k routing weights renormalized to sum to 1 (Mixtral; norm_topk_prob)
-    moe_dense_layers: Optional[list] = None  # layers with a dense MLP of intermediate_size (Qwen3-MoE mlp_only_layers)
     hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
 
     def __post_init__(self) -> None:
@@ -79,16 +72,6 @@ class Config:
         if self.n_head % self.n_query_groups:
             raise UserError(f"n_head={self.n_head} is not a multiple of n_query_groups={self.n_query_groups}; fix the "
                             "model config")
-        if self.moe_n_expert:
-            if self.moe_intermediate_size is None:
-                self.moe_intermediate_size = self.intermediate_size
-            if not 0 < self.moe_top_k <= self.moe_n_expert or self.mlp_class != "LLaMAMLP":
-                raise UserError(f"moe_top_k={self.moe_top_k} of moe_n_expert={self.moe_n_expert} experts (gated "
-                                "LLaMAMLP experts) is not a mixture of experts this model has; fix the model config")
-
-    def is_moe_layer(self, i: int) -> bool:
-        """Whether layer i's MLP is a mixture of experts."""
-        return self.moe_n_expert > 0 and i not in (self.moe_dense_layers or ())
 
     @property
     def rope_n_elem(self) -> int:
@@ -357,6 +340,13 @@ _HF_CONFIGS: dict[str, dict] = {
                                    num_key_value_heads=32, original_max_position_embeddings=4096, pad_token_id=32000,
                                    rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000.0, sliding_window=2047,
                                    tie_word_embeddings=False, vocab_size=32064),
+    # ThanatosShinji/onnx-tool: onnx_tool/model_configs.py, Phi_3_medium_4k_instruct (its config.json)
+    "Phi-3-medium-4k-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=1, eos_token_id=32000,
+                                     hidden_act="silu", hidden_size=5120, intermediate_size=17920,
+                                     max_position_embeddings=4096, num_attention_heads=40, num_hidden_layers=40,
+                                     num_key_value_heads=10, original_max_position_embeddings=4096,
+                                     pad_token_id=32000, rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000.0,
+                                     sliding_window=2047, tie_word_embeddings=False, vocab_size=32064),
     # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "phi-3_5" (_name_or_path Phi-3.5-mini-instruct)
     "Phi-3.5-mini-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=1, eos_token_id=32000,
                                   hidden_act="silu", hidden_size=3072, intermediate_size=8192,

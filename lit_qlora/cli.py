@@ -26,6 +26,8 @@ COMMANDS = {
     "export-peft": ("scripts/export_peft.py", "export an adapter as a PEFT folder"),
     "export-gguf": ("scripts/export_gguf.py", "export a model (or an adapter) as a GGUF file for llama.cpp"),
     "estimate-memory": ("scripts/estimate_memory.py", "predict the peak training memory"),
+    "evaluate": ("scripts/evaluate.py", "score a model (with an adapter) on lm-evaluation-harness tasks"),
+    "report": ("scripts/report.py", "one run's report (report.md + report.png), or a run_matrix.sh table"),
 }
 
 

@@ -8,8 +8,9 @@
   the template's end-of-turn token) are trained, for any template: no `{% generation %}` markers are needed.
 * `end_of_turn_ids` finds the token(s) a template ends an assistant turn with; `stop_ids` adds them to the
   checkpoint's eos ids: what generation stops at.
-* `load_conversations` / `load_conversation_rows` / `normalize_conversation` read OpenAI-style `messages` and
-  ShareGPT `conversations` records; `instruction_messages` turns an instruction record into a conversation.
+* `load_conversations` / `load_conversation_rows` read OpenAI-style `messages` and ShareGPT `conversations` records
+  through the one records reader (`lit_qlora.records`, which normalizes them); `instruction_messages` turns an
+  instruction record into a conversation.
 
 Nothing here imports transformers; the tests compare every result with it.
 """
@@ -28,7 +29,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lit_qlora.readers import read_text
+from lit_qlora.records import ROLES, is_conversation_record, iter_rows, normalize_conversation  # noqa: F401
 from lit_qlora.utils import UserError
 
 IGNORE_INDEX = -100
@@ -563,110 +564,21 @@ def end_of_turn_ids(tokenizer: Any, template: str | None = None) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Conversation records
-
-ROLES = ("system", "user", "assistant")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-def is_conversation_record(rec: Any) -> bool:
-    """Whether a data record is a conversation: {"messages": [...]} (OpenAI) or {"conversations": [...]} (ShareGPT)."""
-    return isinstance(rec, dict) and ("messages" in rec or "conversations" in rec)
-
-
-def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
-    """The messages of a conversation record as [{"role", "content"}, ...] with roles system/user/assistant.
-
-    Accepts OpenAI `messages` (role/content) and ShareGPT `conversations` (from/value; from: system, human, gpt, or
-    user, assistant). Refuses, in one line naming the row (1-based) and the file: an unknown role, content that is
-    not a string or is empty, a system message anywhere but first, no assistant turn.
-    """
-    where = f"row {row} of {path}"
-    if not isinstance(rec, dict):
-        raise UserError(f"{where} is a {type(rec).__name__}, not an object; make each row an object with "
-                        "\"messages\": [{\"role\": ..., \"content\": ...}, ...]")
-    if "messages" in rec:
-        turns, role_key, text_key, roles = rec["messages"], "role", "content", {r: r for r in ROLES}
-        allowed = "system, user, assistant"
-    elif "conversations" in rec:
-        turns, role_key, text_key, roles = rec["conversations"], "from", "value", _SHAREGPT_ROLES
-        allowed = "system, human, gpt (or user, assistant)"
-    else:
-        raise UserError(f"{where} has no \"messages\" or \"conversations\" list (it has: {', '.join(map(str, rec))}); "
-                        "give every row a \"messages\" list of {\"role\", \"content\"} objects")
-    key = "messages" if role_key == "role" else "conversations"
-    if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: \"{key}\" must be a non-empty list of turns; fix or drop the row")
-    out = []
-    for i, turn in enumerate(turns, start=1):
-        if not isinstance(turn, dict):
-            raise UserError(f"{where}: turn {i} is a {type(turn).__name__}, not an object; "
-                            f"write each turn as {{\"{role_key}\": ..., \"{text_key}\": ...}}")
-        role = roles.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
-        if role is None:
-            raise UserError(f"{where}: turn {i} has {role_key}={turn.get(role_key)!r}; use one of {allowed}")
-        content = turn.get(text_key)
-        if not isinstance(content, str):
-            kind = "missing" if content is None else f"a {type(content).__name__}, not a string"
-            raise UserError(f"{where}: turn {i} ({role}) {text_key} is {kind}; write the turn's text as a string")
-        if not content.strip():
-            raise UserError(f"{where}: turn {i} ({role}) has empty {text_key}; fill it in or drop the row")
-        if role == "system" and i != 1:
-            raise UserError(f"{where}: turn {i} is a system message, but only the first turn may be one; "
-                            "move it to the start or merge it into a user turn")
-        out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        raise UserError(f"{where} has no assistant turn, so there is nothing to learn; add the assistant's reply "
-                        "or drop the row")
-    return out
+# Conversation records: read and normalized by the records reader (lit_qlora.records), named here too
 
 
 def load_conversation_rows(path: Path | str) -> list[tuple[int, list[dict]]]:
-    """(row, messages) of each conversation record in a .json file (a list of rows) or .jsonl (one row per line),
-    normalized; the first bad row is refused in one line (for .jsonl, the row number is the line number)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data file {path} does not exist or is not a file; check the path")
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".jsonl"):
-        raise UserError(f"unsupported conversation file {path.name!r}; use a .json or .jsonl file")
-    text = read_text(path, "data file", "save it as UTF-8 text")  # a byte-order mark is dropped
-    rows: list[tuple[int, Any]] | None = None
-    if suffix == ".json":
-        try:
-            data = json.loads(text)
-        except RecursionError:
-            raise UserError(f"{path} is not usable JSON (nested too deeply); fix the file") from None
-        except json.JSONDecodeError as e:
-            # JSON Lines saved as .json is read as JSON Lines
-            if not (e.msg == "Extra data" and text.lstrip().startswith("{")):
-                raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                                "fix the file, it must hold a list of conversation objects") from None
-        else:
-            if not isinstance(data, list):
-                raise UserError(f"{path} holds a {type(data).__name__}, not a list of conversations; "
-                                "make the top level a JSON list")
-            rows = list(enumerate(data, start=1))
-    if rows is None:
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append((lineno, json.loads(line)))
-                except RecursionError:
-                    raise UserError(f"line {lineno} of {path} is not usable JSON (nested too deeply); fix that "
-                                    "line") from None
-                except json.JSONDecodeError as e:
-                    raise UserError(f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); "
-                                    "fix that line, each line must be one JSON object") from None
+    """(row, messages) of each conversation record of a data file (any the records reader reads: .json, .jsonl,
+    .parquet...), normalized; the first bad row is refused in one line (for .jsonl, the row number is the line
+    number)."""
+    rows = list(iter_rows(path))
     if not rows:
         raise UserError(f"{path} holds no conversations; add some or pick another file")
     return [(row, normalize_conversation(rec, row, path)) for row, rec in rows]
 
 
 def load_conversations(path: Path | str) -> list[list[dict]]:
-    """The normalized messages of every conversation record in a .json / .jsonl file (see
-    `load_conversation_rows`)."""
+    """The normalized messages of every conversation record in a data file (see `load_conversation_rows`)."""
     return [messages for _, messages in load_conversation_rows(path)]
 
 

@@ -25,8 +25,9 @@ from torch import Tensor
 
 from lit_qlora import chat_template as ct
 from lit_qlora.batching import BatchStream, unpad
-from lit_qlora.prepare import DataSettings, find_raw_files, resolve_template
-from lit_qlora.records import load_records, split
+from lit_qlora.prepare import DataSettings, resolve_template
+from lit_qlora.records import split
+from lit_qlora.sources import Source, resolve
 from lit_qlora.templates import CHAT, get_template
 from lit_qlora.training import shift_labels
 from lit_qlora.utils import UserError
@@ -185,34 +186,32 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 
 def load_pairs(data_dir: Path | str, tokenizer: Any, s: DataSettings) -> tuple[list[dict], list[dict], dict]:
-    """(train pairs, validation pairs, meta) from a --data_dir of JSON / JSONL rows {prompt, chosen, rejected}:
-    train.* and val.*, or one file split by `s.test_split_fraction`. Each field is a string, or a list of messages
-    (role/content; chosen and rejected: the assistant's turns), rendered with the model's chat template as the SFT
-    path renders conversations; rows of two full conversations without a prompt take their common leading turns as
-    the prompt. Strings go through the prompt template (`s.template`: alpaca, plain, or chat: one user turn).
+    """(train pairs, validation pairs, meta) from a --data_dir of rows {prompt, chosen, rejected}: anything the records
+    reader reads (`sources.resolve`: .json, .jsonl, .parquet files, a folder of them, a datasets folder, a cached hub
+    dataset), train and validation, or one set split by `s.test_split_fraction`. Each field is a string, or a list of
+    messages (role/content; chosen and rejected: the assistant's turns), rendered with the model's chat template as
+    the SFT path renders conversations; rows of two full conversations without a prompt take their common leading
+    turns as the prompt. Strings go through the prompt template (`s.template`: alpaca, plain, or chat: one user turn).
     Every row is checked before anything is trained; a bad one is a one-line UserError naming its file and row."""
     data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise UserError(f"--data_dir {data_dir} is not a folder; pass the folder holding train.jsonl (or one "
-                        ".json/.jsonl file of prompt/chosen/rejected rows)")
-    raw = find_raw_files(data_dir)
+    raw = resolve(data_dir)
     if raw is None:
-        raise UserError(f"{data_dir} holds no .json/.jsonl file; put the prompt/chosen/rejected rows there")
-    train_file, val_file = raw
-    for f in (train_file, val_file):
-        if f is not None and f.suffix.lower() == ".csv":
-            raise UserError(f"{f}: preference data is read from .json or .jsonl (a CSV cannot hold conversations); "
-                            "convert the file")
-    rows = _rows(train_file)
-    holds_conversations = any(isinstance(v, list) for r in rows[:1] for _, v in r[1].items())
-    template = resolve_template(s.template, holds_conversations, tokenizer, train_file)
+        raise UserError(f"{data_dir} holds no .json/.jsonl/.parquet file; put the prompt/chosen/rejected rows there")
+    train_src, val_src = raw
+    for f in (f for src in raw if src is not None for f in src.files):
+        if f.suffix.lower() == ".csv":
+            raise UserError(f"{f}: preference data is read from .json, .jsonl or .parquet (a CSV cannot hold "
+                            "conversations); convert the file")
+    rows = _rows(train_src)
+    holds_conversations = any(isinstance(v, list) for r in rows[:1] for _, v in r[2].items())
+    template = resolve_template(s.template, holds_conversations, tokenizer, train_src)
     if tokenizer.eos_id is None and template != CHAT:
         raise UserError("the tokenizer has no eos token, so the model could not learn where an answer ends; set "
                         "eos_token in the checkpoint's tokenizer_config.json")
     stats = {"truncated": 0}
-    train = [_pair(row, rec, train_file, tokenizer, template, s, stats) for row, rec in rows]
-    if val_file is not None:
-        val = [_pair(row, rec, val_file, tokenizer, template, s, stats) for row, rec in _rows(val_file)]
+    train = [_pair(row, rec, f, tokenizer, template, s, stats) for f, row, rec in rows]
+    if val_src is not None:
+        val = [_pair(row, rec, f, tokenizer, template, s, stats) for f, row, rec in _rows(val_src)]
     else:
         train, val = split(train, s.test_split_fraction, s.seed)
     for i, p in enumerate(train):
@@ -223,13 +222,15 @@ def load_pairs(data_dir: Path | str, tokenizer: Any, s: DataSettings) -> tuple[l
         print(f"warning: {stats['truncated']} answer(s) cut to --max_seq_length {s.max_seq_length} tokens",
               file=sys.stderr)
     return train, val, {"template": template, "n_train": len(train), "n_val": len(val),
-                        "source_files": [str(f) for f in raw if f]}
+                        "source_files": [str(f) for src in raw if src is not None for f in src.key_files()]}
 
 
-def _rows(path: Path) -> list[tuple[int, dict]]:
-    """(row number from 1, record) of a file, read by the records reader; the fields checked."""
-    records = load_records(path, required=())
-    for row, rec in enumerate(records, start=1):
+def _rows(source: Source) -> list[tuple[Path, int, dict]]:
+    """(file, row number from 1, record) of a source, read by the records reader; the fields checked."""
+    rows = list(source.rows())
+    if not rows:
+        raise UserError(f"{source} holds no records; add some or pick another source")
+    for path, row, rec in rows:
         where = f"row {row} of {path}"
         if not isinstance(rec, dict):
             raise UserError(f"{where} is a {type(rec).__name__}, not an object; write each row as "
@@ -244,7 +245,7 @@ def _rows(path: Path) -> list[tuple[int, dict]]:
         if rec["chosen"] == rec["rejected"]:
             raise UserError(f"{where}: chosen and rejected are the same, so there is no preference to learn; fix or "
                             "drop the row")
-    return list(enumerate(records, start=1))
+    return rows
 
 
 def _as_messages(value: Any, role: str, row: int, path: Path) -> list[dict]:

@@ -13,17 +13,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from lit_qlora import chat_template as ct
 from lit_qlora.readers import load_torch, read_json
-from lit_qlora.records import RAW_SUFFIXES, check_records, load_records, split, text_of
+from lit_qlora.records import (
+    Conversation,
+    check_record,
+    check_records,
+    is_conversation_record,
+    normalize_conversation,
+    split,
+    text_of,
+    with_messages_column,
+)
+from lit_qlora.sources import Source, resolve
 from lit_qlora.templates import AUTO, CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
@@ -56,10 +67,14 @@ class DataSettings:
     instruction_key: str = "instruction"
     input_key: str = "input"
     output_key: str = "output"
+    messages_column: Optional[str] = None  # the column of conversation turns; None: "messages" / "conversations"
 
     def cache_key(self, tokenizer: TokenizerLike, sources: list[Path], has_val_file: bool) -> dict:
-        """Everything that decides the prepared tensors (the keys of prepare_config.json)."""
+        """Everything that decides the prepared tensors (the keys of prepare_config.json). The template is keyed as
+        asked (`template_flag`: auto is resolved from the data, which the source hashes key), so a cache is found
+        without reading the data; the prepared folder's `template` is the resolved one."""
         key = asdict(self)
+        key["template_flag"] = key.pop("template")
         if has_val_file:  # no split: the split settings do not matter
             key.update(test_split_fraction=None, seed=None)
         key["tokenizer_fingerprint"] = tokenizer.fingerprint
@@ -89,38 +104,29 @@ def resolve_template(name: str | None, holds_conversations: bool, tokenizer: Tok
     return name
 
 
-def file_holds_conversations(path: Path) -> bool:
-    """Whether a raw data file holds conversation records, judged by its first record (a .csv never does)."""
-    path = Path(path)
-    if path.suffix.lower() == ".csv":
-        return False
-    # Only the first record is parsed (the file is read in full later, with its one-line errors); a file that does
-    # not parse here is read in full now, so its error comes out the same.
-    try:
-        text = path.read_text(encoding="utf-8-sig").lstrip()
-        start = 1 if text.startswith("[") else 0
-        while start < len(text) and text[start].isspace():
-            start += 1
-        return ct.is_conversation_record(json.JSONDecoder().raw_decode(text, start)[0])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return ct.is_conversation_record(load_records(path, required=())[0])
+def read_rows(source: Source, s: DataSettings) -> list[tuple[Path, int, Any]]:
+    """(file, row, record) of every record of a source, read once (the conversation column renamed to "messages"
+    when --messages_column names it); an empty source is a one-line UserError."""
+    rows = [(f, row, with_messages_column(rec, s.messages_column, f"row {row} of {f}")) for f, row, rec in
+            source.rows()]
+    if not rows:
+        raise UserError(f"{source} holds no records; add some or pick another source")
+    return rows
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """A checked conversation record: role/content messages and where they came from (named in errors)."""
-
-    messages: list
-    source: str
+def holds_conversations(rows: list[tuple[Path, int, Any]]) -> bool:
+    """Whether rows are conversation records, judged by the first."""
+    return bool(rows) and is_conversation_record(rows[0][2])
 
 
-def load_file_records(path: Path, s: DataSettings) -> list:
-    """Every record of a raw data file, checked before anything is tokenized (a bad row is a one-line UserError
-    naming it). With the chat template a conversation file's rows become `Conversation`s; instruction records stay
-    dicts."""
-    if s.template == CHAT and file_holds_conversations(path):
-        return [Conversation(messages, f"row {row} of {path}") for row, messages in ct.load_conversation_rows(path)]
-    return load_records(path, (s.instruction_key, s.output_key))
+def checked_records(rows: list[tuple[Path, int, Any]], s: DataSettings) -> list:
+    """Every record checked before anything is tokenized (a bad row is a one-line UserError naming its file and row).
+    With the chat template conversation rows become `Conversation`s; instruction records stay dicts."""
+    if s.template == CHAT and holds_conversations(rows):
+        return [Conversation(normalize_conversation(rec, row, f), f"row {row} of {f}") for f, row, rec in rows]
+    for f, row, rec in rows:
+        check_record(rec, (s.instruction_key, s.output_key), f"row {row} of {f}")
+    return [rec for _, _, rec in rows]
 
 
 def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings) -> tuple[list[dict], int]:
@@ -135,9 +141,8 @@ def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettin
     """
     if s.max_seq_length < 1:
         raise UserError(f"max_seq_length must be at least 1, got {s.max_seq_length}; pass a positive number")
-    holds_conversations = bool(records) and (isinstance(records[0], Conversation)
-                                             or ct.is_conversation_record(records[0]))
-    s = replace(s, template=resolve_template(s.template, holds_conversations, tokenizer))
+    conversations = bool(records) and (isinstance(records[0], Conversation) or is_conversation_record(records[0]))
+    s = replace(s, template=resolve_template(s.template, conversations, tokenizer))
     if s.template == CHAT:
         return chat_samples(records, tokenizer, s)
     tmpl = get_template(s.template)
@@ -179,8 +184,8 @@ def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings)
         source = f"row {i} of the data"
         if isinstance(rec, Conversation):  # checked when its file was read
             messages, source = rec.messages, rec.source
-        elif ct.is_conversation_record(rec) or not isinstance(rec, dict):
-            messages = ct.normalize_conversation(rec, i, "the data")
+        elif is_conversation_record(rec) or not isinstance(rec, dict):
+            messages = normalize_conversation(rec, i, "the data")
         else:
             check_records([rec], (s.instruction_key, s.output_key), "the data")
             messages = ct.instruction_messages(text_of(rec[s.instruction_key]), text_of(rec.get(s.input_key)),
@@ -256,88 +261,74 @@ def _warn_truncated(n_truncated: int, n_records: int, n_kept: int, max_seq_lengt
               f"were truncated{dropped}; raise --max_seq_length to keep them whole", file=sys.stderr)
 
 
-def prepare_files(train_file: Path, val_file: Optional[Path], tokenizer: TokenizerLike, destination_path: Path,
-                  s: DataSettings) -> tuple[list, list, dict]:
-    """Load, split (when no val_file), tokenize and save. Every record of both files is checked before anything is
-    tokenized. Returns (train, val, meta) as saved, so that no caller reads them back: several processes preparing
-    the same cache at once (the ranks of a multi-machine run on a shared disk) each rewrite it, and a read between
-    another's first and last file finds it unfinished."""
-    s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
-    train_recs = load_file_records(train_file, s)
-    if val_file is None:
+def prepare_files(train: Path | Source, val: Optional[Path | Source], tokenizer: TokenizerLike,
+                  destination_path: Path, s: DataSettings) -> tuple[list, list, dict]:
+    """Load, split (when no `val`), tokenize and save. Each source is read once, and every record of both is checked
+    before anything is tokenized. Returns (train, val, meta) as saved, so that no caller reads them back: several
+    processes preparing the same cache at once (the ranks of a multi-machine run on a shared disk) each rewrite it, and
+    a read between another's first and last file finds it unfinished."""
+    train, val = (Source((Path(x),)) if isinstance(x, (str, Path)) else x for x in (train, val))
+    train_rows = read_rows(train, s)
+    resolved = replace(s, template=resolve_template(s.template, holds_conversations(train_rows), tokenizer, train))
+    train_recs = checked_records(train_rows, resolved)
+    del train_rows
+    if val is None:
         train_recs, val_recs = split(train_recs, s.test_split_fraction, s.seed)
     else:
-        val_recs = load_file_records(val_file, s)
-    train, n_tr = prepare_samples(train_recs, tokenizer, s)
-    val, n_va = prepare_samples(val_recs, tokenizer, s)
-    _warn_truncated(n_tr + n_va, len(train_recs) + len(val_recs), len(train) + len(val), s.max_seq_length)
-    sources = [f for f in (train_file, val_file) if f is not None]
-    meta = {**s.cache_key(tokenizer, sources, val_file is not None), "n_truncated": n_tr + n_va}
-    return train, val, save_prepared(destination_path, train, val, meta)
-
-
-def find_raw_files(data_dir: Path) -> tuple[Path, Path | None] | None:
-    """(train, val) raw files in data_dir: train.* + val.*, else one lone data file to split."""
-    def first(stem: str) -> Path | None:
-        return next((data_dir / f"{stem}{s}" for s in RAW_SUFFIXES if (data_dir / f"{stem}{s}").is_file()), None)
-
-    train, val = first("train"), first("val")
-    if train and val:
-        return train, val
-    files = sorted(p for p in data_dir.iterdir() if p.is_file() and p.suffix.lower() in RAW_SUFFIXES
-                   and p.name != CONFIG_NAME and not p.name.startswith("."))
-    if len(files) == 1:
-        return files[0], None
-    if len(files) > 1:
-        raise UserError(f"{data_dir} holds several data files ({', '.join(p.name for p in files)}) and no train/val "
-                        "pair; keep one file there, or name them train.json and val.json")
-    return None
+        val_recs = checked_records(read_rows(val, resolved), resolved)
+    train_samples, n_tr = prepare_samples(train_recs, tokenizer, resolved)
+    val_samples, n_va = prepare_samples(val_recs, tokenizer, resolved)
+    _warn_truncated(n_tr + n_va, len(train_recs) + len(val_recs), len(train_samples) + len(val_samples),
+                    s.max_seq_length)
+    files = [f for src in (train, val) if src is not None for f in src.key_files()]
+    meta = {**s.cache_key(tokenizer, files, val is not None), "template": resolved.template,
+            "n_truncated": n_tr + n_va}
+    return train_samples, val_samples, save_prepared(destination_path, train_samples, val_samples, meta)
 
 
 def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSettings) -> tuple[list, list, dict]:
     """What finetuning calls with --data_dir: returns (train, val, meta).
 
     Uses the prepared files in data_dir when made for this tokenizer with samples that fit max_seq_length; otherwise
-    prepares raw files found there into a cache subfolder and reuses it.
+    prepares the records of what data_dir names (a data file, a folder of them, a datasets folder, a dataset in the
+    local Hugging Face cache: `sources.resolve`) into a cache subfolder and reuses it.
     """
     data_dir = Path(data_dir)
-    if not data_dir.exists():
-        raise UserError(f"data folder {data_dir} does not exist; check --data_dir or prepare data there first")
-    if not data_dir.is_dir():
-        raise UserError(f"--data_dir {data_dir} is a file, not a folder; pass the folder that holds it")
-
-    meta = read_prepared_meta(data_dir)
+    meta = read_prepared_meta(data_dir) if data_dir.is_dir() else None
     fp = tokenizer.fingerprint
     # Samples prepared with a smaller max_seq_length still fit, so they are fine to use as is.
     if (meta is not None and meta.get("tokenizer_fingerprint") == fp
             and meta.get("max_seq_length", 1 << 62) <= s.max_seq_length):
         return load_prepared(data_dir)
 
-    raw = find_raw_files(data_dir)
+    raw = resolve(data_dir)
     if raw is None:
         if meta is not None:
             raise UserError(f"{data_dir} was prepared for tokenizer {meta.get('tokenizer_fingerprint')} with "
                             f"max_seq_length={meta.get('max_seq_length')}, but this run uses tokenizer {fp} with "
                             f"max_seq_length={s.max_seq_length}; re-run scripts/prepare_alpaca.py (or "
                             "prepare_json.py) with this --checkpoint_dir and --max_seq_length")
-        raise UserError(f"{data_dir} holds no data (no prepared train.pt/val.pt/{CONFIG_NAME}, no .json/.jsonl/.csv "
-                        "file); put a data file there or run scripts/prepare_alpaca.py with --destination_path "
-                        "pointing at it")
+        raise UserError(f"{data_dir} holds no data (no prepared train.pt/val.pt/{CONFIG_NAME}, no "
+                        ".json/.jsonl/.csv/.parquet file, no datasets folder); put data there or run "
+                        "scripts/prepare_alpaca.py with --destination_path pointing at it")
 
-    train_file, val_file = raw
-    cache = data_dir / f".prepared-{fp}-{s.max_seq_length}"
-    s = replace(s, template=resolve_template(s.template, file_holds_conversations(train_file), tokenizer, train_file))
-    key = s.cache_key(tokenizer, [f for f in raw if f], val_file is not None)
+    train_src, val_src = raw
+    files = [f for src in raw if src is not None for f in src.key_files()]
+    home = data_dir if data_dir.is_dir() else data_dir.parent if data_dir.is_file() else Path(os.path.commonpath(files))
+    home = home if home.is_dir() else home.parent
+    cache = home / (f".prepared-{fp}-{s.max_seq_length}" if data_dir.is_dir() or not data_dir.is_file()
+                    else f".prepared-{data_dir.name}-{fp}-{s.max_seq_length}")
+    key = s.cache_key(tokenizer, files, val_src is not None)
     cached = read_prepared_meta(cache)
     if cached is not None and all(cached.get(k) == v for k, v in key.items()):
         print(f"Using data prepared earlier in {cache}", file=sys.stderr)
         return load_prepared(cache)
 
-    names = train_file.name + (f" + {val_file.name}" if val_file else "")
+    names = train_src.short_name() + (f" + {val_src.short_name()}" if val_src else "")
     try:
-        train, val, prepared = prepare_files(train_file, val_file, tokenizer, cache, s)
+        train, val, prepared = prepare_files(train_src, val_src, tokenizer, cache, s)
     except PermissionError:  # e.g. a shared, read-only dataset folder
-        raise UserError(f"cannot write the prepared cache into {data_dir}; prepare the data with "
+        raise UserError(f"cannot write the prepared cache into {home}; prepare the data with "
                         "scripts/prepare_json.py --destination_path <a writable folder> and pass that folder as "
                         "--data_dir") from None
     # Said after the fact, so a file with a bad record fails with its one-line error alone

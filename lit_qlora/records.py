@@ -1,94 +1,199 @@
-"""Raw training records: reading JSON / JSONL / CSV files, checking every record, and the train/validation split."""
+"""Raw training records: the one reader of every record file (.json, .jsonl, .csv, .parquet, a `datasets`
+save_to_disk folder), the checks of each record, conversation records normalized to role/content messages, and the
+train/validation split.
+
+Every row comes with where it was read (`row N of FILE`; a JSONL file's row is its line number), so a bad row is one
+line naming it. Parquet files are read a row group at a time and JSONL files a line at a time (`iter_rows`).
+pyarrow (parquet) and datasets (save_to_disk folders) are the optional `data` extra, imported when such a source is
+read.
+"""
 from __future__ import annotations
 
+import importlib
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from lit_qlora.readers import parse_csv, read_text
+from lit_qlora.readers import check_file, decode_text, parse_csv, read_text
 from lit_qlora.utils import UserError
 
-RAW_SUFFIXES = (".json", ".jsonl", ".csv")
+RAW_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+DATA_EXTRA = "pip install 'lit-qlora[data]'"
 
 
+def optional_module(name: str, what: str) -> Any:
+    """An optional dependency of the `data` extra, or a one-line UserError naming how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise UserError(f"{what} needs the {name} package, which is not installed; {DATA_EXTRA}") from None
+
+
+# ---- reading rows ----------------------------------------------------------------------------------------------------
+def is_dataset_folder(path: Path) -> bool:
+    """A `datasets` save_to_disk folder: a Dataset (state.json + dataset_info.json) or a DatasetDict
+    (dataset_dict.json)."""
+    path = Path(path)
+    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
+                                                      and (path / "dataset_info.json").is_file())
+
+
+def iter_rows(path: Path | str, split: str | None = None) -> Iterator[tuple[int, Any]]:
+    """(row, record) of a data file or a save_to_disk folder, rows from 1 (a JSONL file's row is its line number).
+    Anything unreadable is a one-line UserError naming the file (and the line, row group or offset)."""
+    path = Path(path)
+    if path.is_dir() and is_dataset_folder(path):
+        yield from _dataset_rows(path, split)
+        return
+    if path.is_dir():
+        raise UserError(f"data file {path} is a folder; pass a {', '.join(RAW_SUFFIXES)} file")
+    check_file(path, "data file", "check the path")
+    suffix = path.suffix.lower()
+    if suffix not in RAW_SUFFIXES:
+        raise UserError(f"unsupported data file type {path.name!r}; use a .json, .jsonl, .csv or .parquet file")
+    if suffix == ".parquet":
+        yield from _parquet_rows(path)
+    elif suffix == ".jsonl":
+        yield from _jsonl_rows(path)
+    else:
+        text = read_text(path, "data file", "save it as UTF-8 text")  # a BOM (some editors, Excel) is dropped
+        if not text.strip():
+            raise UserError(f"data file {path} is empty; fill it with records or pick another file")
+        if suffix == ".csv":
+            yield from enumerate(parse_csv(text, str(path), "fix the file"), start=1)  # fields of any size
+        else:
+            yield from _json_rows(text, path)
+
+
+def _json_rows(text: str, path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        records = json.loads(text)
+    except RecursionError:
+        raise UserError(f"{path} is not usable JSON (nested too deeply); fix the file") from None
+    except json.JSONDecodeError as e:
+        # A common mix-up: JSON Lines saved as .json. Accept it rather than fail.
+        if e.msg == "Extra data" and text.lstrip().startswith("{"):
+            yield from _jsonl_lines(text.splitlines(), path)
+            return
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file, it "
+                        "must hold a list of objects") from None
+    if not isinstance(records, list):
+        kind = f"an object with keys {list(records)[:5]}" if isinstance(records, dict) else type(records).__name__
+        raise UserError(f"{path} holds {kind}, not a list of records; make the top level a JSON list of objects")
+    yield from enumerate(records, start=1)
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """A line at a time: a JSONL file is never held in memory whole."""
+    try:
+        with open(path, "rb") as f:
+            empty = True
+            for lineno, raw in enumerate(f, start=1):
+                line = decode_text(raw, f"line {lineno} of {path}", "save the file as UTF-8 text")
+                if line.strip():
+                    empty = False
+                    yield from _jsonl_lines([line], path, lineno)
+    except OSError as e:
+        raise UserError(f"cannot read data file {path} ({e.strerror}); check the file") from None
+    if empty:
+        raise UserError(f"data file {path} is empty; fill it with records or pick another file")
+
+
+def _jsonl_lines(lines: list[str], path: Path, first: int = 1) -> Iterator[tuple[int, Any]]:
+    for lineno, line in enumerate(lines, start=first):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except RecursionError:
+            raise UserError(f"line {lineno} of {path} is not usable JSON (nested too deeply); fix that line") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); fix that line, "
+                            "each line must be one JSON object") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """A row group at a time (pyarrow): a parquet file is never held in memory whole."""
+    pq = optional_module("pyarrow.parquet", f"reading {path.name}")
+    try:
+        pf = pq.ParquetFile(path)
+        n_groups = pf.num_row_groups
+    except Exception as e:  # not parquet, cut short, a torn footer: all the file's fault
+        raise UserError(f"{path} is not a readable parquet file ({_detail(e)}); it may be damaged or cut short: "
+                        "re-copy or re-export it") from None
+    row = 0
+    for g in range(n_groups):
+        n = pf.metadata.row_group(g).num_rows
+        try:
+            records = pf.read_row_group(g).to_pylist()
+        except Exception as e:
+            raise UserError(f"rows {row + 1}-{row + n} (row group {g}) of {path} are not readable ({_detail(e)}); the "
+                            "file may be damaged: re-copy or re-export it") from None
+        for rec in records:
+            row += 1
+            yield row, rec
+
+
+def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
+    """The rows of a `datasets` save_to_disk folder (the `split` of a DatasetDict)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # reading a local folder never needs the network
+    datasets = optional_module("datasets", f"reading the datasets folder {path}")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise UserError(f"{path} is not a readable datasets folder ({_detail(e)}); save it again with "
+                        "Dataset.save_to_disk") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = split or ("train" if "train" in ds else next(iter(ds)))
+        if split not in ds:
+            raise UserError(f"{path} has no split {split!r} (it has: {', '.join(ds)}); name one of those")
+        ds = ds[split]
+    for row, rec in enumerate(ds, start=1):
+        yield row, rec
+
+
+def _detail(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return f"{type(e).__name__}{': ' + text if text else ''}"
+
+
+# ---- records ---------------------------------------------------------------------------------------------------------
 def load_records(path: Path | str, required: tuple[str, ...] = ("instruction", "output")) -> list[dict]:
-    """Read a .json (list of objects), .jsonl (one object per line) or .csv (with header) file.
-
-    Every record must have the `required` fields; anything wrong is a one-line UserError.
-    """
+    """Every record of a data file (see `iter_rows`). Every record must have the `required` fields; anything wrong is
+    a one-line UserError."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"data file {path} does not exist; check the path")
-    if path.is_dir():
-        raise UserError(f"data file {path} is a folder; pass a .json, .jsonl or .csv file")
-    suffix = path.suffix.lower()
-    if suffix not in RAW_SUFFIXES:
-        raise UserError(f"unsupported data file type {path.name!r}; use a .json, .jsonl or .csv file")
-    text = read_text(path, "data file", "save it as UTF-8 text")  # a BOM (some editors, Excel) is dropped
-    if not text.strip():
-        raise UserError(f"data file {path} is empty; fill it with records or pick another file")
-
-    if suffix == ".csv":
-        records: list = parse_csv(text, str(path), "fix the file")  # fields of any size
-    elif suffix == ".jsonl":
-        records = _parse_jsonl(text, path)
-    else:
-        try:
-            records = json.loads(text)
-        except RecursionError:
-            raise UserError(f"{path} is not usable JSON (nested too deeply); fix the file") from None
-        except json.JSONDecodeError as e:
-            # A common mix-up: JSON Lines saved as .json. Accept it rather than fail.
-            if e.msg == "Extra data" and text.lstrip().startswith("{"):
-                records = _parse_jsonl(text, path)
-            else:
-                raise UserError(
-                    f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                    "fix the file, it must hold a list of objects"
-                ) from None
-        if not isinstance(records, list):
-            kind = f"an object with keys {list(records)[:5]}" if isinstance(records, dict) else type(records).__name__
-            raise UserError(f"{path} holds {kind}, not a list of records; make the top level a JSON list of objects")
+    records = [rec for _, rec in iter_rows(path)]
     if not records:
         raise UserError(f"data file {path} holds no records; add some or pick another file")
     check_records(records, required, path)
     return records
 
 
-def _parse_jsonl(text: str, path: Path) -> list:
-    records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except RecursionError:
-            raise UserError(f"line {lineno} of {path} is not usable JSON (nested too deeply); fix that line") from None
-        except json.JSONDecodeError as e:
-            raise UserError(
-                f"line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}); "
-                "fix that line, each line must be one JSON object"
-            ) from None
-    return records
-
-
 def check_records(records: list, required: tuple[str, ...], source: Path | str = "the data") -> None:
     for i, rec in enumerate(records):
-        if not isinstance(rec, dict):
-            raise UserError(f"record {i} in {source} is a {type(rec).__name__}, not an object; make every record an "
-                            "object")
-        for key in required:
-            if rec.get(key) is None:
-                raise UserError(
-                    f"record {i} in {source} has no {key!r} field (it has: {', '.join(map(str, rec)) or 'nothing'}); "
-                    f"add it, or name the right field with --{_key_flag(key)}"
-                )
+        check_record(rec, required, f"record {i} in {source}")
+
+
+def check_record(rec: Any, required: tuple[str, ...], where: str) -> None:
+    """That `rec` is an object with every `required` field (not null); a one-line UserError naming `where`."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where} is a {type(rec).__name__}, not an object; make every record an object")
+    for key in required:
+        if rec.get(key) is None:
+            raise UserError(f"{where} has no {key!r} field (it has: {', '.join(map(str, rec)) or 'nothing'}); add it, "
+                            f"or name the right field with {_key_flag(key)}")
 
 
 def _key_flag(key: str) -> str:
-    return {"instruction": "instruction_key", "input": "input_key", "output": "output_key"}.get(key, "*_key")
+    return {"instruction": "--prompt_column (prepare_json.py: --instruction_key)",
+            "input": "--input_column (prepare_json.py: --input_key)",
+            "output": "--response_column (prepare_json.py: --output_key)"}.get(key, "--*_column")
 
 
 def text_of(value: Any) -> str:
@@ -110,3 +215,85 @@ def split(records: list, test_split_fraction: float, seed: int) -> tuple[list, l
         raise UserError(f"cannot split {n} record(s) into train and validation; add more records")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+
+
+# ---- conversation records --------------------------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant")
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A checked conversation record: role/content messages and where they came from (named in errors)."""
+
+    messages: list
+    source: str
+
+
+def is_conversation_record(rec: Any) -> bool:
+    """Whether a data record is a conversation: {"messages": [...]} (OpenAI) or {"conversations": [...]} (ShareGPT)."""
+    return isinstance(rec, dict) and ("messages" in rec or "conversations" in rec)
+
+
+def with_messages_column(rec: Any, column: str | None, where: str) -> Any:
+    """A record whose conversation is in `column` (--messages_column) with it under "messages"; a record without
+    that column is a one-line UserError."""
+    if not column or column in ("messages", "conversations") or not isinstance(rec, dict):
+        return rec
+    if column not in rec:
+        raise UserError(f"{where} has no column {column!r} (named by --messages_column; it has: "
+                        f"{', '.join(map(str, rec)) or 'nothing'}); name the column that holds the turns")
+    rec = dict(rec)
+    rec["messages"] = rec.pop(column)
+    return rec
+
+
+def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
+    """The messages of a conversation record as [{"role", "content"}, ...] with roles system/user/assistant.
+
+    Accepts OpenAI `messages` (role/content) and ShareGPT `conversations` (from/value; from: system, human, gpt, or
+    user, assistant; ShareGPT turns under "messages" too). Refuses, in one line naming the row (1-based) and the file:
+    an unknown role, content that is not a string or is empty, a system message anywhere but first, no assistant
+    turn.
+    """
+    where = f"row {row} of {path}"
+    if not isinstance(rec, dict):
+        raise UserError(f"{where} is a {type(rec).__name__}, not an object; make each row an object with "
+                        "\"messages\": [{\"role\": ..., \"content\": ...}, ...]")
+    if "messages" in rec:
+        key, turns = "messages", rec["messages"]
+    elif "conversations" in rec:
+        key, turns = "conversations", rec["conversations"]
+    else:
+        raise UserError(f"{where} has no \"messages\" or \"conversations\" list (it has: {', '.join(map(str, rec))}); "
+                        "give every row a \"messages\" list of {\"role\", \"content\"} objects")
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: \"{key}\" must be a non-empty list of turns; fix or drop the row")
+    sharegpt = key == "conversations" or (isinstance(turns[0], dict) and "from" in turns[0] and "role" not in turns[0])
+    if sharegpt:
+        role_key, text_key, roles = "from", "value", _SHAREGPT_ROLES
+        allowed = "system, human, gpt (or user, assistant)"
+    else:
+        role_key, text_key, roles, allowed = "role", "content", {r: r for r in ROLES}, "system, user, assistant"
+    out = []
+    for i, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}: turn {i} is a {type(turn).__name__}, not an object; "
+                            f"write each turn as {{\"{role_key}\": ..., \"{text_key}\": ...}}")
+        role = roles.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
+        if role is None:
+            raise UserError(f"{where}: turn {i} has {role_key}={turn.get(role_key)!r}; use one of {allowed}")
+        content = turn.get(text_key)
+        if not isinstance(content, str):
+            kind = "missing" if content is None else f"a {type(content).__name__}, not a string"
+            raise UserError(f"{where}: turn {i} ({role}) {text_key} is {kind}; write the turn's text as a string")
+        if not content.strip():
+            raise UserError(f"{where}: turn {i} ({role}) has empty {text_key}; fill it in or drop the row")
+        if role == "system" and i != 1:
+            raise UserError(f"{where}: turn {i} is a system message, but only the first turn may be one; "
+                            "move it to the start or merge it into a user turn")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise UserError(f"{where} has no assistant turn, so there is nothing to learn; add the assistant's reply "
+                        "or drop the row")
+    return out

@@ -416,13 +416,14 @@ def test_record_files_that_are_not_lists(tmp_path):
     with pytest.raises(UserError, match=r"^line 2 of .*bad.jsonl is not valid JSON"):
         ct.load_conversations(tmp_path / "bad.jsonl")
     (tmp_path / "one.json").write_text('{\n  "messages": [{"role": "user", "content": "Hi"}]\n}\n')
-    with pytest.raises(UserError, match="holds a dict, not a list of conversations; make the top level a JSON list"):
+    with pytest.raises(UserError, match=r"holds an object with keys \['messages'\], not a list of records; make the top "
+                       "level a JSON list"):
         ct.load_conversations(tmp_path / "one.json")
     (tmp_path / "broken.json").write_text('[{"messages": ]')
     with pytest.raises(UserError, match=r"broken.json is not valid JSON \(Expecting value at line 1 column 15\)"):
         ct.load_conversations(tmp_path / "broken.json")
     (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(UserError, match="unsupported conversation file 'data.csv'; use a .json or .jsonl file"):
+    with pytest.raises(UserError, match="data.csv holds no conversations; add some"):  # a header and no rows
         ct.load_conversations(tmp_path / "data.csv")
     assert ct.is_conversation_record({"messages": "x"})  # so its error is about messages, not a missing field
 

@@ -194,11 +194,11 @@ def test_ensure_prepared_errors(tmp_path):
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 64)
     assert_one_line_message(e, "holds no data")
-    write_json(tmp_path / "a.json", RECORDS)
-    write_json(tmp_path / "b.json", RECORDS)
+    write_json(tmp_path / "train.json", RECORDS)
+    write_json(tmp_path / "b.json", RECORDS)  # neither train nor validation: refused, not silently left out
     with pytest.raises(UserError) as e:
         prepared(tmp_path, CharTokenizer(), 64)
-    assert_one_line_message(e, "a.json", "b.json")
+    assert_one_line_message(e, "b.json", "neither train nor validation")
 
 
 @pytest.fixture(scope="module")

@@ -233,8 +233,10 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
 
 def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
     """SFT's samples: prepared from --data_dir once, here, so DDP ranks never race on the cache."""
-    settings = DataSettings(max_seq_length, template=args.data.template, mask_inputs=args.data.mask_inputs,
-                            ignore_index=IGNORE_INDEX)
+    d = args.data
+    settings = DataSettings(max_seq_length, template=d.template, mask_inputs=d.mask_inputs, ignore_index=IGNORE_INDEX,
+                            instruction_key=d.prompt_column, input_key=d.input_column, output_key=d.response_column,
+                            messages_column=d.messages_column)
     return ensure_prepared(args.data.data_dir, tokenizer, settings)
 
 

@@ -81,7 +81,9 @@ class DataArgs:
     """Data"""
 
     data_dir: Optional[Path] = None
-    """Prepared data (scripts/prepare_alpaca.py) or a folder with train.json + val.json or one .json/.jsonl/.csv."""
+    """Prepared data (scripts/prepare_alpaca.py); a .json/.jsonl/.csv/.parquet file; a folder of them (train* and
+    val* / validation* files or folders, else the shards of one set, split for validation); a datasets save_to_disk
+    folder; or owner/name of a dataset already in the local Hugging Face cache (nothing is downloaded)."""
     max_seq_length: Optional[int] = None
     """Longest sample in tokens (longer ones are truncated); default: the model's context."""
     template: str = "auto"
@@ -94,6 +96,15 @@ class DataArgs:
     packing: bool = False
     """Pack several samples into each row of --max_seq_length tokens (attention stays inside each sample, positions
     restart per sample), so almost no computed token is padding; a micro batch is then micro_batch_size such rows."""
+    prompt_column: str = "instruction"
+    """The column (field) of instruction records that holds the instruction."""
+    input_column: str = "input"
+    """The column of instruction records that holds the optional input shown with the instruction."""
+    response_column: str = "output"
+    """The column of instruction records that holds the response to learn."""
+    messages_column: Optional[str] = None
+    """The column that holds a conversation's turns (role/content, or ShareGPT from/value); default: messages or
+    conversations."""
 
 
 @dataclass

@@ -57,6 +57,13 @@ class Config:
     attention_scale: Optional[float] = None  # softmax scale; None: 1/sqrt(head_size) (Gemma 2/3: query_pre_attn)
     attn_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     final_softcap: Optional[float] = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Mixture of experts (Qwen3-MoE, Mixtral): the MLP of a layer is `moe_n_expert` gated MLPs of
+    # `moe_intermediate_size` and a router; each token runs through the `moe_top_k` experts its router scores highest
+    moe_n_expert: int = 0  # 0: no mixture of experts
+    moe_top_k: int = 0
+    moe_intermediate_size: Optional[int] = None  # None: intermediate_size
+    moe_norm_topk: bool = False  # the top-k routing weights renormalized to sum to 1 (Mixtral; norm_topk_prob)
+    moe_dense_layers: Optional[list] = None  # layers with a dense MLP of intermediate_size (Qwen3-MoE mlp_only_layers)
     hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
 
     def __post_init__(self) -> None:
@@ -72,6 +79,16 @@ class Config:
         if self.n_head % self.n_query_groups:
             raise UserError(f"n_head={self.n_head} is not a multiple of n_query_groups={self.n_query_groups}; fix the "
                             "model config")
+        if self.moe_n_expert:
+            if self.moe_intermediate_size is None:
+                self.moe_intermediate_size = self.intermediate_size
+            if not 0 < self.moe_top_k <= self.moe_n_expert or self.mlp_class != "LLaMAMLP":
+                raise UserError(f"moe_top_k={self.moe_top_k} of moe_n_expert={self.moe_n_expert} experts (gated "
+                                "LLaMAMLP experts) is not a mixture of experts this model has; fix the model config")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts."""
+        return self.moe_n_expert > 0 and i not in (self.moe_dense_layers or ())
 
     @property
     def rope_n_elem(self) -> int:

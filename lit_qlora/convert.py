@@ -88,6 +88,10 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
                 hf_keys = [f"{prefix}{n}.{param}" for n in fam["q_names"]]
                 plan.append((key, hf_keys, lambda parts, _l=qkv_layout(config): qkv_from_hf(config, _l, parts)))
                 continue
+            if sub in fam["experts"]:  # our [E, out, in] stacks the E tensors of HF's experts
+                hf_keys = [f"{prefix}{fam['experts'][sub].format(e=e)}.{param}" for e in range(config.moe_n_expert)]
+                plan.append((key, hf_keys, torch.stack))
+                continue
             if fam["gate_up"] and sub in ("mlp.fc_1", "mlp.fc_2"):  # one HF tensor: fc_1's rows, then fc_2's
                 plan.append((key, [f"{prefix}{fam['gate_up']}.{param}"],
                              lambda parts, _half=int(sub == "mlp.fc_2"): parts[0].chunk(2)[_half]))
@@ -101,15 +105,20 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
 
 def lit_to_hf_plan(config: Config) -> list[tuple[str, tuple[str, ...], Optional[int]]]:
     """[(HF key, our keys, index into the split qkv or None)]: one key of ours, but two (fc_1, fc_2) whose rows
-    one fused HF tensor stacks (Phi-3's gate_up_proj)."""
+    one fused HF tensor stacks (Phi-3's gate_up_proj). For stacked experts the index is the expert's."""
     out: dict[str, tuple[tuple[str, ...], Optional[int]]] = {}
     for key, hf_keys, _ in hf_to_lit_plan(config):
-        if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")) or is_stacked_experts(key):
             out.update({hk: ((key,), j) for j, hk in enumerate(hf_keys)})
         else:
             keys, _ = out.get(hf_keys[0], ((), None))
             out[hf_keys[0]] = (keys + (key,), None)
     return [(hk, keys, j) for hk, (keys, j) in out.items()]
+
+
+def is_stacked_experts(key: str) -> bool:
+    """Whether our tensor `key` stacks the weights of a layer's experts ([E, out, in])."""
+    return ".mlp.experts." in key
 
 
 # ---- reading HF folders lazily ----------------------------------------------------------------
@@ -234,7 +243,9 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
             sl = f.get_slice(keys[0])
             shape = list(sl.get_shape())
             shape[0] = sum(f.get_slice(k).get_shape()[0] for k in keys)
-            if j is not None and len(family(config)["q_names"]) > 1:
+            if is_stacked_experts(keys[0]):  # one expert's [out, in]
+                shape = shape[1:]
+            elif j is not None and len(family(config)["q_names"]) > 1:
                 shape[0] = config.qkv_sizes[j]
             specs.append((hf_key, torch.Size(shape), DTYPES[sl.get_dtype()]))
 
@@ -245,6 +256,12 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
                     yield hf_key, torch.cat([f.get_tensor(k) for k in keys]) if len(keys) > 1 else f.get_tensor(keys[0])
                     continue
                 (key,) = keys
+                if is_stacked_experts(key):
+                    if key not in cache:
+                        cache.clear()
+                        cache[key] = list(f.get_tensor(key).unbind(0))
+                    yield hf_key, cache[key][j]
+                    continue
                 if key not in cache:
                     cache.clear()  # one fused tensor alive at a time
                     cache[key] = qkv_to_hf(config, qkv_layout(config), f.get_tensor(key))

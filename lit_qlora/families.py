@@ -27,9 +27,13 @@ _QK_NORM = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"
 _SEPARATE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
-def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None) -> dict:
+def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None,
+           experts: Optional[dict] = None) -> dict:
     # gate_up: the HF module holding mlp.fc_1's rows then mlp.fc_2's in one tensor (Phi-3), else None
-    return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up)
+    # experts: our stacked expert weight [E, out, in] -> the HF module of expert {e} (one tensor per expert, as HF
+    # checkpoints store them; transformers 5 stacks them itself when it loads and splits them when it saves)
+    return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up,
+                experts=experts or {})
 
 
 _LLAMA_NAMES = _names("model.layers.{i}.", _LLAMA_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
@@ -44,6 +48,17 @@ _OLMO2_NAMES = _names("model.layers.{i}.", _OLMO2_LAYER, _LLAMA_GLOBAL, "separat
 # Phi-3 / Phi-4: one fused [q | k | v] and one fused [gate | up] Linear per layer
 _PHI3_NAMES = _names("model.layers.{i}.", {k: v for k, v in _LLAMA_LAYER.items() if k not in ("mlp.fc_1", "mlp.fc_2")},
                      _LLAMA_GLOBAL, "fused", ("self_attn.qkv_proj",), gate_up="mlp.gate_up_proj")
+_QWEN3_MOE_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, **_QK_NORM, "mlp.router": "mlp.gate"}, _LLAMA_GLOBAL,
+                          "separate", _SEPARATE_QKV,
+                          experts={"mlp.experts.fc_1": "mlp.experts.{e}.gate_proj",
+                                   "mlp.experts.fc_2": "mlp.experts.{e}.up_proj",
+                                   "mlp.experts.proj": "mlp.experts.{e}.down_proj"})
+_MIXTRAL_NAMES = _names("model.layers.{i}.",
+                        {**{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
+                         "mlp.router": "block_sparse_moe.gate"}, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV,
+                        experts={"mlp.experts.fc_1": "block_sparse_moe.experts.{e}.w1",
+                                 "mlp.experts.fc_2": "block_sparse_moe.experts.{e}.w3",
+                                 "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"})
 _NEOX_NAMES = _names("gpt_neox.layers.{i}.",
                      {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
                       "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
@@ -200,6 +215,33 @@ def _map_qwen3(hf: dict, arch: str) -> dict:
     _refuse(hf, arch, {"attention_bias": False})
     kw = _map_qwen2(hf, arch)
     kw.update(attn_bias=False, qk_norm="head")
+    return kw
+
+
+def _map_qwen3_moe(hf: dict, arch: str) -> dict:
+    """Qwen3's attention; the MLP of layer i is a mixture of experts unless i is in mlp_only_layers or (i + 1) is
+    not a multiple of decoder_sparse_step (then a dense MLP of intermediate_size)."""
+    _refuse(hf, arch, {"attention_bias": False, "output_router_logits": False})
+    kw = _llama_like(hf, arch)
+    kw["sliding_window_size"] = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # every layer
+    n_expert = hf.get("num_experts", hf.get("num_local_experts", 128))
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    dense = [i for i in range(kw["n_layer"]) if i in only or (i + 1) % step]
+    if n_expert:
+        kw.update(moe_n_expert=n_expert, moe_top_k=hf.get("num_experts_per_tok", 8),
+                  moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                  moe_norm_topk=bool(hf.get("norm_topk_prob", False)), moe_dense_layers=dense or None)
+    kw.update(qk_norm="head", hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+    return kw
+
+
+def _map_mixtral(hf: dict, arch: str) -> dict:
+    """Mistral's attention; every MLP a mixture of experts of intermediate_size, the top-k scores renormalized."""
+    _refuse(hf, arch, {"router_jitter_noise": 0.0, "output_router_logits": False})
+    kw = _llama_like(hf, arch)
+    kw.update(moe_n_expert=hf.get("num_local_experts", hf.get("num_experts", 8)),
+              moe_top_k=hf.get("num_experts_per_tok", 2), moe_norm_topk=True,
+              hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
     return kw
 
 
@@ -406,6 +448,23 @@ def _to_qwen3(c: Any) -> dict:
     return _qwen_window(c, _llama_to_hf(c, "qwen3"))
 
 
+def _to_qwen3_moe(c: Any) -> dict:
+    d = _llama_to_hf(c, "qwen3_moe")
+    d.update(c.hf_extra, num_experts=c.moe_n_expert, num_experts_per_tok=c.moe_top_k,
+             moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.moe_norm_topk, decoder_sparse_step=1,
+             mlp_only_layers=list(c.moe_dense_layers or []), use_sliding_window=c.sliding_window_size is not None,
+             sliding_window=c.sliding_window_size)
+    return d
+
+
+def _to_mixtral(c: Any) -> dict:
+    d = _llama_to_hf(c, "mixtral")
+    d.pop("attention_bias")  # Mixtral has no such field
+    d.update(c.hf_extra, intermediate_size=c.moe_intermediate_size, num_local_experts=c.moe_n_expert,
+             num_experts_per_tok=c.moe_top_k, sliding_window=c.sliding_window_size)
+    return d
+
+
 def _to_smollm3(c: Any) -> dict:
     d = _llama_to_hf(c, "smollm3")
     nope = set(c.nope_layers or ())
@@ -510,6 +569,8 @@ SPECS: dict[str, FamilySpec] = {s.architecture: s for s in (
     FamilySpec("MistralForCausalLM", "mistral", _map_llama, _to_mistral, _fixed(_LLAMA_NAMES), "llama"),
     FamilySpec("Qwen2ForCausalLM", "qwen2", _map_qwen2, _to_qwen2, _fixed(_LLAMA_NAMES), "qwen2"),
     FamilySpec("Qwen3ForCausalLM", "qwen3", _map_qwen3, _to_qwen3, _fixed(_QWEN3_NAMES), "qwen3"),
+    FamilySpec("Qwen3MoeForCausalLM", "qwen3_moe", _map_qwen3_moe, _to_qwen3_moe, _fixed(_QWEN3_MOE_NAMES)),
+    FamilySpec("MixtralForCausalLM", "mixtral", _map_mixtral, _to_mixtral, _fixed(_MIXTRAL_NAMES)),
     FamilySpec("SmolLM3ForCausalLM", "smollm3", _map_smollm3, _to_smollm3, _fixed(_LLAMA_NAMES)),
     FamilySpec("GemmaForCausalLM", "gemma", _map_gemma, _to_gemma, _fixed(_LLAMA_NAMES)),
     FamilySpec("Gemma2ForCausalLM", "gemma2", _map_gemma2, _to_gemma2, _fixed(_GEMMA2_NAMES), "gemma2"),
@@ -530,9 +591,8 @@ REFUSED = {
     "Gemma4ForCausalLM": "per-layer input embeddings (Gemma 4) are not implemented",
     "Qwen3NextForCausalLM": "linear-attention hybrid layers (Qwen3-Next) are not implemented",
     "Qwen3_5ForCausalLM": "linear-attention hybrid layers (Qwen3.5) are not implemented",
-    "Qwen3MoeForCausalLM": "mixtures of experts are not implemented yet",
-    "MixtralForCausalLM": "mixtures of experts are not implemented yet",
-    "GptOssForCausalLM": "mixtures of experts are not implemented yet",
+    "GptOssForCausalLM": "gpt-oss is not implemented (attention sinks, its biased router and experts, its clamped "
+                         "SwiGLU, MXFP4 expert weights)",
     "Qwen2MoeForCausalLM": "mixtures of experts are not implemented yet",
     "OlmoeForCausalLM": "mixtures of experts are not implemented yet",
 }

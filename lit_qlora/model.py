@@ -1,5 +1,5 @@
 """One readable GPT for every family of lit_qlora/families.py (Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2, SmolLM3,
-GPT-NeoX, Falcon, Phi, StableLM).
+GPT-NeoX, Falcon, Phi, StableLM, and the mixtures of experts Qwen3-MoE and Mixtral).
 
 Every difference between the families is a field of `Config`; there are no subclasses per family.
 Shapes in comments: B batch, T sequence, C n_embd, H heads, G query groups (kv heads), hs head size.
@@ -24,7 +24,7 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
             ln_f=make_norm(config, config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
@@ -164,14 +164,17 @@ class GPT(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, layer: int = 0) -> None:
         super().__init__()
         self.config = config
         self.norm_1 = make_norm(config, config.n_embd) if config.pre_norms else None
         self.attn = CausalSelfAttention(config)
         # parallel blocks with a shared norm (Falcon 7B, Phi) have no second norm
         self.norm_2 = None if config.shared_attention_norm or not config.pre_norms else make_norm(config, config.n_embd)
-        self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
+        if config.is_moe_layer(layer):
+            self.mlp = MoE(config)
+        else:
+            self.mlp = GptNeoxMLP(config) if config.mlp_class == "GptNeoxMLP" else LLaMAMLP(config)
         if config.post_norms:  # Gemma 2/3, OLMo 2: each branch's output is normalized before it is added
             self.post_attention_norm = make_norm(config, config.n_embd)
             self.post_mlp_norm = make_norm(config, config.n_embd)
@@ -443,6 +446,72 @@ class LLaMAMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.proj, gated_activation(linear(self.fc_1, x), linear(self.fc_2, x), self.activation))
+
+
+class MoE(nn.Module):
+    """A mixture of gated MLPs (Qwen3-MoE, Mixtral). The router scores every expert for each token (softmax in fp32),
+    the token goes through the `moe_top_k` best, and their outputs are summed weighted by those scores (renormalized
+    over the top k where the family does). The router stays a dense Linear under --quantize."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.moe_n_expert, bias=False)
+        self.experts = Experts(config)
+        self.top_k, self.norm_topk = config.moe_top_k, config.moe_norm_topk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        logits = linear(self.router, x)  # [N, E]
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, chosen, weights.to(x.dtype)).view(B, T, C)
+
+
+class Experts(nn.Module):
+    """The experts of one MoE layer: one stacked weight [E, out, in] per projection (fc_1 gate, fc_2 up, proj down).
+
+    No loop over tokens: the (token, expert) pairs are sorted by expert, each expert that received tokens runs once
+    on all of its tokens, and the weighted outputs are added back to their tokens. An expert without tokens is not
+    touched (a quantized one is not dequantized)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        E, C, inner = config.moe_n_expert, config.n_embd, config.moe_intermediate_size
+        self.fc_1, self.fc_2 = ExpertWeights(E, inner, C), ExpertWeights(E, inner, C)
+        self.proj = ExpertWeights(E, C, inner)
+        self.activation = config.activation
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, C], chosen [N, k] expert indices, weights [N, k] -> [N, C]."""
+        k = chosen.size(1)
+        order = chosen.reshape(-1).argsort(stable=True)  # the N*k pairs, grouped by expert
+        token = order // k
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.fc_1.n_expert).tolist()
+        routed = x[token]  # [N*k, C]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                h = routed[start:start + n]
+                h = gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation)
+                outs.append(self.proj(h, e))
+                start += n
+        y = torch.cat(outs) * weights.reshape(-1)[order, None]
+        return x.new_zeros(x.shape).index_add_(0, token, y.to(x.dtype))
+
+
+class ExpertWeights(nn.Module):
+    """One projection of every expert of a layer: `weight` [E, out, in]; expert e computes x @ weight[e]^T.
+    lit_qlora/quantize.py swaps it for bitsandbytes layers, one per expert."""
+
+    def __init__(self, n_expert: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.n_expert, self.out_features, self.in_features = n_expert, out_features, in_features
+        self.weight = nn.Parameter(torch.empty(n_expert, out_features, in_features))
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return cpu_half.linear(x, self.weight[e], None)
 
 
 def activate(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -116,6 +116,18 @@ TINY_HF_CONFIGS: dict[str, dict] = {
                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                        "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
                                        "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]}),
+    # ---- mixtures of experts (issue 34): few experts, top-2 routing, so several experts get tokens and some none
+    # Qwen3-MoE: Qwen3's QK-norm; layer 1 a dense MLP (mlp_only_layers), the top-2 weights renormalized
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=320, hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128,
+                      rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False),
+    # Mixtral: every layer 4 experts of intermediate_size, top 2, softmax then the top 2 renormalized
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=320, hidden_size=64,
+                    intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                    rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
     # longrope: the short factors (every test sequence is within original_max_position_embeddings; the long ones are
     # tested in test_model)
     "llama_longrope": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,

@@ -67,7 +67,11 @@ def test_phi3_reads_older_rope_type_names_as_longrope(old):
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
     (dict(architectures=["Qwen3NextForCausalLM"]), "linear-attention"),
     (dict(architectures=["Gemma3nForCausalLM"]), "per-layer input embeddings"),
-    (dict(architectures=["Qwen3MoeForCausalLM"]), "mixtures of experts"),
+    (dict(architectures=["GptOssForCausalLM"]), "gpt-oss is not implemented .attention sinks"),
+    (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, output_router_logits=True),
+     "output_router_logits=True"),
+    (dict(architectures=["MixtralForCausalLM"], num_local_experts=4, router_jitter_noise=0.1),
+     "router_jitter_noise=0.1"),
     (dict(attention_bias=True), "attention_bias=True"),
 ])
 def test_unimplemented_config_fields_are_refused_naming_them(change, message):
@@ -83,6 +87,8 @@ def test_unimplemented_config_fields_are_refused_naming_them(change, message):
     ("smollm3", "nope_layers", None), ("smollm3", "rope_scaling", None),
     ("llama_longrope", "rope_scaling", None), ("qwen3", "qk_norm", None), ("phi3", "rope_scaling", None),
     ("phi3", "sliding_window_size", None),
+    ("qwen3_moe", "moe_norm_topk", False), ("qwen3_moe", "moe_top_k", 1), ("mixtral", "moe_norm_topk", False),
+    ("mixtral", "moe_top_k", 3),
 ])
 @torch.no_grad()
 def test_each_feature_changes_the_logits(tmp_path, kind, field, value):
@@ -177,3 +183,24 @@ def test_new_family_finetunes_in_4bit_and_generates_from_the_cli(kind, quantize,
                                        "--quantize", quantize, "--precision", precision, "--prompt", "kind",
                                        "--max_new_tokens", "4", "--merge", merge, "--temperature", "0"])
         assert r.returncode == 0, r.stderr
+
+
+@torch.no_grad()
+def test_qwen3_moe_decoder_sparse_step_places_the_dense_layers_as_transformers(tmp_path):
+    """decoder_sparse_step 2 with mlp_only_layers [2]: only layer 1 of 4 has experts (layers 0 and 2 fail the step,
+    layer 2 is listed too, layer 3 is listed); logits equal transformers', and the export writes a config that
+    transformers builds with the same dense layers."""
+    from lit_qlora.convert import convert_lit_checkpoint
+    from lit_qlora.model import MoE
+
+    hf = make_tiny_hf_model("qwen3_moe", tmp_path / "hf", initializer_range=0.2, num_hidden_layers=4,
+                            decoder_sparse_step=2, mlp_only_layers=[2, 3])
+    convert_hf_checkpoint(tmp_path / "hf")
+    ours = load_ours(tmp_path / "hf")
+    assert [isinstance(b.mlp, MoE) for b in ours.transformer.h] == [False, True, False, False]
+    idx = random_tokens(2, 16, seed=2)
+    assert (ours(idx) - hf(idx).logits).abs().max().item() <= 1e-4
+    from helpers import hf_model
+
+    again = hf_model(convert_lit_checkpoint(tmp_path / "hf", tmp_path / "out"))
+    assert (again(idx).logits - hf(idx).logits).abs().max().item() == 0

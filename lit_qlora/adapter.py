@@ -16,7 +16,8 @@ so every checkpoint is also an adapter.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Optional
@@ -25,7 +26,16 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config
-from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_delta, lora_state_dict, lora_targets, meta_model
+from lit_qlora.lora import (
+    LORA_INITS,
+    RESIDUAL_INITS,
+    LoRAConfig,
+    load_lora_weights,
+    lora_delta,
+    lora_state_dict,
+    lora_targets,
+    meta_model,
+)
 from lit_qlora.peft_interop import export_peft, import_peft
 from lit_qlora.readers import check_config_dict, check_fields, load_torch
 from lit_qlora.utils import UserError, atomic_torch_save
@@ -99,7 +109,34 @@ class Adapter:
         """Write a PEFT LoRA folder (adapter_model.safetensors + adapter_config.json) for the transformers model of
         `base_config`, after checking the adapter belongs to it."""
         self.check_base(base_config, "to export")
-        return export_peft(self.lora, self.config, base_config, out_dir, base_model_name_or_path)
+        plain = self.as_plain_lora()
+        return export_peft(plain.lora, plain.config, base_config, out_dir, base_model_name_or_path)
+
+    def as_plain_lora(self) -> "Adapter":
+        """A pissa / olora adapter (trained over a base that gave up s*B0@A0) as the same update over the original
+        base, a plain LoRA of rank 2r, as PEFT's `path_initial_model_for_weight_conversion` converts one: per part
+        A' = [A; A0], B' = [B, -B0], alpha doubled (times sqrt(2) for rsLoRA) to keep the scaling. Other adapters
+        are returned as they are."""
+        c = self.config
+        if c.init not in RESIDUAL_INITS:
+            return self
+        if c.init == "loftq":
+            raise UserError("a LoftQ adapter belongs to the quantized residual it was trained on, not to the original "
+                            "weights; export it merged instead (scripts/export_hf.py), or train with --lora_init pissa")
+        if c.dora:
+            raise UserError(f"a DoRA adapter started with --lora_init {c.init} has no plain LoRA form over the "
+                            "original base (its row norms depend on the base); export it merged (scripts/export_hf.py)")
+        tensors = {}
+        for module, parts in self.targets().items():
+            n = len(parts or [None])
+            A, A0 = (self.lora[f"{module}.{k}"].float() for k in ("lora_A", "lora_A0"))
+            B, B0 = (self.lora[f"{module}.{k}"].float() for k in ("lora_B", "lora_B0"))
+            stacked = torch.cat([A.view(n, c.r, -1), A0.view(n, c.r, -1)], 1)  # [part, 2r, in]
+            tensors[module + ".lora_A"] = stacked.reshape(2 * n * c.r, -1)
+            tensors[module + ".lora_B"] = torch.cat([B, -B0], 1)
+        alpha = c.alpha * (math.sqrt(2) if c.rslora else 2)
+        config = replace(c, r=2 * c.r, alpha=alpha, init="default")
+        return Adapter(tensors, config, self.model_config, {**self.train, "converted_from": c.init})
 
     # ---- using -------------------------------------------------------------------------------------
     @cached_property
@@ -127,7 +164,7 @@ class Adapter:
         """Copy the LoRA tensors into a model built with the same LoRA settings (any dtype or device)."""
         load_lora_weights(model, self.lora)
 
-    def delta(self, module: str, weight_shape: tuple[int, int]) -> torch.Tensor:
+    def delta(self, module: str, weight_shape: tuple[int, int], initial_only: bool = False) -> torch.Tensor:
         """The fp32 update s*B@A this adapter adds to the [out, in] weight of our module `module` (DoRA then scales the
         rows of the sum: `merged`)."""
         parts = self.targets()[module]
@@ -143,7 +180,27 @@ class Adapter:
             raise UserError(f"adapter tensors of {module} have shapes {tuple(A.shape)}/{tuple(B.shape)}, the base "
                             "model "
                             f"expects {want_a}/{want_b}; use the base model the adapter was trained on")
-        return lora_delta(A.detach().cpu(), B.detach().cpu(), parts, r, self.config.scaling, out_f)
+        delta = lora_delta(A.detach().cpu(), B.detach().cpu(), parts, r, self.config.scaling, out_f)
+        if self.config.init in RESIDUAL_INITS:  # the base it was trained on had s*B0@A0 taken out of this weight
+            A0, B0 = self.lora[module + ".lora_A0"], self.lora[module + ".lora_B0"]
+            delta0 = lora_delta(A0.detach().cpu(), B0.detach().cpu(), parts, r, self.config.scaling, out_f)
+            return delta0 * -1 if initial_only else delta - delta0
+        return delta
+
+    def _quantized_as_trained(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` [out, in] quantized and dequantized as the training run's loader stored its base (its --quantize and
+        --precision, recorded in `train`): a LoftQ adapter's base."""
+        from lit_qlora.precision import parse_precision
+        from lit_qlora.quantize import dequantize_weight, make_quantized_linear, quantize_into
+
+        mode, precision = self.train.get("quantize"), self.train.get("precision") or "32-true"
+        if not mode:
+            raise UserError("this LoftQ adapter does not record the --quantize it was trained with; it cannot be "
+                            "merged: generate with it unmerged (--merge false)")
+        dtype = parse_precision(precision).dtype
+        layer = make_quantized_linear(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), mode, dtype)
+        quantize_into(layer, w, torch.device("cpu"), dtype)
+        return dequantize_weight(layer).float()
 
     def merged(self, key: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """`tensor` (the base checkpoint's tensor `key`) with the update added in fp32, cast to `dtype` (default: the
@@ -153,6 +210,9 @@ class Adapter:
             return tensor
         module = key.removesuffix(".weight")
         merged = tensor.float() + self.delta(module, tuple(tensor.shape))
+        if self.config.init == "loftq":  # its base was the 4-bit residual: dequantize(quantize(W - s*B0@A0)) + s*B@A
+            kept = tensor.float() + self.delta(module, tuple(tensor.shape), initial_only=True)  # W - s*B0@A0
+            merged = self._quantized_as_trained(kept) + (merged - kept)  # (merged - kept = s*B@A)
         if self.config.dora:  # DoRA, as PEFT merges it: each adapted row of W + s*B@A scaled to its magnitude
             parts = self.targets()[module] or [(0, tensor.shape[0])]
             rows = torch.cat([torch.arange(a, a + n) for a, n in parts])
@@ -167,7 +227,8 @@ class Adapter:
 
 _LORA_FIELDS = {"r": "size", "alpha": "number", "dropout": "fraction", "query": "bool", "key": "bool", "value": "bool",
                 "projection": "bool", "mlp": "bool", "head": "bool", "rslora": "bool",
-                "loraplus_lr_ratio": "positive", "dora": "bool"}
+                "loraplus_lr_ratio": "positive", "dora": "bool",
+                "init": "str", "loftq_iters": "size"}
 
 
 def check_payload(payload: dict, where: object) -> None:
@@ -188,6 +249,8 @@ def check_payload(payload: dict, where: object) -> None:
     except UserError as e:
         raise UserError(f"{where} model_config: {e}") from None
     lora = LoRAConfig.from_dict(payload["lora_config"])
+    if lora.init not in LORA_INITS:
+        raise UserError(f"{where} lora_config: init is {lora.init!r}, expected one of {', '.join(LORA_INITS)}; {fix}")
     if lora.dropout >= 1:
         raise UserError(f"{where} lora_config: dropout is {lora.dropout}, expected a number from 0 to below 1; {fix}")
     if lora.r > base.n_embd:

@@ -16,7 +16,7 @@ from typing import Literal, Optional, Union
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
-from lit_qlora.lora import LoRAConfig
+from lit_qlora.lora import LORA_INITS, LoRAConfig
 from lit_qlora.preference import LOSSES
 from lit_qlora.readers import read_yaml
 from lit_qlora.tracking import parse_loggers
@@ -75,6 +75,7 @@ class RunArgs:
 
     def __post_init__(self) -> None:
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
+
 
 @dataclass
 class DataArgs:
@@ -137,8 +138,19 @@ class LoRAArgs:
     lora_dora: bool = False
     """DoRA: each adapted output row of W + alpha/r * B @ A is scaled to a trained magnitude (PEFT's use_dora; the
     row norms on a 4-bit base come from the base layer itself, no dequantized copy of it is kept)."""
+    lora_init: str = "default"
+    """How A and B start: default (A kaiming-uniform, B = 0), gaussian (A ~ N(0, 1/r^2)), pissa (the principal
+    singular vectors of each adapted weight; the base keeps the residual, quantized under --quantize: QPiSSA), olora
+    (a QR of the weight, same residual), loftq (alternate --loftq_iters quantize / low-rank steps: base + adapter
+    start closer to the full-precision weight than the 4-bit base alone; needs a 4-bit --quantize)."""
+    loftq_iters: int = 1
+    """LoftQ's alternating steps (PEFT's loftq_iter)."""
 
     def __post_init__(self) -> None:
+        if self.lora_init not in LORA_INITS:
+            raise UserError(f"unknown --lora_init {self.lora_init!r}; choose one of {', '.join(LORA_INITS)}")
+        if self.loftq_iters < 1:
+            raise UserError(f"--loftq_iters must be at least 1, got {self.loftq_iters}")
         if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
             raise UserError(f"--loraplus_lr_ratio must be a number above 0, got {self.loraplus_lr_ratio}; use e.g. 16 "
                             "or leave it out")
@@ -147,7 +159,7 @@ class LoRAArgs:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
                           key=self.lora_key, value=self.lora_value, projection=self.lora_projection, mlp=self.lora_mlp,
                           head=self.lora_head, rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio,
-                          dora=self.lora_dora)
+                          dora=self.lora_dora, init=self.lora_init, loftq_iters=self.loftq_iters)
 
 
 @dataclass
@@ -209,6 +221,7 @@ class EvalArgs:
             raise UserError(f"--early_stopping_min_delta must be 0 or more, got {self.early_stopping_min_delta}")
         if (self.early_stopping_patience or self.save_best) and self.eval_iters < 1:
             raise UserError("--early_stopping_patience and --save_best need validations; set --eval_iters above 0")
+
 
 @dataclass
 class PreferenceArgs:

@@ -9,6 +9,7 @@ process's resident set once touched, which would make the whole checkpoint count
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -19,7 +20,17 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import LIT_WEIGHTS, FileTensor, as_tensor, read_safetensors
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
-from lit_qlora.lora import LoRAConfig, LoRALinear, copy_into_param, init_lora_, meta_model
+from lit_qlora.lora import (
+    RESIDUAL_INITS,
+    LoRAConfig,
+    LoRALinear,
+    copy_into_param,
+    init_lora_,
+    lora_delta,
+    lora_targets,
+    meta_model,
+    residual_init,
+)
 from lit_qlora.model import GPT
 from lit_qlora.precision import parse_precision
 from lit_qlora.prequantized import StoredQuantization, open_stored
@@ -30,6 +41,7 @@ from lit_qlora.quantize import (
     check_quantize,
     dequantize_weight,
     is_quantized,
+    load_bnb,
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
     quantize_into,
@@ -52,12 +64,17 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
                weights: Optional[Path] = None, config: Optional[Config] = None, seed: Optional[int] = None,
                merge_adapter: Optional[Adapter] = None,
                tensors: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
-               embedding_from_head: bool = False, use_stored: bool = True) -> GPT:
+               embedding_from_head: bool = False, use_stored: bool = True,
+               lora_init: Optional[dict[str, torch.Tensor]] = None) -> GPT:
     """The one loader: a GPT from `checkpoint_dir` (an HF folder is converted on first use), optionally with
     LoRA layers (fresh, or filled later with `load_lora_weights`) and quantized frozen Linear layers.
 
     `merge_adapter` is added to the full-precision weights as they are read, before any
     quantization, so a merged 4-bit model rounds once, like any quantized checkpoint.
+
+    A LoRA with `lora.init` pissa / olora / loftq starts from the weights it adapts (lit_qlora.lora.residual_init):
+    each such weight gives up s*B0@A0 as it is read, before it is quantized. `lora_init` (an adapter's tensors) gives
+    the A0, B0 to take out instead of computing them (an adapter loaded to use it).
 
     `tensors` ((name, tensor) pairs in our naming, with `config`) fills the model instead of the checkpoint file:
     scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists.
@@ -86,6 +103,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     if quantize:
         swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
 
+    residual = lora_targets(config, lora) if lora is not None and lora.init in RESIDUAL_INITS else {}
+    inits: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> A, B, A0, B0 of a residual init
     for key, t in tensors:
         merged = merge_adapter is not None and merge_adapter.changes(key)
         if merged:  # rounded once, to the dtype or grid it is loaded into
@@ -95,6 +114,11 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         except AttributeError:
             raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
                             f"model_config.json: convert the checkpoint again")
+        if key.removesuffix(".weight") in residual and param == "weight":  # the base keeps W - s*B0@A0
+            name = key.removesuffix(".weight")
+            quant_error = _quant_error(module, device, prec.dtype) if is_quantized(module) else None
+            t, inits[name] = _take_residual(as_tensor(t), name, residual[name], lora, lora_init, quant_error)
+            merged = True  # (not the stored quantization of the original weight)
         if is_quantized(module) and param == "weight":
             if merged or not (stored and stored.fill(module, key)):
                 quantize_into(module, t, device, prec.dtype)
@@ -126,7 +150,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     head_adapter = merge_adapter if merge_adapter is not None and "lm_head" in merge_adapter.targets() else None
     _tie_and_check(model, config, prec, device, weights, head_adapter, stored)
     if lora is not None:
-        _init_lora(model, prec.trainable_dtype, device, seed)
+        _init_lora(model, prec.trainable_dtype, device, seed, inits)
     model.stored_quantization = stored.path if stored and stored.filled else None  # what the Loaded line names
     model.layers_quantized_at_load = sum(map(is_quantized, model.modules())) - (stored.filled if stored else 0)
     return model
@@ -164,15 +188,65 @@ def _tie_and_check(model: GPT, config: Config, prec, device: torch.device, weigh
             raise UserError(f"{weights} has no tensor for {name}; the checkpoint is incomplete: convert it again")
 
 
-def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: Optional[int]) -> None:
+def _take_residual(w: torch.Tensor, name: str, parts, lora: LoRAConfig, given: Optional[dict],
+                   quant_error) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """W - s*B0@A0 and (A, B, A0, B0) of one adapted weight (each part of a fused qkv on its own), fp32."""
+    out_f = w.shape[0]
+    parts = parts or [(0, out_f)]
+    if given is not None:
+        A0, B0 = given[name + ".lora_A0"].float(), given[name + ".lora_B0"].float()
+        A, B = given[name + ".lora_A"].float(), given[name + ".lora_B"].float()
+    else:
+        if lora.r > min(n for _, n in parts) or lora.r > w.shape[1]:
+            raise UserError(f"--lora_init {lora.init} needs --lora_r at most the smaller side of each adapted weight; "
+                            f"{name} has a part of {min(n for _, n in parts)} rows: use a smaller --lora_r")
+        pieces = [residual_init(w[a:a + n], lora.init, lora.r, lora.scaling, lora.loftq_iters,
+                                None if quant_error is None else _rows_error(quant_error, w, a, n)) for a, n in parts]
+        A, B, A0, B0 = (torch.cat([p[i] for p in pieces]) for i in range(4))
+    return w.float() - lora_delta(A0, B0, parts, lora.r, lora.scaling, out_f), (A, B, A0, B0)
+
+
+def _rows_error(quant_error, w: torch.Tensor, start: int, n: int):
+    """The quantization error of rows start:start+n of a residual, quantized with the rest of the weight (LoftQ on
+    one part of a fused qkv: the other rows as they are)."""
+    def err(rows: torch.Tensor) -> torch.Tensor:
+        full = w.float().clone()
+        full[start:start + n] = rows
+        return quant_error(full)[start:start + n]
+    return err
+
+
+def _quant_error(module: nn.Module, device: torch.device, dtype: torch.dtype):
+    """w -> w - dequantize(quantize(w)) as the 4-bit layer `module` would store w (None for int8: LoftQ is 4-bit)."""
+    if not hasattr(module.weight, "quant_state") and not hasattr(module.weight, "quant_type"):
+        return None
+    F = load_bnb().functional
+
+    def err(w: torch.Tensor) -> torch.Tensor:
+        packed, state = quantize_4bit_tensor(module, w.to(dtype), device)
+        state = copy.copy(state)
+        state.shape, state.dtype = torch.Size([w.numel()]), torch.float32
+        deq = F.dequantize_4bit(packed.view(torch.uint8).reshape(-1), state).reshape(w.shape).cpu()
+        return w.float() - deq
+    return err
+
+
+def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: Optional[int],
+               inits: Optional[dict] = None) -> None:
     gen_state = torch.random.get_rng_state()
     if seed is not None:
         torch.manual_seed(seed)
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             m.lora_A = nn.Parameter(torch.empty(m.lora_A.shape, device=device, dtype=dtype))
             m.lora_B = nn.Parameter(torch.empty(m.lora_B.shape, device=device, dtype=dtype))
             m.reset_lora_parameters()
+            if inits and name in inits:  # pissa / olora / loftq: A and B from the weight, A0 and B0 kept
+                A, B, A0, B0 = inits[name]
+                with torch.no_grad():
+                    m.lora_A.copy_(A)
+                    m.lora_B.copy_(B)
+                m.lora_A0, m.lora_B0 = A0.to(device), B0.to(device)
             if m.dora:  # the base's row norms, from a dequantized copy of its weight that is dropped at once
                 m.lora_magnitude = nn.Parameter(torch.empty(m.lora_magnitude.shape, device=device, dtype=dtype))
                 m.init_dora(dequantize_weight(m.base) if is_quantized(m.base) else m.base.weight)
@@ -183,7 +257,9 @@ def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed:
 def load_model_with_adapter(checkpoint_dir: Path, adapter: Adapter, precision: str = "bf16-true",
                             quantize: Optional[str] = None, device: torch.device | str = "cpu", **kw) -> GPT:
     """Base model + separate LoRA layers filled from `adapter`, whatever quantization/precision it was trained with."""
-    model = load_model(checkpoint_dir, precision=precision, quantize=quantize, lora=adapter.config, device=device, **kw)
+    given = adapter.lora if adapter.config.init in RESIDUAL_INITS else None  # the A0, B0 its base gave up
+    model = load_model(checkpoint_dir, precision=precision, quantize=quantize, lora=adapter.config, device=device,
+                       lora_init=given, **kw)
     adapter.load_into(model)
     return model
 

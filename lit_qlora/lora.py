@@ -23,6 +23,11 @@ from lit_qlora.utils import UserError
 DECODE_ROWS = 16
 
 
+# --lora_init: how A and B start. default: A kaiming-uniform, B = 0 (PEFT's True); gaussian: A ~ N(0, 1/r^2), B = 0;
+# pissa / olora / loftq start from the base weight, which keeps the residual (RESIDUAL_INITS)
+LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq")
+RESIDUAL_INITS = ("pissa", "olora", "loftq")
+
 # LoRAConfig's bool fields that choose a variant of LoRA rather than a layer to adapt
 _VARIANT_FLAGS = ("rslora", "dora")
 
@@ -46,6 +51,8 @@ class LoRAConfig:
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r) (PEFT's use_rslora)
     loraplus_lr_ratio: Optional[float] = None  # LoRA+: B's learning rate is this times A's (training only)
     dora: bool = False  # DoRA: a trained magnitude per adapted output row (PEFT's use_dora)
+    init: str = "default"  # default (kaiming A, B = 0), gaussian, pissa, olora, loftq (LORA_INITS)
+    loftq_iters: int = 1  # LoftQ's alternating quantize / low-rank steps
 
     @property
     def scaling(self) -> float:
@@ -64,7 +71,8 @@ class LoRALinear(nn.Module):
     """y = base(x) + scaling * B(A(dropout(x))), with the update limited to row ranges `parts` of the output."""
 
     def __init__(self, base: nn.Module, in_features: int, out_features: int, r: int, alpha: float, dropout: float,
-                 parts: Optional[list[tuple[int, int]]] = None, rslora: bool = False, dora: bool = False) -> None:
+                 parts: Optional[list[tuple[int, int]]] = None, rslora: bool = False, dora: bool = False,
+                 init: str = "default") -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = in_features, out_features
@@ -75,6 +83,10 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.empty(sum(n for _, n in self.parts), r, device=device))  # [rows, r]
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.dora = dora
+        if init in RESIDUAL_INITS:  # the initial A and B, which the base weight had taken out (export, merge, load)
+            self.register_buffer("lora_A0", torch.zeros_like(self.lora_A, requires_grad=False))
+            self.register_buffer("lora_B0", torch.zeros_like(self.lora_B, requires_grad=False))
+        self.init = init
         if dora:  # DoRA (Liu et al. 2024, as PEFT's DoraLinearLayer): y = m / ||W + s*B@A||_row * (W + s*B@A) x + bias
             rows = sum(n for _, n in self.parts)
             self.lora_magnitude = nn.Parameter(torch.empty(rows, device=device))  # m, one per adapted row
@@ -82,7 +94,7 @@ class LoRALinear(nn.Module):
             self.register_buffer("lora_wnorm2", torch.empty(out_features, device=device), persistent=False)
 
     def reset_lora_parameters(self) -> None:
-        init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r)
+        init_lora_(self.lora_A.data, self.lora_B.data, len(self.parts), self.r, self.init)
 
     def init_dora(self, weight: torch.Tensor) -> None:
         """Record the base's row norms from its full-precision (dequantized) weight [out, in], which the caller frees
@@ -235,12 +247,58 @@ class _DropoutMatmul(torch.autograd.Function):
         return grad_x, grad_a, None
 
 
-def init_lora_(A: torch.Tensor, B: torch.Tensor, n_parts: int, r: int) -> None:
-    """As in the LoRA paper and PEFT: A random (each part's r rows on their own), B zero, so training starts from the
-    base model exactly. On whole tensors: the sharded loader initializes them like this, then keeps its shard."""
+def init_lora_(A: torch.Tensor, B: torch.Tensor, n_parts: int, r: int, init: str = "default") -> None:
+    """As in the LoRA paper and PEFT: A random (each part's r rows on their own; kaiming-uniform, or N(0, 1/r^2) for
+    `gaussian` as PEFT's), B zero, so training starts from the base model exactly. On whole tensors: the sharded
+    loader initializes them like this, then keeps its shard. (pissa / olora / loftq: `residual_init`, at load.)"""
     for i in range(n_parts):
-        nn.init.kaiming_uniform_(A[i * r:(i + 1) * r], a=math.sqrt(5))
+        if init == "gaussian":
+            nn.init.normal_(A[i * r:(i + 1) * r], std=1 / r)
+        else:
+            nn.init.kaiming_uniform_(A[i * r:(i + 1) * r], a=math.sqrt(5))
     nn.init.zeros_(B)
+
+
+def residual_init(weight: torch.Tensor, init: str, r: int, scaling: float, iters: int = 1,
+                  quant_error: Optional[Any] = None) -> tuple[torch.Tensor, ...]:
+    """(A [r, in], B [out, r], A0, B0) of one adapted weight W [out, in], fp32, as PEFT starts them (peft 0.21's
+    tuners/lora/layer.py and utils/loftq_utils.py); the base keeps W - s*B0@A0 (quantized under --quantize).
+
+    pissa: W = U S V^T, A = sqrt(S_r / s) V_r^T, B = U_r sqrt(S_r / s): s*B@A is W's best rank-r part, which the
+      base gives up (A0, B0 = A, B; quantized: QPiSSA).
+    olora: W = Q R, A = R[:r], B = Q[:, :r], A0, B0 = A, B.
+    loftq: `iters` times: quantize the residual, A and B from the SVD of W - dequantize(quantized) (split as PiSSA's,
+      over s so that s*B@A is that rank-r part at any alpha: PEFT's are for s = 1); the base keeps the residual of
+      the step before (A0, B0: that step's factors, zero for one step), which is what gets quantized.
+      `quant_error(w)` = w - dequantize(quantize(w)) in the layer's --quantize mode.
+    """
+    W = weight.float()
+    if init == "olora":
+        Q, R = torch.linalg.qr(W)
+        A, B = R[:r].contiguous(), Q[:, :r].contiguous()
+        return A, B, A, B
+    if init == "pissa":
+        A, B = _principal(W, r, scaling)
+        return A, B, A, B
+    if init == "loftq":
+        if quant_error is None:
+            raise UserError("--lora_init loftq needs a 4-bit --quantize mode (it starts from the quantization error); "
+                            "pass e.g. --quantize bnb.nf4, or use --lora_init pissa")
+        A0, B0 = W.new_zeros(r, W.shape[1]), W.new_zeros(W.shape[0], r)
+        for i in range(iters):
+            kept = W - scaling * (B0 @ A0)
+            A, B = _principal(W - (kept - quant_error(kept)), r, scaling)
+            if i + 1 < iters:
+                A0, B0 = A, B
+        return A, B, A0, B0
+    raise ValueError(f"no residual init {init!r}")
+
+
+def _principal(W: torch.Tensor, r: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A, B with s*B@A the best rank-r approximation of W, the singular values split evenly (PiSSA's, LoftQ's)."""
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    root = (S[:r] / scaling).sqrt()
+    return (root[:, None] * Vh[:r]).contiguous(), (U[:, :r] * root).contiguous()
 
 
 def lora_delta(A: torch.Tensor, B: torch.Tensor, parts: list[tuple[int, int]], r: int, scaling: float,
@@ -280,13 +338,17 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
     """Wrap the targeted Linear layers of `model` in LoRALinear (works on the meta device)."""
     if lora.r <= 0:
         raise UserError(f"--lora_r must be positive, got {lora.r}; use e.g. --lora_r 8")
+    if lora.init in RESIDUAL_INITS and lora.head and model.config.tie_embeddings:
+        raise UserError(f"--lora_init {lora.init} cannot start a LoRA on a head tied to the embedding (the head "
+                        "would keep a residual the embedding must not); leave --lora_head off or use --lora_init "
+                        "default")
     for name, parts in lora_targets(model.config, lora).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
         out_f, in_f = base.weight.shape
         setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts,
-                                           rslora=lora.rslora, dora=lora.dora))
+                                           rslora=lora.rslora, dora=lora.dora, init=lora.init))
     mark_only_lora_trainable(model)
 
 
@@ -304,8 +366,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_lora_weights(model: nn.Module, lora_sd: dict[str, torch.Tensor]) -> None:
-    """Copy adapter tensors into the model's LoRA parameters, whatever their dtype or device."""
-    params = dict(model.named_parameters())
+    """Copy adapter tensors into the model's LoRA parameters (and the initial A0, B0 of a residual init), whatever
+    their dtype or device."""
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for k, v in lora_sd.items():
         if k not in params:
             raise UserError(f"adapter tensor {k} has no place in this model; the adapter targets other layers than the "

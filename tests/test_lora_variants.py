@@ -276,3 +276,120 @@ def test_unmerged_dora_generation_falls_back_from_the_decode_kernel(lora_llama, 
     dense = load_model_with_adapter(lora_llama.folder, adapter, precision="32-true", quantize="bnb.nf4").eval()
     ld = dense(a[None])  # the same DoRA model in fp32: bf16 decoding is close to it
     assert (la - ld).abs().max().item() <= 0.05 * ld.abs().max().item()
+
+
+# ---- pissa / olora / loftq ---------------------------------------------------------------------------------------
+def _peft_init_layer(w: torch.Tensor, init, r: int = 4, alpha: float = 8, **kw):
+    """PEFT's own LoRA layer over a Linear of weight `w`, initialized its way (`init_lora_weights`)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as PeftLoraLinear
+
+    base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        base.weight.copy_(w)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, init_lora_weights=init, **kw)
+    return PeftLoraLinear(base, "default", config, r=r, lora_alpha=alpha, init_lora_weights=init)
+
+
+def _same_up_to_sign(a: torch.Tensor, b: torch.Tensor, rows: bool, tol: float = 1e-4) -> None:
+    """Equal, each singular direction possibly negated (rows of A, the matching columns of B)."""
+    a, b = (a, b) if rows else (a.T, b.T)
+    sign = torch.sign((a * b).sum(1, keepdim=True))
+    assert (a - sign * b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_pissa_and_olora_start_as_peft(init):
+    """Ours and PEFT's init on the same weight: the same A and B (up to the sign of each singular direction for
+    PiSSA) and the same residual base weight."""
+    from lit_qlora.lora import lora_delta, residual_init
+
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(0))
+    ref = _peft_init_layer(w, init)
+    A, B, A0, B0 = residual_init(w, init, 4, 8 / 4)
+    assert torch.equal(A, A0) and torch.equal(B, B0)
+    _same_up_to_sign(A, ref.lora_A["default"].weight, rows=True)
+    _same_up_to_sign(B, ref.lora_B["default"].weight, rows=False)
+    residual = w - lora_delta(A0, B0, [(0, 40)], 4, 2.0, 40)
+    assert (residual - ref.base_layer.weight).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_loftq_starts_as_peft_and_closer_than_the_4bit_base(iters):
+    """LoftQ: PEFT's loftq_init (its own code, with the device it computes on set to the CPU: it names cuda) on the
+    same weight gives the same base (the dequantized nf4 of the residual) and the same s*B@A (alpha = r: PEFT's
+    factors are for scaling 1); base + adapter is closer to W than the nf4 base of W alone."""
+    import types
+
+    import bitsandbytes as bnb
+    from peft.utils import loftq_utils
+
+    from lit_qlora.lora import lora_delta, residual_init
+
+    fn = loftq_utils.loftq_init.__wrapped__
+    code = fn.__code__.replace(co_consts=tuple("cpu" if c == "cuda" else c for c in fn.__code__.co_consts))
+    peft_loftq = types.FunctionType(code, fn.__globals__)
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 0.1
+
+    def quant_error(x):  # nf4 without double quantization, blocks of 64 over the flat weight: PEFT's Params4bit
+        q, state = bnb.functional.quantize_4bit(x.contiguous(), blocksize=64, quant_type="nf4")
+        return x - bnb.functional.dequantize_4bit(q, state)
+
+    with torch.no_grad():
+        ref_base, ref_A, ref_B = peft_loftq(w, num_bits=4, reduced_rank=4, num_iter=iters)
+    A, B, A0, B0 = residual_init(w, "loftq", 4, 1.0, iters, quant_error)
+    kept = w - lora_delta(A0, B0, [(0, 48)], 4, 1.0, 48)
+    base = kept - quant_error(kept)
+    assert (base - ref_base).abs().max().item() <= 1e-6
+    assert ((B @ A) - (ref_B @ ref_A)).abs().max().item() <= 1e-4
+    plain = w - quant_error(w)
+    assert (base + B @ A - w).norm() < 0.9 * (plain - w).norm()
+
+
+@pytest.mark.parametrize("init,quantize", [("pissa", None), ("pissa", "bnb.nf4"), ("olora", "bnb.nf4-dq"),
+                                           ("loftq", "bnb.nf4")])
+@torch.no_grad()
+def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora_llama, tmp_path):
+    """A fresh model with the init computes the unquantized base (nearly: the residual is what gets quantized);
+    after training its adapter loads with no flags (the base gives up the recorded s*B0@A0 again), the merge equals
+    the unmerged model, and the PEFT export is a plain LoRA of rank 2r over the original base with the same logits."""
+    from peft import PeftModel
+
+    idx = random_tokens(2, 10, seed=4)
+    lora = replace(lora_cfg(query=True, value=True, mlp=True), init=init, loftq_iters=2)
+    dense = load_model(lora_llama.folder, precision="32-true")(idx)
+    model = load_model(lora_llama.folder, precision="32-true", quantize=quantize, lora=lora, seed=0)
+    start = model(idx)
+    if quantize is None:
+        assert (start - dense).abs().max().item() <= 1e-4
+    elif init != "olora":  # QPiSSA's / LoftQ's purpose: base + adapter closer to the unquantized model than 4 bits
+        plain = load_model(lora_llama.folder, precision="32-true", quantize=quantize)(idx)
+        assert (start - dense).abs().mean() < (plain - dense).abs().mean()
+    randomize_lora(model, seed=8)  # "trained"
+    trained = model(idx)
+    adapter = Adapter.of_model(model, lora, train=dict(quantize=quantize, precision="32-true"))
+    adapter.save(tmp_path / "a.pth")
+    again = Adapter.load(tmp_path / "a.pth")
+    assert again.config == lora
+    ours = load_model_with_adapter(lora_llama.folder, again, precision="32-true", quantize=quantize)
+    assert (ours(idx) - trained).abs().max().item() <= 1e-5
+    if init == "loftq":  # merged: the 4-bit residual it trained on, dequantized, + s*B@A: what the layer computed
+        from safetensors.torch import load_file
+
+        from lit_qlora.lora import lora_modules
+        from lit_qlora.quantize import dequantize_weight
+        stored = load_file(lora_llama.folder / "lit_model.safetensors")
+        for name in ("transformer.h.0.attn.qkv", "transformer.h.1.mlp.fc_2"):
+            m = lora_modules(model)[name]
+            used = dequantize_weight(m.base).float() + m.delta_weight()
+            assert (again.merged(name + ".weight", stored[name + ".weight"], torch.float32) - used).abs().max() <= 1e-5
+        with pytest.raises(UserError, match="LoftQ adapter belongs to the quantized residual"):
+            again.export_peft(lora_llama.config, tmp_path / "peft")
+        return
+    merged = load_model(lora_llama.folder, precision="32-true", merge_adapter=again)(idx)
+    unmerged_dense = load_model_with_adapter(lora_llama.folder, again, precision="32-true")(idx)
+    assert (merged - unmerged_dense).abs().max().item() <= 1e-4
+    again.export_peft(lora_llama.config, tmp_path / "peft")
+    peft_model = PeftModel.from_pretrained(hf_model(lora_llama.folder), tmp_path / "peft").eval()
+    assert peft_model.peft_config["default"].r == 2 * lora.r
+    assert (peft_model(idx).logits - unmerged_dense).abs().max().item() <= 1e-4

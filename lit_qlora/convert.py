@@ -235,6 +235,7 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = Config.from_file(checkpoint_dir / LIT_CONFIG)
     weights = Path(weights or checkpoint_dir / LIT_WEIGHTS)
+    safetensors_header(weights)  # sizes, dtypes and offsets checked against the file before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = lit_to_hf_plan(config)
     with safe_open(str(weights), framework="pt", device="cpu") as f:

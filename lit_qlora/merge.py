@@ -27,6 +27,7 @@ from lit_qlora.checkpoint import (
 )
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_lit_checkpoint, ensure_converted
+from lit_qlora.readers import read_json
 from lit_qlora.utils import UserError
 
 # What a model folder needs besides its weights to tokenize, chat and stop like the original: transformers >= 4.43
@@ -97,7 +98,7 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Pat
     out_config.save(out_dir / LIT_CONFIG)
     copy_tokenizer_files(checkpoint_dir, out_dir)
     if (checkpoint_dir / "config.json").is_file():  # the tokenizer reads special token ids from it
-        hf = json.loads((checkpoint_dir / "config.json").read_text())
+        hf = read_json(checkpoint_dir / "config.json", dict, "HF config")
         if untie:
             hf["tie_word_embeddings"] = False
         (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
@@ -129,7 +130,7 @@ def _keep_token_ids(src: Path, dst: Path) -> None:
     """Carry the special token ids of the original config.json into the exported one."""
     if not (src / "config.json").is_file() or not (dst / "config.json").is_file():
         return
-    old, new = json.loads((src / "config.json").read_text()), json.loads((dst / "config.json").read_text())
+    old, new = read_json(src / "config.json", dict, "HF config"), read_json(dst / "config.json", dict, "HF config")
     keep = {k: old[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if old.get(k) is not None}
     if keep:
         (dst / "config.json").write_text(json.dumps({**new, **keep}, indent=2))

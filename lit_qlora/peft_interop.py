@@ -31,6 +31,7 @@ from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.config import Config
 from lit_qlora.convert import family, qkv_from_hf, qkv_layout, qkv_to_hf
 from lit_qlora.lora import LoRAConfig, lora_targets
+from lit_qlora.readers import check_fields, check_value, load_torch, read_json, safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -437,15 +438,25 @@ def _base_weight_names(config: Config, universe: dict) -> dict[str, torch.Size]:
     return {k: torch.Size(v) for k, v in names.items()}
 
 
+_PEFT_FIELDS = {"peft_type": "str", "r": "size", "lora_alpha": "positive", "lora_dropout": "fraction",
+                "rank_pattern": "object", "alpha_pattern": "object", "use_rslora": "bool", "use_dora": "bool",
+                "base_model_name_or_path": "str", "bias": "str", "modules_to_save": "list"}
+
+
 def _read_peft_config(folder: Path) -> dict:
     path = folder / PEFT_CONFIG
     if not path.is_file():
         raise UserError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder (saved with save_pretrained) or a "
                         ".pth adapter file")
-    try:
-        pc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); save the adapter again")
+    fix = "save the adapter again with PEFT's save_pretrained"
+    pc = check_fields(read_json(path, dict, "PEFT adapter config", fix), path, _PEFT_FIELDS, fix=fix)
+    tm = pc.get("target_modules")
+    check_value(tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm)),
+                path, "target_modules", tm, "a module name, a regex or a list of names", fix)
+    layers = pc.get("layers_to_transform")
+    check_value(layers is None or (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0)
+                or (isinstance(layers, list) and all(isinstance(i, int) and i >= 0 for i in layers)),
+                path, "layers_to_transform", layers, "a layer index or a list of them", fix)
     if pc.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be "
                         "loaded")
@@ -461,16 +472,16 @@ def _read_peft_config(folder: Path) -> dict:
 def _read_peft_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     st, binf = folder / PEFT_WEIGHTS, folder / PEFT_WEIGHTS_BIN
     if st.is_file():
+        safetensors_header(st, fix="save the adapter again")  # sizes, dtypes and offsets checked before safetensors
         try:
             with safe_open(str(st), framework="pt", device="cpu") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         except Exception as e:
             raise UserError(f"{st} is not a readable safetensors file ({type(e).__name__}); save the adapter again")
     if binf.is_file():
-        try:
-            sd = torch.load(binf, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UserError(f"{binf} is not a readable adapter file ({type(e).__name__}); save the adapter again")
+        sd = load_torch(binf, "PEFT adapter weights", "save the adapter again")
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise UserError(f"{binf} holds {type(sd).__name__} instead of named tensors; save the adapter again")
         return dict(sd), {}
     raise UserError(f"{folder} has no {PEFT_WEIGHTS} or {PEFT_WEIGHTS_BIN}; copy the adapter weights next to "
                     f"{PEFT_CONFIG}")

@@ -285,6 +285,14 @@ def safetensors_header(path: Path, fix: str = "convert the checkpoint again (del
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0 and b1 < e1 and b0 < e0:  # empty tensors overlap nothing
             raise bad(f"tensors {n0!r} and {n1!r} overlap in the file")
+    # The format's own rule, which safetensors enforces: the tensors tile the data from its first byte to the last.
+    end = 0
+    for b0, e0, name in spans:
+        if b0 != end:
+            raise bad(f"tensor {name!r} starts at data byte {b0}, where the previous one ended at {end}")
+        end = e0
+    if base + end != size:
+        raise bad(f"{size - base - end} bytes after the last tensor" if base + end < size else "the data is cut short")
     return header, meta, base
 
 

@@ -60,8 +60,13 @@ def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
     yaml_file = base / "run.yaml"
     yaml_file.write_text(f"checkpoint_dir: {setup['ckpt']}\ndata_dir: {setup['data']}\nmax_iters: 2\n"
                          "lora_r: 8\nlearning_rate: 0.001\n")
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.config import Config
+
+    config = Config.from_file(setup["ckpt"] / "model_config.json")
+    Adapter.load(run / "lit_model_lora_finetuned.pth", config).export_peft(config, base / "peft")
     return {"ckpt": setup["ckpt"], "hf_only": hf_only, "run": run, "data": setup["data"],
-            "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file}
+            "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file, "peft": base / "peft"}
 
 
 # ---- corruptions -----------------------------------------------------------------------------------------------------
@@ -198,7 +203,7 @@ def corrupt(path: Path, kind: str, rng: random.Random) -> str:
         return "folder or symlink loop"
     raw = path.read_bytes()
     r = rng.random()
-    if kind in ("safetensors_hf", "safetensors_lit") and r < 0.6:
+    if kind.startswith(("safetensors_", "peft_weights")) and r < 0.6:
         path.write_bytes(_safetensors_lie(raw, rng))
         return "safetensors header lie"
     if kind in ("adapter", "train_ckpt") and r < 0.6:
@@ -226,78 +231,109 @@ def corrupt(path: Path, kind: str, rng: random.Random) -> str:
 
 
 # ---- the reading paths -----------------------------------------------------------------------------------------------
-def _read_hf_config(d: Path) -> None:
+# Each returns what it read, so that an accepted case can be told apart: the same reading as the pristine file's
+# (the damage changed nothing that is used) or another one (a valid file saying something else, or tensor bytes).
+def _tensors(sd) -> dict:
+    return {k: (tuple(v.shape), str(v.dtype), float(v.double().sum())) for k, v in sorted(sd.items())}
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _read_hf_config(d: Path):
     from lit_qlora.config import Config
 
-    Config.from_hf_config(d / "hf_only" / "config.json")
+    return Config.from_hf_config(d / "hf_only" / "config.json")
 
 
-def _read_tokenizer(d: Path) -> None:
+def _read_tokenizer(d: Path):
     from lit_qlora.tokenizer import Tokenizer
 
-    Tokenizer(d / "ckpt")
+    tok = Tokenizer(d / "ckpt")
+    return tok.vocab_size, tok.bos_id, tok.eos_id, tok.encode("hello world, 12").tolist()
 
 
-def _convert(d: Path) -> None:
-    from lit_qlora.convert import ensure_converted
-
-    ensure_converted(d / "hf_only", quiet=True, verify=True)
-
-
-def _read_lit(d: Path) -> None:
+def _convert(d: Path):
     from lit_qlora.checkpoint import read_safetensors
     from lit_qlora.convert import ensure_converted
 
-    ensure_converted(d / "ckpt", quiet=True, verify=True)
-    for _ in read_safetensors(d / "ckpt" / "lit_model.safetensors"):
-        pass
+    config = ensure_converted(d / "hf_only", quiet=True, verify=True)
+    return config, _tensors(dict(read_safetensors(d / "hf_only" / "lit_model.safetensors")))
 
 
-def _read_adapter(d: Path) -> None:
+def _read_lit(d: Path):
+    from lit_qlora.checkpoint import read_safetensors
+    from lit_qlora.convert import ensure_converted
+
+    config = ensure_converted(d / "ckpt", quiet=True, verify=True)
+    return config, _tensors(dict(read_safetensors(d / "ckpt" / "lit_model.safetensors")))
+
+
+def _read_adapter(d: Path):
     from lit_qlora.adapter import Adapter
     from lit_qlora.config import Config
 
-    Adapter.load(d / "run" / "lit_model_lora_finetuned.pth", Config.from_file(d / "ckpt" / "model_config.json"))
+    a = Adapter.load(d / "run" / "lit_model_lora_finetuned.pth", Config.from_file(d / "ckpt" / "model_config.json"))
+    return a.config, a.train, _tensors(a.lora)
 
 
-def _resume(d: Path) -> None:
+def _read_peft(d: Path):
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.config import Config
+
+    a = Adapter.load(d / "peft", Config.from_file(d / "ckpt" / "model_config.json"))
+    return a.config, _tensors(a.lora)
+
+
+def _export_hf(d: Path):
+    from lit_qlora.convert import convert_lit_checkpoint
+
+    convert_lit_checkpoint(d / "ckpt", d / "hf_export")
+    return _files(d / "hf_export")
+
+
+def _resume(d: Path):
     from lit_qlora.training import check_out_dir, find_resume
 
     check_out_dir(d / "run", "auto")
-    find_resume(d / "run", "auto")
+    path, state = find_resume(d / "run", "auto")
+    return path and path.name, state and state["resume"]["step"]
 
 
-def _resume_named(d: Path) -> None:
+def _resume_named(d: Path):
     from lit_qlora.training import find_resume
 
-    find_resume(d / "run", str(d / "run" / "checkpoints" / "iter-000002.pth"))
+    path, state = find_resume(d / "run", str(d / "run" / "checkpoints" / "iter-000002.pth"))
+    return path and path.name, state and state["resume"]["step"]
 
 
-def _read_config(d: Path) -> None:
+def _read_config(d: Path):
     from lit_qlora.args import parse_finetune_args
 
-    parse_finetune_args(["--config", str(d / "run.yaml")])
+    return parse_finetune_args(["--config", str(d / "run.yaml")]).as_flat_dict()
 
 
-def _read_hparams(d: Path) -> None:
+def _read_hparams(d: Path):
     from lit_qlora.args import parse_finetune_args
 
-    parse_finetune_args(["--config", str(d / "run" / "hyperparameters.json")])
+    return parse_finetune_args(["--config", str(d / "run" / "hyperparameters.json")]).as_flat_dict()
 
 
-def _read_alpaca(d: Path) -> None:
+def _read_alpaca(d: Path):
     from lit_qlora.records import load_records
 
-    load_records(d / "data" / "tasks.json")
+    return load_records(d / "data" / "tasks.json")
 
 
-def _read_chat(d: Path) -> None:
+def _read_chat(d: Path):
     from lit_qlora.chat_template import load_conversation_rows
 
-    load_conversation_rows(d / "chat.jsonl")
+    return load_conversation_rows(d / "chat.jsonl")
 
 
-def _report(d: Path) -> None:
+def _report(d: Path):
     """scripts/report.py over a matrix of one cell: the table, the CSV and the plots."""
     import runpy
 
@@ -306,6 +342,7 @@ def _report(d: Path) -> None:
     report["markdown"](cells)
     report["write_csv"](cells, d / "matrix" / "report.csv")
     report["plots"](cells, d / "matrix")
+    return report["markdown"](cells)
 
 
 # kind -> (file relative to the case folder, reading path)
@@ -317,6 +354,9 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "safetensors_lit": ("ckpt/lit_model.safetensors", _read_lit),
     "model_config": ("ckpt/model_config.json", _read_lit),
     "adapter": ("run/lit_model_lora_finetuned.pth", _read_adapter),
+    "peft_config": ("peft/adapter_config.json", _read_peft),
+    "peft_weights": ("peft/adapter_model.safetensors", _read_peft),
+    "safetensors_lit_export": ("ckpt/lit_model.safetensors", _export_hf),
     "train_ckpt": ("run/checkpoints/iter-000002.pth", _resume),
     "train_ckpt_named": ("run/checkpoints/iter-000002.pth", _resume_named),
     "metrics_csv": ("run/metrics.csv", _resume),
@@ -327,7 +367,7 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "report_metrics_json": ("matrix/tiny/32-true/metrics.json", _report),
     "report_metrics_csv": ("matrix/tiny/32-true/metrics.csv", _report),
 }
-JSON_KINDS = {"report_metrics_json",
+JSON_KINDS = {"report_metrics_json", "peft_config",
               "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
               "alpaca_json", "chat_jsonl"}
 
@@ -349,6 +389,7 @@ def _case_folder(pristine: dict[str, Path], dest: Path) -> Path:
     shutil.copytree(pristine["run"], dest / "run", ignore=shutil.ignore_patterns("tensorboard"))
     shutil.copytree(pristine["data"], dest / "data", ignore=shutil.ignore_patterns(".*", "*.pt", "prepare*"))
     shutil.copy(pristine["chat"], dest / "chat.jsonl")
+    shutil.copytree(pristine["peft"], dest / "peft")
     shutil.copy(pristine["yaml"], dest / "run.yaml")
     cell = dest / "matrix" / "tiny" / "32-true"
     cell.mkdir(parents=True)
@@ -369,7 +410,8 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     before = _snapshot(d, target)
     outcome, detail = "accepted", ""
     try:
-        read(d)
+        reading = _reading(read(d), d)
+        detail = "same reading" if reading == pristine_reading(pristine, kind, work) else "reads differently"
     except UserError as e:
         msg = str(e)
         outcome, detail = ("refused", msg) if "\n" not in msg and msg.strip() else ("traceback", "multi-line: " + msg)
@@ -387,6 +429,23 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail}
 
 
+def _reading(value, d: Path) -> str:
+    return repr(value).replace(str(d), "<case>")
+
+
+_PRISTINE_READINGS: dict[tuple[str, str], str] = {}
+
+
+def pristine_reading(pristine: dict[str, Path], kind: str, work: Path) -> str:
+    """What the reading path of `kind` returns for the undamaged files (computed once per pristine set)."""
+    key = (str(pristine["ckpt"]), kind)
+    if key not in _PRISTINE_READINGS:
+        d = _case_folder(pristine, work / f"{kind}-pristine")
+        _PRISTINE_READINGS[key] = _reading(KINDS[kind][1](d), d)
+        shutil.rmtree(d, ignore_errors=True)
+    return _PRISTINE_READINGS[key]
+
+
 def run_cases(pristine: dict[str, Path], seeds: range, kinds=None, work: Path | None = None) -> list[dict]:
     work = Path(work or tempfile.mkdtemp(prefix="fuzz-"))
     return [run_case(pristine, kind, seed, work) for kind in (kinds or KINDS) for seed in seeds]
@@ -398,6 +457,10 @@ def table(results: list[dict]) -> str:
     for name in ("refused", "accepted", "traceback", "changed"):
         lines.append(f"| {name} | {counts.get(name, 0)} |")
     lines.append(f"| **total** | {len(results)} |")
+    accepted = Counter((r["kind"], r["corruption"], r["detail"]) for r in results if r["outcome"] == "accepted")
+    if accepted:
+        lines += ["", "| accepted: file kind | damage | reading | cases |", "|---|---|---|---|"]
+        lines += [f"| {k} | {what} | {how} | {n} |" for (k, what, how), n in sorted(accepted.items())]
     by_kind = Counter((r["kind"], r["outcome"]) for r in results)
     lines += ["", "| file kind | refused | accepted | traceback | changed |", "|---|---|---|---|---|"]
     for kind in dict.fromkeys(r["kind"] for r in results):

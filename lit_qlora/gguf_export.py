@@ -29,7 +29,7 @@ from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
 from lit_qlora.families import SPECS
 from lit_qlora.merge import merged_tensors
-from lit_qlora.model import llama3_scale_inv_freq
+from lit_qlora.model import llama3_scale_inv_freq, rope_inv_freq
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_write
 
@@ -54,6 +54,8 @@ def _arch_fields(arch: str, config: Config) -> dict:
     """What llama.cpp's `arch` computes differently from its llama baseline (Config field -> the value it needs)."""
     if arch == "qwen3":
         return dict(qk_norm="head")
+    if arch == "phi3":  # rope.dimension_count and longrope's factors and attention factor are written (`rope_tensors`)
+        return dict(rope_n_elem=ANY, rope_type=(None, "longrope"))
     if arch not in _GEMMA:
         return {}
     period = 2 if arch == "gemma2" else 6  # llama.cpp's fixed pattern: every period-th layer attends to everything
@@ -110,9 +112,9 @@ def gguf_architecture(config: Config) -> str:
                     rope_type=None)
     expected.update(_arch_fields(arch, config))
     for key, want in expected.items():
-        if want is ANY:
-            continue
         have = (config.rope_scaling or {}).get("rope_type") if key == "rope_type" else getattr(config, key)
+        if want is ANY or (isinstance(want, tuple) and have in want):  # anything / one of these
+            continue
         if have != want:
             raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which the GGUF export of llama.cpp's "
                             f"{arch!r} architecture does not write ({want!r} needed); export it with "
@@ -159,9 +161,20 @@ def split_gguf(config: Config, arch: str, name: str, t: torch.Tensor) -> Iterato
         yield gguf_name, rotate_half_to_interleaved(part, heads) if heads else part
 
 
+def rope_tensors(config: Config) -> list[tuple[str, torch.Tensor]]:
+    """RoPE scaling as llama.cpp stores it: Llama 3.1's one divisor per rotary frequency (`rope_freqs`), longrope's
+    short and long factors (`rope_factors_short` / `rope_factors_long`, as its phi3 converter writes them)."""
+    s = config.rope_scaling or {}
+    if s.get("rope_type") == "longrope":
+        return [(f"rope_factors_{kind}.weight", torch.tensor(s[f"{kind}_factor"], dtype=torch.float32))
+                for kind in ("long", "short")]
+    factors = rope_factors(config)
+    return [] if factors is None else [("rope_freqs.weight", factors)]
+
+
 def rope_factors(config: Config) -> Optional[torch.Tensor]:
     """Llama 3.1 rope scaling as llama.cpp stores it: one divisor per rotary frequency (`rope_freqs.weight`)."""
-    if not config.rope_scaling:
+    if not config.rope_scaling or config.rope_scaling.get("rope_type", "llama3") != "llama3":
         return None
     n = config.rope_n_elem
     inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
@@ -417,8 +430,8 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
                 vocab: GGUFVocab) -> None:
     arch = gguf_architecture(config)
     specs, stream = merged_tensors(checkpoint_dir, adapter, config)
-    factors = rope_factors(config)
-    plan: Plan = [("rope_freqs.weight", tuple(factors.shape), Q.F32)] if factors is not None else []
+    extra = rope_tensors(config)
+    plan: Plan = [(name, tuple(t.shape), Q.F32) for name, t in extra]
     pieces: dict[str, int] = {}  # llama.cpp tensor -> how many of ours stack into it (2 for Phi-3's ffn_up)
     for name, shape, _ in specs:
         for gguf_name, rows, _ in gguf_parts(config, arch, name):
@@ -432,8 +445,7 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
             pieces[gguf_name] = pieces.get(gguf_name, 0) + 1
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        if factors is not None:
-            yield "rope_freqs.weight", factors
+        yield from extra
         held: dict[str, list[torch.Tensor]] = {}
         for name, t in stream:
             for gguf_name, part in split_gguf(config, arch, name, t):
@@ -447,6 +459,11 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
         _shape_metadata(w, config, arch, config.name or Path(checkpoint_dir).name, DTYPES[dtype][1])
         if arch in _WINDOWED and config.sliding_window_size:  # llama.cpp attends within it, as transformers does
             w.add_sliding_window(config.sliding_window_size)
+        if (config.rope_scaling or {}).get("rope_type") == "longrope":  # what llama.cpp's phi3 reads beside the factors
+            _, attention_factor = rope_inv_freq(config.rope_n_elem, config.rope_base, config.rope_scaling,
+                                                torch.device("cpu"))
+            w.add_rope_scaling_attn_factors(attention_factor)
+            w.add_rope_scaling_orig_ctx_len(config.rope_scaling["original_max_position_embeddings"])
         if config.attn_softcap is not None:
             w.add_attn_logit_softcapping(config.attn_softcap)
         if config.final_softcap is not None:

@@ -45,8 +45,9 @@ TOLERANCE = {"f32": None, "f16": 4 * 2**-11, "bf16": 4 * 2**-8, "q8_0": 10 * 2**
 F32_TOLERANCE = 1e-4  # absolute, as for the HF export
 
 
-def _model(base: Path, kind: str, tokenizer, **overrides) -> SimpleNamespace:
-    folder = base / f"tiny-{kind}"  # not a bare "mistral": transformers' reader then asks gguf for a "mistral" arch
+def _model(base: Path, kind: str, tokenizer, name: str = "", **overrides) -> SimpleNamespace:
+    # not a bare "mistral": transformers' reader then asks gguf for a "mistral" arch
+    folder = base / f"tiny-{name or kind}"
     # weights of std 0.05 instead of 0.02: attention far from uniform, so a wrong q/k layout or rope moves the logits
     # by ~10% of their scale instead of ~1%, beyond the bf16 / q8_0 tolerances
     make_tiny_hf_model(kind, folder, initializer_range=0.05, **overrides)
@@ -69,10 +70,12 @@ def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
         "qwen3": _model(base, "qwen3", lambda f: make_hf_bpe_tokenizer(
             f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None),
                         head_dim=128),
-        # Phi-3-mini-4k's kind: fused qkv and gate_up, full rotary, no rope scaling (transformers' phi3 reader takes
-        # neither a partial rotary nor longrope from the file; the export refuses them)
+        # Phi-3-mini-4k's kind: fused qkv and gate_up, full rotary, no rope scaling, a sliding window
         "phi3": _model(base, "phi3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), partial_rotary_factor=1.0,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # Phi-3.5 / Phi-4-mini's kind: longrope on a partial rotary (and Phi-4-mini's tied head)
+        "phi3_longrope": _model(base, "phi3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), name="phi3-longrope"),
+        "phi4_mini": _model(base, "phi4_mini", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320)),
         # soft-caps that clip; queries scaled by 1/sqrt(head_dim), as llama.cpp scales them below 27B; tied, as every
         # Gemma 2 (llama.cpp's gemma2 has no output tensor)
         "gemma2": _model(base, "gemma2", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), query_pre_attn_scalar=16,
@@ -92,12 +95,25 @@ def export(model: SimpleNamespace, out_dir: Path, **kw) -> Path:
 
 
 def hf_from_gguf(path: Path):
-    """transformers' model of a GGUF file. For the Gemmas, the fields its reader leaves at their defaults are taken
-    from the file as llama.cpp takes them: the soft-caps written there, queries scaled by 1/sqrt(head_dim)."""
+    """transformers' model of a GGUF file. What its reader leaves at the defaults is taken from the file as llama.cpp
+    takes it: for phi3 the rotated share of each head and longrope (factor tensors, attention factor, original length);
+    for the Gemmas the soft-caps written there and queries scaled by 1/sqrt(head_dim)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     arch = field(gguf.GGUFReader(path), "general.architecture")
+    if arch == "phi3":  # its reader takes neither the rotated share nor longrope: as llama.cpp reads them
+        reader, factors = gguf.GGUFReader(path), tensors_of(path)
+        head = config.hidden_size // config.num_attention_heads
+        rope = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"],
+                "partial_rotary_factor": field(reader, "phi3.rope.dimension_count") / head}
+        if "rope_factors_long.weight" in factors:
+            original = field(reader, "phi3.rope.scaling.original_context_length")
+            rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                        attention_factor=field(reader, "phi3.rope.scaling.attn_factor"),
+                        **{f"{k}_factor": factors[f"rope_factors_{k}.weight"].tolist() for k in ("long", "short")})
+            config.original_max_position_embeddings = original
+        config.rope_parameters = rope
     if arch in ("gemma2", "gemma3"):
         reader = gguf.GGUFReader(path)
         config.query_pre_attn_scalar = config.head_dim
@@ -138,7 +154,8 @@ def seq_len(model) -> int:  # the GGUF has no sliding window (llama.cpp's llama 
 
 # ---- weights: logits through transformers' GGUF reader -------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "phi4_mini",
+                                  "gemma2", "gemma3"])
 @torch.no_grad()
 def test_logits_match(models, kind, dtype, tmp_path):
     model = models[kind]
@@ -158,6 +175,17 @@ def test_logits_match(models, kind, dtype, tmp_path):
     want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[dtype]
     assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {want}
     assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 1} == {"F32"}
+
+
+@torch.no_grad()
+def test_longrope_long_factors_through_the_file(models, tmp_path):
+    """Past original_max_position_embeddings (32) longrope's long factors apply: 40 tokens of the Phi-4-mini-like model
+    give our logits through the file too (the short factors are what test_logits_match sees)."""
+    model = models["phi4_mini"]
+    idx = tokens(model.config, 1, 40, seed=4)
+    ours = load_model(model.folder, precision="32-true")(idx)
+    hf = hf_from_gguf(export(model, tmp_path, dtype="f32"))
+    assert (hf(idx).logits - ours).abs().max().item() <= F32_TOLERANCE
 
 
 def test_rope_factors_match_transformers_llama3(models, tmp_path):
@@ -418,10 +446,6 @@ def test_lora_only_refusals(models, tmp_path):
 
 
 # ---- bad input through the script --------------------------------------------------------------
-FULL_ROTARY_LONGROPE = dict(partial_rotary_factor=1.0, rope_parameters={
-    "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5] * 4, "long_factor": [2.0, 3.0] * 4})
-
-
 def _gemma3_rope(full: dict, sliding_base: float) -> dict:
     return dict(rope_parameters={"full_attention": {"rope_theta": 1e6, **full},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": sliding_base}})
@@ -433,9 +457,6 @@ DEFAULT = {"rope_type": "default"}
 
 
 @pytest.mark.parametrize("kind, overrides, message", [
-    ("phi3", FULL_ROTARY_LONGROPE,
-     "has rope_type='longrope', which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
-    ("phi4_mini", {}, "has rope_n_elem=12, which the GGUF export of llama.cpp's 'phi3' architecture does not write"),
     ("gemma2", dict(query_pre_attn_scalar=16), "has tie_embeddings=False, which the GGUF export of llama.cpp's "
                                                "'gemma2'"),
     ("gemma2", dict(tie_word_embeddings=True), "has attention_scale=0.2041"),  # query_pre_attn_scalar 24, head_dim 16
@@ -446,10 +467,9 @@ DEFAULT = {"rope_type": "default"}
     ("gemma3", dict(GEMMA3_PATTERN, **_gemma3_rope(DEFAULT, 100.0)), "has rope_local_base=100.0"),
 ])
 def test_features_no_reader_checks_are_refused(kind, overrides, message, tmp_path):
-    """What llama.cpp computes otherwise, or transformers' GGUF reader cannot take from the file, so nothing proves
-    an export of it: phi3's longrope and partial rotary, an untied Gemma 2 (no output tensor there), a query scale
-    other than llama.cpp's, Gemma 3 layer kinds off its fixed 5:1 pattern, RoPE scaling or another sliding-layer
-    base. Refused in one line, before anything is converted or written."""
+    """What llama.cpp computes otherwise, or transformers' GGUF reader cannot take from the file: an untied Gemma 2 (no
+    output tensor there), a query scale other than llama.cpp's, Gemma 3 layer kinds off its fixed 5:1 pattern, RoPE
+    scaling or another sliding-layer base. Refused in one line, before anything is converted or written."""
     folder = tmp_path / f"tiny-{kind}"
     make_tiny_hf_model(kind, folder, **overrides)
     make_hf_bpe_tokenizer(folder, vocab_size=320)

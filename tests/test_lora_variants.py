@@ -217,8 +217,9 @@ def _peft_dora_model(tiny, targets, seed=5, **kw):
 
 @pytest.mark.parametrize("which,targets,rslora", [
     ("lora_llama", ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
-    ("lora_llama", ["q_proj", "v_proj"], True), ("lora_neox", ["query_key_value", "dense"], False)],
-    ids=["llama-all", "llama-qv-rslora", "neox-fused"])
+    ("lora_llama", ["q_proj", "v_proj"], True), ("lora_neox", ["query_key_value", "dense"], False),
+    ("lora_phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], True)],
+    ids=["llama-all", "llama-qv-rslora", "neox-fused", "phi3-fused-gate-up-rslora"])
 @torch.no_grad()
 def test_dora_adapters_both_ways_with_peft(which, targets, rslora, request, tmp_path):
     """A PEFT DoRA adapter imports and computes PEFT's logits here; exported back, PEFT loads it (use_dora, the

@@ -31,11 +31,12 @@ from lit_qlora.lora import (
     meta_model,
     residual_init,
 )
-from lit_qlora.model import GPT
+from lit_qlora.model import GPT, ExpertWeights
 from lit_qlora.precision import parse_precision
 from lit_qlora.prequantized import StoredQuantization, open_stored
 from lit_qlora.quantize import (
     FileEmbedding,
+    QuantizedExpertWeights,
     StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
@@ -44,6 +45,7 @@ from lit_qlora.quantize import (
     load_bnb,
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
+    quantize_experts,
     quantize_into,
     swap_linears,
 )
@@ -89,7 +91,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     read, or is None, and `model.layers_quantized_at_load` counts the quantized layers that were not read from it."""
     device = torch.device(device)
     prec = parse_precision(precision)
-    check_quantize(quantize, precision, device)
+    quantize = check_quantize(quantize, precision, device)
     config = config or ensure_converted(checkpoint_dir)
     if tensors is None:
         weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
@@ -119,6 +121,9 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             quant_error = _quant_error(module, device, prec.dtype) if is_quantized(module) else None
             t, inits[name] = _take_residual(as_tensor(t), name, residual[name], lora, lora_init, quant_error)
             merged = True  # (not the stored quantization of the original weight)
+        if isinstance(module, QuantizedExpertWeights):  # stacked [E, out, in]: one bitsandbytes layer per expert
+            quantize_experts(module, t, device, prec.dtype)
+            continue
         if is_quantized(module) and param == "weight":
             if merged or not (stored and stored.fill(module, key)):
                 quantize_into(module, t, device, prec.dtype)
@@ -142,8 +147,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             del t
             continue
         # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed
-        dtype = prec.frozen_linear_dtype if isinstance(module,
-                                                       nn.Linear) or is_quantized(module) else prec.frozen_other_dtype
+        linear_like = isinstance(module, (nn.Linear, ExpertWeights)) or is_quantized(module)
+        dtype = prec.frozen_linear_dtype if linear_like else prec.frozen_other_dtype
         module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
         del t
 
@@ -280,7 +285,7 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     same values as an unsharded run."""
     device = torch.device(device)
     prec = parse_precision(precision)
-    check_quantize(quantize, precision, device)
+    quantize = check_quantize(quantize, precision, device)
     config = config or ensure_converted(checkpoint_dir)
     weights = Path(checkpoint_dir) / LIT_WEIGHTS
     model = meta_model(config, lora)

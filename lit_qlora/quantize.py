@@ -20,6 +20,7 @@ import torch.nn as nn
 from lit_qlora import cpu_half
 from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.lora import LoRALinear
+from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.utils import UserError, release_freed_memory
@@ -338,6 +339,9 @@ def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uin
     gathered bytes. Returns the number of layers prepared."""
     bnb = load_bnb()
     n = 0
+    if any(isinstance(m, QuantizedExpertWeights) for m in model.modules()):
+        raise UserError("sharding a quantized mixture of experts (FSDP) is not implemented; use one device, or "
+                        "--strategy ddp")
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear8bitLt):
             raise UserError("--quantize bnb.int8 cannot be sharded (its row scales live on the weight object, which "
@@ -370,6 +374,12 @@ def swap_linears(model: nn.Module, mode: QuantMode, compute_dtype: torch.dtype,
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
+            if type(child) is ExpertWeights:  # (a mixture's router stays dense: a plain Linear, skipped below)
+                setattr(module, child_name, QuantizedExpertWeights(child, mode, compute_dtype))
+                swapped.append(full)
+                continue
+            if child_name == "router":
+                continue
             if type(child) is not nn.Linear or isinstance(module, LoRALinear) and child_name != "base":
                 continue
             if not quantize_lm_head and full.split(".")[0] == "lm_head":
@@ -377,6 +387,36 @@ def swap_linears(model: nn.Module, mode: QuantMode, compute_dtype: torch.dtype,
             setattr(module, child_name, make_quantized_linear(child, mode, compute_dtype))
             swapped.append(full)
     return swapped
+
+
+class QuantizedExpertWeights(nn.Module):
+    """`ExpertWeights` under --quantize: one bitsandbytes layer per expert (`layers[e]`), each expert's [out, in]
+    quantized exactly as bitsandbytes quantizes a Linear weight of that shape. An expert runs its own layer's
+    forward (its 4-bit matmul dequantizes that expert alone), so the experts that receive no tokens in a step are
+    never dequantized. `quantize_experts` fills it from the stacked [E, out, in] tensor, one expert at a time."""
+
+    def __init__(self, dense: ExpertWeights, mode: QuantMode, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_expert, self.out_features, self.in_features = dense.n_expert, dense.out_features, dense.in_features
+        shape = nn.Linear(dense.in_features, dense.out_features, bias=False, device="meta")
+        self.layers = nn.ModuleList(make_quantized_linear(shape, mode, compute_dtype) for _ in range(dense.n_expert))
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.layers[e](x)
+
+
+def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | FileTensor, device: torch.device,
+                     dtype: Optional[torch.dtype] = None) -> None:
+    """Quantize the stacked [E, out, in] `weight` into `module`'s per-expert layers (`quantize_into` each), reading a
+    FileTensor one expert at a time."""
+    E, out_f, in_f = weight.shape
+    for e, layer in enumerate(module.layers):
+        if isinstance(weight, FileTensor):
+            part = FileTensor(weight.path, weight.offset + e * out_f * in_f * weight.itemsize, (out_f, in_f),
+                              weight.dtype)
+        else:
+            part = weight[e]
+        quantize_into(layer, part, device, dtype)
 
 
 class TiedEmbedding4bit(nn.Module):

@@ -490,6 +490,10 @@ def dense_from_bnb(folder, quantized: nn.Module, precision: str) -> nn.Module:
             w = dequantize_weight(m)  # int8 codes x row scale / 127, bitsandbytes' int8_vectorwise_dequant formula
         else:
             continue
+        if ".experts." in name:  # one expert's layer (QuantizedExpertWeights) of a stacked [E, out, in] weight
+            stack, _, e = name.rpartition(".layers.")
+            dense.get_submodule(stack).weight.data[int(e)] = w.to(dtype)
+            continue
         dense.get_submodule(name).weight = nn.Parameter(w.to(dtype), requires_grad=False)
     return dense
 
@@ -622,6 +626,11 @@ def test_int8_generation_is_unchanged_and_close_to_its_dequantized_weights(famil
     untouched = load_model(folder, precision=precision, quantize="bnb.int8").eval()
     assert torch.equal(teacher_forced_logits(untouched, seq), got)
     bound = 0.3 if precision == "32-true" else 0.4
+    if model.config.moe_n_expert and precision != "32-true":
+        # bf16 rounding moves some tokens to other experts: the dense bf16 model of the same weights is as far off
+        # (tiny Mixtral: 0.82 x std; its int8 model 0.89 x)
+        dense16 = teacher_forced_logits(dense_from_bnb(folder, model, precision), seq)
+        bound = max(bound, 1.25 * ((dense16 - want).abs().amax(-1) / want.std(-1)).max().item())
     assert ((got - want).abs().amax(-1) <= bound * want.std(-1)).all()
 
 

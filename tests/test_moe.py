@@ -1,0 +1,72 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) beyond the per-family parity tests that their rows in
+tests/helpers.py TINY_HF_CONFIGS run (logits, gradients, KV cache, greedy tokens, conversion both ways): experts
+quantized under every --quantize mode as bitsandbytes quantizes each expert's weight, only the experts that receive
+tokens computed, and a LoRA over a quantized MoE model trained from the CLI, merged and exported to PEFT."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import assert_same_stored, converted_tiny, random_tokens, reference_layer
+
+from lit_qlora.loader import load_model
+from lit_qlora.model import MoE
+from lit_qlora.quantize import QuantizedExpertWeights, dequantize_weight, validation_mode
+
+MODES = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_ckpt(request, tmp_path_factory):
+    return converted_tiny(tmp_path_factory, request.param, f"tiny-{request.param}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_experts_are_quantized_as_bitsandbytes_quantizes_each_expert(moe_ckpt, mode):
+    """Every expert's [out, in] of every projection holds what bitsandbytes' own layer stores for that weight (the
+    packed codes, block scales and their double quantization, or the int8 rows and row scales); the router stays a
+    dense Linear with the checkpoint's weights. The quantized model computes what our dense model computes with
+    bitsandbytes' dequantization of those weights (int8 in its dequantizing matmul, `validation_mode`)."""
+    dense = load_model(moe_ckpt.folder, precision="32-true").eval()
+    quantized = load_model(moe_ckpt.folder, precision="32-true", quantize=mode)
+    validation_mode(quantized)  # eval, with int8's dequantize-then-matmul (LLM.int8 inference rounds the inputs too)
+    n = 0
+    for name, q in quantized.named_modules():
+        if ".layers." in name or name.endswith(".layers"):  # (inside a QuantizedExpertWeights: below)
+            continue
+        d = dense.get_submodule(name)
+        if isinstance(q, MoE):
+            assert type(q.router) is nn.Linear and torch.equal(q.router.weight, d.router.weight)
+        elif isinstance(q, QuantizedExpertWeights):
+            for e, layer in enumerate(q.layers):
+                assert_same_stored(layer, reference_layer(mode, d.weight[e], torch.float32))
+                d.weight[e] = dequantize_weight(layer)
+                n += 1
+        elif type(d) is nn.Linear and type(q) is not nn.Linear:  # the attention's and dense MLPs' quantized layers
+            d.weight.copy_(dequantize_weight(q))
+    c = moe_ckpt.config
+    assert n == c.moe_n_expert * 3 * sum(map(c.is_moe_layer, range(c.n_layer)))
+    idx = random_tokens(2, 16, seed=3)
+    want = dense(idx)
+    assert (quantized(idx) - want).abs().max().item() <= 1e-4 * want.std().item()
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
+@torch.no_grad()
+def test_only_the_experts_that_receive_tokens_run(moe_ckpt, mode, monkeypatch):
+    """One token through a quantized MoE model: in each MoE layer exactly top_k experts run their three projections,
+    each once (the others are never dequantized); a longer sequence runs each active expert once, not per token."""
+    model = load_model(moe_ckpt.folder, precision="32-true", quantize=mode).eval()
+    calls: list[tuple[str, int]] = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedExpertWeights):
+            for e, layer in enumerate(m.layers):
+                real = layer.forward
+                monkeypatch.setattr(layer, "forward", lambda x, _n=name, _e=e, _f=real: calls.append((_n, _e)) or _f(x))
+    k, moe_layers = moe_ckpt.config.moe_top_k, sum(map(moe_ckpt.config.is_moe_layer, range(moe_ckpt.config.n_layer)))
+    model(random_tokens(1, 1, seed=1))
+    assert len(calls) == len(set(calls)) == 3 * k * moe_layers
+    calls.clear()
+    model(random_tokens(1, 24, seed=1))
+    assert len(calls) == len(set(calls)) <= 3 * moe_ckpt.config.moe_n_expert * moe_layers

@@ -1,0 +1,257 @@
+"""Benchmark a preference (DPO) step against a supervised (SFT) step on the same model and sequence length (prints
+figures; not a test): peak resident memory and step time, each variant in its own fresh process.
+
+    python scripts/bench_dpo.py                     # SmolLM2-135M's shape, random weights, bnb.nf4, 4 pairs x 256
+    python scripts/bench_dpo.py --model demo --pairs 8 --length 128 --steps 3   # the demo model's shape
+
+Variants, all with LoRA r 8 on every target and AdamW, the base quantized with --quantize:
+  sft      : a step on B rows of `length` tokens (the chosen rows), as finetune/lora.py computes it
+  sft_2x   : a step on 2B rows (as many tokens as a DPO step)
+  dpo      : a DPO step on B pairs (2B rows) as finetune/dpo.py computes it: chosen and rejected in one forward,
+             the reference log-probabilities computed before (one no-grad forward per pair, done once per run)
+  dpo_2fwd : the same step with chosen and rejected in two forwards (what finetune/dpo.py does not do)
+Memory: the process's peak resident set (VmHWM) during the steps, the high-water mark reset after loading
+(/proc/self/clear_refs), next to the resident set after loading: one copy of the weights serves the policy and the
+reference, so a DPO step adds activations, not a model. Step time: median of --steps steps after one warm-up.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lit_qlora import preference as pf  # noqa: E402
+from lit_qlora.batching import collate, unpad  # noqa: E402
+from lit_qlora.checkpoint import LIT_WEIGHTS  # noqa: E402
+from lit_qlora.config import Config  # noqa: E402
+from lit_qlora.convert import write_random_checkpoint  # noqa: E402
+from lit_qlora.loader import load_model  # noqa: E402
+from lit_qlora.lora import LoRAConfig  # noqa: E402
+from lit_qlora.losses import chunked_cross_entropy  # noqa: E402
+from lit_qlora.precision import resolve_precision  # noqa: E402
+from lit_qlora.training import head_chunk, shift_labels  # noqa: E402
+from lit_qlora.utils import run_cli  # noqa: E402
+
+VARIANTS = ("sft", "sft_2x", "dpo", "dpo_2fwd")
+
+
+def cpu_description() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512F" if "avx512f" in flags else "AVX2"
+    amx = ", AMX" if "amx_bf16" in flags else ", no AMX"
+    return f"{name}, {isa}{amx}, {torch.get_num_threads()} threads"
+
+
+def status_gb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 2**20
+
+
+def make_pairs(n: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (length // 2,), generator=g)
+        pair = {"index": i}
+        for side in ("chosen", "rejected"):
+            ids = torch.cat([prompt, torch.randint(0, vocab, (length - length // 2,), generator=g)])
+            labels = ids.clone()
+            labels[:len(prompt)] = -100
+            pair[f"{side}_ids"], pair[f"{side}_labels"] = ids, labels
+        pairs.append(pair)
+    return pairs
+
+
+def sft_loss(model, rows: list[dict], chunk: int) -> torch.Tensor:
+    batch = collate(rows)
+    tgt = shift_labels(batch["labels"])
+    batch, tgt = unpad(batch, tgt)
+    has = tgt != -100
+    logits = model(batch["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=batch["positions"],
+                   segments=batch["segments"])
+    return chunked_cross_entropy(logits, tgt[has]) / has.sum()
+
+
+def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwards: bool) -> torch.Tensor:
+    if two_forwards:  # chosen rows, then rejected rows: each its own forward
+        sides = []
+        for side in ("chosen", "rejected"):
+            rows = [{"input_ids": p[f"{side}_ids"], "labels": p[f"{side}_labels"]} for p in pairs]
+            batch = collate(rows)
+            tgt = shift_labels(batch["labels"])
+            flat, tgt = unpad(batch, tgt)
+            has = tgt != -100
+            logits = model(flat["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=flat["positions"],
+                           segments=flat["segments"])
+            seq = flat["segments"][has] // batch["input_ids"].size(1)
+            sides.append(pf.sequence_logps(pf.token_logps(logits, tgt[has]), seq, len(pairs)))
+        lp = pf.PairLogps(sides[0][0], sides[1][0], sides[0][1], sides[1][1])
+    else:
+        lp = pf.batch_logps(model, pf.collate_pairs(pairs), lm_head_chunk=chunk)
+    per_pair, _, _ = pf.pair_losses("dpo", lp, ref[:, 0], ref[:, 1], beta=0.1)
+    return per_pair.mean()
+
+
+def child(variant: str, folder: str, quantize: str, precision: str, pairs_n: int, length: int, steps: int) -> None:
+    """One variant in this process; prints one JSON line."""
+    lora = LoRAConfig(r=8, alpha=16, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
+    model = load_model(Path(folder), precision=precision, quantize=None if quantize == "none" else quantize,
+                       lora=lora, seed=0)
+    chunk = head_chunk(model.config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    pairs = make_pairs(pairs_n, length, model.config.vocab_size)
+    rss_loaded = status_gb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from the current RSS
+    ref = None
+    if variant.startswith("dpo"):
+        with torch.no_grad():  # what finetune/dpo.py does once before training
+            model.eval()
+            lp = pf.batch_logps(model, pf.collate_pairs(pairs), lm_head_chunk=chunk)
+            ref = torch.stack([lp.chosen, lp.rejected], 1).float()
+    model.train()
+    rows = [{"input_ids": p["chosen_ids"], "labels": p["chosen_labels"]} for p in pairs]
+    if variant == "sft_2x":
+        rows += [{"input_ids": p["rejected_ids"], "labels": p["rejected_labels"]} for p in pairs]
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        if variant.startswith("sft"):
+            loss = sft_loss(model, rows, chunk)
+        else:
+            loss = dpo_loss(model, pairs, ref, chunk, two_forwards=variant == "dpo_2fwd")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    tokens = len(rows) * length if variant.startswith("sft") else 2 * pairs_n * length
+    print("RESULT " + json.dumps(dict(variant=variant, rss_loaded_gb=rss_loaded, step_peak_gb=status_gb("VmHWM"),
+                                      step_s=statistics.median(times), tokens=tokens)))
+
+
+def demo_pairs(folder: Path, n_val: int = 80, seed: int = 0) -> Path:
+    """train.jsonl + val.jsonl of {prompt, chosen, rejected} from the demo records (see the module docstring)."""
+    import random
+
+    from lit_qlora.demo import DEMO_DATA_FILE
+
+    records = json.loads(DEMO_DATA_FILE.read_text())
+    rng = random.Random(seed)
+    by_instruction: dict = {}
+    for r in records:
+        by_instruction.setdefault(r["instruction"], set()).add(r["output"])
+    rows = []
+    for r in records:
+        others = sorted(by_instruction[r["instruction"]] - {r["output"]})
+        words = r["output"].split()
+        rejected = rng.choice(others) if others else " ".join(words[:-1]) if len(words) > 1 else r["output"][:-1]
+        if rejected and rejected != r["output"]:
+            rows.append({"prompt": f"{r['instruction']}\n{r['input']}", "chosen": r["output"], "rejected": rejected})
+    rng.shuffle(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("val.jsonl", rows[:n_val]), ("train.jsonl", rows[n_val:])):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    return folder
+
+
+def preferred_share(checkpoint: Path, adapter: Path | None, data: Path, quantize: str) -> float:
+    """Share of the held-out pairs whose chosen answer the model (with `adapter`) gives the higher log-probability."""
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.prepare import DataSettings
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(checkpoint)
+    _, val, _ = pf.load_pairs(data, tok, DataSettings(256, template="plain"))
+    a = Adapter.load(adapter) if adapter else None
+    model = load_model(checkpoint, precision="32-true", quantize=quantize, lora=a.config if a else None).eval()
+    if a:
+        a.load_into(model)
+    with torch.no_grad():
+        lp = pf.batch_logps(model, pf.collate_pairs(val, pad_id=tok.eos_id))
+    return float((lp.chosen > lp.rejected).float().mean())
+
+
+def accuracy_run(quantize: str, out_dir: str) -> None:
+    from lit_qlora.demo import DEMO_CHECKPOINT, ensure_demo_checkpoint
+
+    work = Path(out_dir or Path(tempfile.gettempdir()) / "bench-dpo-accuracy")
+    ckpt = ensure_demo_checkpoint(ROOT / DEMO_CHECKPOINT)
+    data = demo_pairs(work / "pairs")
+    out = work / f"out-{int(time.time())}"
+    args = ["--checkpoint_dir", ckpt, "--data_dir", data, "--out_dir", out, "--quantize", quantize, "--template",
+            "plain", "--loss", "dpo", "--beta", "0.1", "--learning_rate", "3e-3", "--epochs", "1",
+            "--micro_batch_size", "8", "--eval_interval", "20", "--eval_iters", "10", "--save_interval", "1000",
+            "--lora_r", "16", "--lora_alpha", "32", "--lora_key", "true", "--lora_projection", "true",
+            "--lora_mlp", "true", "--warmup_steps", "5"]
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(ROOT / "finetune" / "dpo.py"), *map(str, args)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    import csv
+
+    rows = [row for row in csv.DictReader(open(out / "metrics.csv")) if row["val_loss"]]
+    first, last = rows[0], rows[-1]
+    n_train = sum(1 for _ in open(data / "train.jsonl"))
+    print(f"demo model (lit_qlora/demo, {quantize}), DPO beta 0.1, 1 epoch of {n_train} pairs, "
+          f"{time.perf_counter() - t0:.0f} s\nCPU: {cpu_description()}")
+    print("\n| held-out pairs (80) | start (iter 0) | end (iter " + last["iter"] + ") |\n|---|---|---|")
+    for k in ("val_rewards/accuracies", "val_rewards/margins", "val_loss"):
+        print(f"| {k} | {float(first[k]):.3f} | {float(last[k]):.3f} |")
+    before = preferred_share(ckpt, None, data, quantize)
+    after = preferred_share(ckpt, out / "lit_model_lora_finetuned.pth", data, quantize)
+    print(f"| log p(chosen) > log p(rejected) | {before:.3f} | {after:.3f} |")
+
+
+def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str = "auto", pairs: int = 4,
+         length: int = 256, steps: int = 3, out_dir: str = "", variants: str = ",".join(VARIANTS),
+         accuracy: bool = False) -> None:
+    """Write the random-weight checkpoint once (in `out_dir`), then run each variant in a fresh process."""
+    if accuracy:
+        return accuracy_run(quantize, out_dir)
+    if model == "demo":  # lit_qlora/demo's shape (4 layers, 256 wide, 384 tokens): seconds per variant
+        from lit_qlora.demo import DEMO_CONFIG
+
+        config = Config(**DEMO_CONFIG)
+    else:
+        config = Config.from_name(model)
+    folder = Path(out_dir or Path(tempfile.gettempdir()) / f"bench-dpo-{model}")
+    if not (folder / LIT_WEIGHTS).is_file():
+        write_random_checkpoint(folder, config)
+    precision, _ = resolve_precision(precision, "cpu")
+    print(f"model: {config.name} shape, random weights, {quantize}, {precision}, LoRA r 8 on every target, AdamW; "
+          f"{pairs} pairs (DPO) / {pairs} rows (SFT) of {length} tokens (half prompt)\nCPU: {cpu_description()} "
+          "(shared machine: times are noisy)")
+    results = []
+    for v in variants.split(","):
+        r = subprocess.run([sys.executable, __file__, "--child", v, str(folder), quantize, precision, str(pairs),
+                            str(length), str(steps)], capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"variant {v} failed:\n{r.stderr[-3000:]}")
+        results.append(json.loads(line[7:]))
+    sft = next((r for r in results if r["variant"] == "sft"), results[0])
+    print("\n| variant | RSS after load GB | peak during steps GB | peak / sft | step s | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['variant']} | {r['rss_loaded_gb']:.3f} | {r['step_peak_gb']:.3f} | "
+              f"{r['step_peak_gb'] / sft['step_peak_gb']:.2f}x | {r['step_s']:.3f} | {r['tokens'] / r['step_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        v, folder, q, prec, n, length, steps = sys.argv[2:]
+        child(v, folder, q, prec, int(n), int(length), int(steps))
+    else:
+        run_cli(main)

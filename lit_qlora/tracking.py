@@ -231,7 +231,17 @@ def _floats(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _fmt(v: Any, spec: str = ".4g", unit: str = "") -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:{spec}}{unit}"
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    try:
+        return f"{v:{spec}}{unit}"
+    except (TypeError, ValueError):  # a hand-edited metrics.json: shown as it is
+        return f"{v}{unit}"
+
+
+def _number(m: dict, key: str) -> Optional[float]:
+    v = m.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]:
@@ -270,8 +280,8 @@ def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]
         ("Tokens/s (median of iterations)", _fmt(median_tps, ".1f")),
         ("Training time", _fmt(m.get("training_time_s"), ".1f", " s")),
         ("Peak memory", _fmt(m.get("peak_memory_gb"), ".2f", f" GB ({m.get('memory_kind', '')})")),
-        ("Weights in memory", _fmt(((m.get("quantized_bytes") or 0) + (m.get("dense_bytes") or 0)) / 2**20
-                                   if "dense_bytes" in m else None, ".1f", " MiB")),
+        ("Weights in memory", _fmt(((_number(m, "quantized_bytes") or 0) + _number(m, "dense_bytes")) / 2**20
+                                   if _number(m, "dense_bytes") is not None else None, ".1f", " MiB")),
         ("Trainable parameters", _fmt(m.get("trainable_params"), ",d")),
         ("Last adapter", f"`{out_dir / 'lit_model_lora_finetuned.pth'}`" if m else "-"),
         ("Best adapter", f"`{m['best_adapter']}`" if m.get("best_adapter") else "-"),
@@ -326,8 +336,9 @@ def _plot(path: Path, rows: list[dict], m: dict, title: str) -> bool:
     ax[0][1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     a = ax[1][1]
     gib = 2**30
-    bars = [("weights", ((m.get("quantized_bytes") or 0) + (m.get("dense_bytes") or 0)) / gib if m else None),
-            ("after load", m.get("rss_after_load_gb")), ("peak", m.get("peak_memory_gb"))]
+    dense = _number(m, "dense_bytes")
+    bars = [("weights", ((_number(m, "quantized_bytes") or 0) + dense) / gib if dense is not None else None),
+            ("after load", _number(m, "rss_after_load_gb")), ("peak", _number(m, "peak_memory_gb"))]
     bars = [(k, v) for k, v in bars if isinstance(v, (int, float))]
     if bars:
         rects = a.bar([k for k, _ in bars], [v for _, v in bars], color=["tab:gray", "tab:cyan", "tab:red"][:len(bars)])

@@ -124,8 +124,9 @@ def checked_records(rows: list[tuple[Path, int, Any]], s: DataSettings) -> list:
     With the chat template conversation rows become `Conversation`s; instruction records stay dicts."""
     if s.template == CHAT and holds_conversations(rows):
         return [Conversation(normalize_conversation(rec, row, f), f"row {row} of {f}") for f, row, rec in rows]
+    flags = {s.instruction_key: "--prompt_column", s.output_key: "--response_column"}
     for f, row, rec in rows:
-        check_record(rec, (s.instruction_key, s.output_key), f"row {row} of {f}")
+        check_record(rec, (s.instruction_key, s.output_key), f"row {row} of {f}", flags)
     return [rec for _, _, rec in rows]
 
 

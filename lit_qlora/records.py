@@ -180,14 +180,16 @@ def check_records(records: list, required: tuple[str, ...], source: Path | str =
         check_record(rec, required, f"record {i} in {source}")
 
 
-def check_record(rec: Any, required: tuple[str, ...], where: str) -> None:
-    """That `rec` is an object with every `required` field (not null); a one-line UserError naming `where`."""
+def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[str, str] | None = None) -> None:
+    """That `rec` is an object with every `required` field (not null); a one-line UserError naming `where` and the
+    flag that names the field (`flags`: field -> flag; default: the instruction fields' column flags)."""
     if not isinstance(rec, dict):
         raise UserError(f"{where} is a {type(rec).__name__}, not an object; make every record an object")
     for key in required:
         if rec.get(key) is None:
+            flag = (flags or {}).get(key) or _key_flag(key)
             raise UserError(f"{where} has no {key!r} field (it has: {', '.join(map(str, rec)) or 'nothing'}); add it, "
-                            f"or name the right field with {_key_flag(key)}")
+                            f"or name the right field with {flag}")
 
 
 def _key_flag(key: str) -> str:

@@ -194,7 +194,24 @@ def _data_missing_field(t, p):
     recs = h.make_records()
     del recs[3]["output"]
     d = write_data(p / "data", "tasks.json", json.dumps(recs))
-    return dict(data_dir=d), ["record 3", "has no 'output' field"]
+    return dict(data_dir=d), [f"row 4 of {d / 'tasks.json'}", "has no 'output' field"]
+
+
+def _data_unknown_column(t, p):
+    pd = pytest.importorskip("pandas")
+    (p / "data").mkdir()
+    pd.DataFrame(h.make_records()).to_parquet(p / "data" / "train.parquet")
+    return dict(data_dir=p / "data", prompt_column="question"), [
+        f"row 1 of {p / 'data' / 'train.parquet'}", "has no 'question' field", "--prompt_column"]
+
+
+def _data_torn_parquet(t, p):
+    pd = pytest.importorskip("pandas")
+    (p / "data").mkdir()
+    pd.DataFrame(h.make_records()).to_parquet(p / "data" / "train.parquet")
+    data = (p / "data" / "train.parquet").read_bytes()
+    (p / "data" / "train.parquet").write_bytes(data[:len(data) // 2])
+    return dict(data_dir=p / "data"), [str(p / "data" / "train.parquet"), "not a readable parquet file"]
 
 
 def _data_empty(t, p):
@@ -266,10 +283,12 @@ CASES = {f.__name__[1:]: f for f in (
     _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_garbage_header, _ckpt_partial, _ckpt_disagrees,
     _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
-    _data_not_json, _data_bad_jsonl, _data_missing_field, _data_empty, _batch_size, _batch_size_devices, _quantize,
+    _data_not_json, _data_bad_jsonl, _data_missing_field, _data_unknown_column,
+    _data_torn_parquet, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
     _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero)}
-SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "optimizer"}  # also through a fresh interpreter
+# also through a fresh interpreter
+SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "data_unknown_column", "optimizer"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

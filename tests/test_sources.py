@@ -1,0 +1,212 @@
+"""Every record source --data_dir accepts (.json, .jsonl, .csv, .parquet, a folder of shards, a datasets save_to_disk
+folder, a dataset in the local hub cache) read to the records its reference reader (pandas, pyarrow, datasets) reads
+from the files the test writes; conversations in parquet prepared as transformers renders them; column mapping; bad
+input refused in one line."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from helpers_data import CharTokenizer, assert_one_line_message
+
+from lit_qlora.prepare import DataSettings, ensure_prepared
+from lit_qlora.records import iter_rows
+from lit_qlora.sources import Source, resolve
+from lit_qlora.utils import UserError
+
+pd = pytest.importorskip("pandas")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+RECS = [{"instruction": f"Say {i} in words, ünïcode 😀", "input": "" if i % 3 else f"ctx {i}", "output": f"w{i}"}
+        for i in range(10)]
+HASH = "0123456789abcdef0123456789abcdef01234567"
+
+
+def records_of(path, **kw) -> tuple[list, list | None]:
+    train, val = resolve(path, **kw)
+    return [r for _, _, r in train.rows()], (None if val is None else [r for _, _, r in val.rows()])
+
+
+def write_hub_dataset(cache, repo_id: str, files: dict) -> None:
+    """A dataset as huggingface_hub lays it out in its cache (refs/main -> snapshots/<commit>/...)."""
+    root = cache / f"datasets--{repo_id.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(HASH)
+    for rel, df in files.items():
+        (root / "snapshots" / HASH / rel).parent.mkdir(parents=True, exist_ok=True)
+        df.to_parquet(root / "snapshots" / HASH / rel)
+    (root / "snapshots" / HASH / "README.md").write_text("# a dataset card, not data\n")
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "csv", "parquet"])
+def test_each_file_type_reads_as_its_reference_reader(tmp_path, kind):
+    df = pd.DataFrame(RECS)
+    path = tmp_path / f"data.{kind}"
+    if kind == "json":
+        df.to_json(path, orient="records", force_ascii=False)
+        want = pd.read_json(path, orient="records", dtype=False).to_dict("records")
+    elif kind == "jsonl":
+        df.to_json(path, orient="records", lines=True, force_ascii=False)
+        want = pd.read_json(path, orient="records", lines=True, dtype=False).to_dict("records")
+    elif kind == "csv":
+        df.to_csv(path, index=False)
+        want = pd.read_csv(path, dtype=str, keep_default_na=False).to_dict("records")
+    else:
+        df.to_parquet(path, row_group_size=3)
+        assert pq.ParquetFile(path).num_row_groups == 4  # the reader goes group by group
+        want = pd.read_parquet(path).to_dict("records")
+    got, val = records_of(path)
+    assert got == want == RECS and val is None
+
+
+def test_parquet_is_read_a_row_group_at_a_time(tmp_path, monkeypatch):
+    pd.DataFrame(RECS).to_parquet(tmp_path / "d.parquet", row_group_size=2)
+    reads = []
+    real = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, *a, **k: reads.append(i) or real(self, i))
+    rows = iter_rows(tmp_path / "d.parquet")
+    assert [next(rows) for _ in range(3)] == [(1, RECS[0]), (2, RECS[1]), (3, RECS[2])]
+    assert reads == [0, 1]  # the three first rows need the first two groups, no more
+
+
+def test_folders_of_shards_and_splits(tmp_path):
+    df = pd.DataFrame(RECS)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):  # the shards of one set, read in name order, metadata files left alone
+        df.iloc[i * 4:(i + 1) * 4].to_parquet(shards / f"part-{i:05d}.parquet")
+    (shards / "dataset_info.json").write_text("{}")
+    got, val = records_of(shards)
+    assert got == pd.concat([pd.read_parquet(shards / f"part-{i:05d}.parquet") for i in range(3)]).to_dict("records")
+    assert got == RECS and val is None
+
+    hf = tmp_path / "hf" / "data"  # the hub's layout: data/train-*.parquet, data/validation-*.parquet
+    hf.mkdir(parents=True)
+    df.iloc[:4].to_parquet(hf / "train-00000-of-00002.parquet")
+    df.iloc[4:8].to_json(hf / "train-00001-of-00002.jsonl", orient="records", lines=True, force_ascii=False)
+    df.iloc[8:].to_parquet(hf / "validation-00000-of-00001.parquet")
+    assert records_of(tmp_path / "hf") == (RECS[:8], RECS[8:])
+
+
+def test_datasets_folders(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(RECS)
+    ds.save_to_disk(str(tmp_path / "one"))
+    got, val = records_of(tmp_path / "one")
+    assert got == datasets.load_from_disk(str(tmp_path / "one")).to_list() == RECS and val is None
+
+    dd = datasets.DatasetDict(train=datasets.Dataset.from_list(RECS[:7]),
+                              validation=datasets.Dataset.from_list(RECS[7:]))
+    dd.save_to_disk(str(tmp_path / "dict"))
+    ref = datasets.load_from_disk(str(tmp_path / "dict"))
+    assert records_of(tmp_path / "dict") == (ref["train"].to_list(), ref["validation"].to_list())
+    assert ref["train"].to_list() == RECS[:7]
+
+
+def test_a_dataset_in_the_local_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    df = pd.DataFrame(RECS)
+    write_hub_dataset(tmp_path / "hub", "me/tasks", {"data/train-00000-of-00001.parquet": df.iloc[:8],
+                                                     "data/test-00000-of-00001.parquet": df.iloc[8:]})
+    monkeypatch.chdir(tmp_path)  # owner/name is no folder here
+    train, val = resolve("me/tasks")
+    assert [r for _, _, r in train.rows()] == RECS[:8] and val is None
+    samples, _, meta = ensure_prepared("me/tasks", CharTokenizer(), DataSettings(200, template="plain"))
+    assert meta["n_train"] + meta["n_val"] == 8 and meta["template"] == "plain"
+
+    with pytest.raises(UserError) as e:
+        resolve("me/absent")
+    assert_one_line_message(e, "me/absent", str(tmp_path / "hub" / "datasets--me--absent"), "nothing is downloaded")
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from helpers_chat import load_template, make_chat_checkpoint
+
+    from lit_qlora.tokenizer import Tokenizer
+
+    folder = make_chat_checkpoint("chatml_smollm", tmp_path_factory.mktemp("chatml"),
+                                  load_template("chatml_generation"))
+    return Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+
+
+CHATS = [[{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi, ünïcode 😀"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+          {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 2 + 3?"},
+          {"role": "assistant", "content": "5."}],
+         [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]]
+
+
+def test_conversations_in_parquet_and_a_renamed_column(chatml, tmp_path):
+    tok, ref = chatml
+    (tmp_path / "a").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"messages": m, "id": i} for i, m in enumerate(CHATS)]),
+                   tmp_path / "a" / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([{"messages": CHATS[0], "id": 0}]), tmp_path / "a" / "validation.parquet")
+    want = [r["messages"] for r in pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()]
+    assert want == CHATS
+    train, _, meta = ensure_prepared(tmp_path / "a", tok, DataSettings(512))
+    assert meta["template"] == "chat"  # auto: the parquet rows are conversations
+    for sample, messages in zip(train, want):
+        out = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        labels = [i if m else -100 for i, m in zip(out["input_ids"], out["assistant_masks"])]
+        assert sample["input_ids"].tolist() == out["input_ids"] and sample["labels"].tolist() == labels
+
+    # ShareGPT turns in a column of another name, named by --messages_column
+    (tmp_path / "b").mkdir()
+    share = [[{"from": {"user": "human", "assistant": "gpt"}.get(t["role"], t["role"]), "value": t["content"]}
+              for t in m] for m in CHATS]
+    pd.DataFrame({"dialog": share}).to_json(tmp_path / "b" / "train.jsonl", orient="records", lines=True,
+                                            force_ascii=False)
+    pd.DataFrame({"dialog": share[:1]}).to_json(tmp_path / "b" / "val.jsonl", orient="records", lines=True)
+    renamed, _, _ = ensure_prepared(tmp_path / "b", tok, DataSettings(512, messages_column="dialog"))
+    assert [s["input_ids"].tolist() for s in renamed] == [s["input_ids"].tolist() for s in train]
+    with pytest.raises(UserError) as e:
+        ensure_prepared(tmp_path / "b", tok, DataSettings(512, messages_column="turns"))
+    assert_one_line_message(e, "row 1 of", "train.jsonl", "'turns'", "--messages_column", "dialog")
+
+
+def test_column_mapping(tmp_path):
+    df = pd.DataFrame({"question": [r["instruction"] for r in RECS], "ctx": [r["input"] for r in RECS],
+                       "answer": [r["output"] for r in RECS]})
+    df.to_parquet(tmp_path / "qa.parquet")
+    s = DataSettings(200, template="plain", instruction_key="question", input_key="ctx", output_key="answer")
+    train, val, _ = ensure_prepared(tmp_path / "qa.parquet", CharTokenizer(), s)
+    tok = CharTokenizer()
+    want = [(r["instruction"] + (f"\n{r['input']}" if r["input"] else "") + "\n" + r["output"]) for r in RECS]
+    assert sorted(x["input_ids"].tolist() for x in train + val) == sorted(tok.encode(w, eos=True).tolist() for w in want)
+    with pytest.raises(UserError) as e:
+        ensure_prepared(tmp_path / "qa.parquet", CharTokenizer(), DataSettings(200, template="plain"))
+    assert_one_line_message(e, "row 1 of", "qa.parquet", "'instruction'", "--prompt_column", "question, ctx, answer")
+
+
+def test_bad_sources_are_one_line(tmp_path, monkeypatch):
+    pd.DataFrame(RECS * 10).to_parquet(tmp_path / "good.parquet", row_group_size=10)
+    data = (tmp_path / "good.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[:len(data) // 2])
+    with pytest.raises(UserError) as e:
+        list(iter_rows(tmp_path / "cut.parquet"))
+    assert_one_line_message(e, "cut.parquet", "not a readable parquet file", "damaged or cut short")
+    torn = bytearray(data)
+    torn[len(data) // 3:len(data) // 3 + 200] = b"Z" * 200  # a data page overwritten, the footer intact
+    (tmp_path / "torn.parquet").write_bytes(bytes(torn))
+    with pytest.raises(UserError) as e:
+        list(iter_rows(tmp_path / "torn.parquet"))
+    assert_one_line_message(e, "torn.parquet", "row group", "rows ")
+
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": oops}\n')
+    with pytest.raises(UserError) as e:
+        list(iter_rows(tmp_path / "bad.jsonl"))
+    assert_one_line_message(e, "line 3 of", "bad.jsonl", "not valid JSON")
+
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # the optional `data` extra not installed
+    with pytest.raises(UserError) as e:
+        list(iter_rows(tmp_path / "good.parquet"))
+    assert_one_line_message(e, "pyarrow.parquet", "pip install 'lit-qlora[data]'")
+
+
+def test_source_names(tmp_path):
+    assert str(Source((tmp_path / "a.jsonl",))) == str(tmp_path / "a.jsonl")
+    assert Source((tmp_path / "a.parquet", tmp_path / "b.parquet")).short_name() == "2 shards (a.parquet ... b.parquet)"

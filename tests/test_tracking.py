@@ -2,6 +2,8 @@
 (--early_stopping_patience, --save_best) on a scripted validation-loss curve in the real training loop, uninterrupted
 and resumed.
 
+Also the run report (scripts/report.py OUT_DIR) and the demo's last command (generate/lora.py with no flags).
+
 The scripted curve: finetune/lora.py's own loop and SFT steps, with the validation replaced by a table of losses per
 iteration (tests/helpers_train.py's tiny setup; a driver script runs setup() with that objective in a subprocess).
 """

@@ -53,9 +53,9 @@ _QWEN3_MOE_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, **_QK_NORM, "mlp
                           experts={"mlp.experts.fc_1": "mlp.experts.{e}.gate_proj",
                                    "mlp.experts.fc_2": "mlp.experts.{e}.up_proj",
                                    "mlp.experts.proj": "mlp.experts.{e}.down_proj"})
-_MIXTRAL_NAMES = _names("model.layers.{i}.",
-                        {**{k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
-                         "mlp.router": "block_sparse_moe.gate"}, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV,
+# (its map keeps Llama's dense MLP names, which no Mixtral layer has: PEFT interop lists them for every layer)
+_MIXTRAL_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, "mlp.router": "block_sparse_moe.gate"}, _LLAMA_GLOBAL,
+                        "separate", _SEPARATE_QKV,
                         experts={"mlp.experts.fc_1": "block_sparse_moe.experts.{e}.w1",
                                  "mlp.experts.fc_2": "block_sparse_moe.experts.{e}.w3",
                                  "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"})

@@ -316,6 +316,9 @@ def lora_delta(A: torch.Tensor, B: torch.Tensor, parts: list[tuple[int, int]], r
 
 def lora_targets(config: Config, lora: LoRAConfig) -> dict[str, list[tuple[int, int]] | None]:
     """Module name -> adapted row ranges (None = all rows) for the given model and LoRA settings."""
+    if lora.mlp and config.moe_n_expert:
+        raise UserError("--lora_mlp on a mixture of experts (LoRA on the experts) is not implemented yet; leave "
+                        "--lora_mlp off (LoRA on attention and head)")
     q, k, v = config.qkv_sizes
     targets: dict[str, Any] = {}
     qkv_parts = [(start, n) for on, start, n in ((lora.query, 0, q), (lora.key, q, k), (lora.value, q + k, v)) if on]

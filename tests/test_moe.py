@@ -70,3 +70,66 @@ def test_only_the_experts_that_receive_tokens_run(moe_ckpt, mode, monkeypatch):
     calls.clear()
     model(random_tokens(1, 24, seed=1))
     assert len(calls) == len(set(calls)) <= 3 * moe_ckpt.config.moe_n_expert * moe_layers
+
+
+ATTENTION_AND_HEAD = dict(query=True, key=True, value=True, projection=True, head=True)
+
+
+@torch.no_grad()
+def test_attention_lora_exports_to_peft_and_merges_into_an_hf_folder(moe_ckpt, tmp_path):
+    """A LoRA on attention and head of a MoE model: PEFT loads our export over transformers' model with the same
+    logits, and the merged HF export, loaded by transformers alone, computes what model + adapter computes."""
+    from helpers import adapter_of, hf_model, lora_cfg, randomize_lora
+    from peft import PeftModel
+
+    from lit_qlora.merge import export_hf
+
+    lora = lora_cfg(**ATTENTION_AND_HEAD)
+    model = load_model(moe_ckpt.folder, precision="32-true", lora=lora, seed=0).eval()
+    randomize_lora(model, seed=4)
+    idx = random_tokens(2, 12, seed=3)
+    expected = model(idx)
+    adapter = adapter_of(model, lora)
+    adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(moe_ckpt.folder))
+    peft_model = PeftModel.from_pretrained(hf_model(moe_ckpt.folder), tmp_path / "peft").eval()
+    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
+    out = export_hf(moe_ckpt.folder, tmp_path / "hf", adapter)
+    assert (hf_model(out)(idx).logits - expected).abs().max().item() <= 1e-4
+
+
+def test_lora_on_experts_is_refused_in_one_line(moe_ckpt):
+    from helpers import lora_cfg
+
+    from lit_qlora.utils import UserError
+
+    with pytest.raises(UserError, match="--lora_mlp on a mixture of experts"):
+        load_model(moe_ckpt.folder, precision="32-true", lora=lora_cfg(mlp=True))
+
+
+def test_qlora_on_a_moe_model_trains_from_the_cli_and_generates(tmp_path):
+    """The user's path on Qwen3-MoE, as subprocesses: finetune/lora.py with --quantize bnb.nf4 (LoRA on attention
+    and head over 4-bit experts) learns (the loss falls), then generate/lora.py answers with the adapter merged and
+    with --merge false."""
+    import json
+    import math
+
+    from helpers import make_tiny_hf_model
+    from helpers_tokenizer import make_hf_bpe_tokenizer
+    from helpers_train import GENERATE_LORA, VOCAB, make_records, read_metrics, run_script, train
+
+    ckpt = tmp_path / "qwen3_moe"
+    make_tiny_hf_model("qwen3_moe", ckpt, initializer_range=0.2, vocab_size=VOCAB)
+    make_hf_bpe_tokenizer(ckpt, vocab_size=VOCAB)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tasks.json").write_text(json.dumps(make_records()))
+    out = tmp_path / "out"
+    train({"ckpt": ckpt, "data": data}, out, max_iters=8, quantize="bnb.nf4", lora_projection="true",
+          lora_head="true", learning_rate=1e-2)
+    losses = [float(r["loss"]) for r in read_metrics(out)]
+    assert len(losses) == 8 and all(map(math.isfinite, losses)) and sum(losses[-4:]) / 4 < 0.9 * losses[0]
+    for merge in ("true", "false"):
+        r = run_script(GENERATE_LORA, ["--checkpoint_dir", ckpt, "--lora_path", out / "lit_model_lora_finetuned.pth",
+                                       "--quantize", "bnb.nf4", "--precision", "32-true", "--prompt", "kind",
+                                       "--max_new_tokens", "4", "--merge", merge, "--temperature", "0"])
+        assert r.returncode == 0, r.stderr

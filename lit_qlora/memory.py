@@ -349,6 +349,9 @@ def estimate_training_memory(
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
+    if config.moe_n_expert:  # its weights and activations would be counted as a dense MLP's: refused, not wrong
+        raise UserError(f"the memory estimate does not know mixtures of experts yet ({config.hf_architecture}); pass "
+                        "--micro_batch_size as a number, without --estimate_only")
     lora = lora or LoRAConfig()
     quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)

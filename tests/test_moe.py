@@ -133,3 +133,17 @@ def test_qlora_on_a_moe_model_trains_from_the_cli_and_generates(tmp_path):
                                        "--quantize", "bnb.nf4", "--precision", "32-true", "--prompt", "kind",
                                        "--max_new_tokens", "4", "--merge", merge, "--temperature", "0"])
         assert r.returncode == 0, r.stderr
+
+
+def test_what_does_not_know_experts_yet_refuses_in_one_line(moe_ckpt, tmp_path):
+    """The memory estimator (its MLP terms are a dense MLP's) and the GGUF export (no expert tensors) refuse a MoE
+    model in one line naming it, instead of a wrong figure or file."""
+    from lit_qlora.gguf_export import export_gguf
+    from lit_qlora.memory import estimate_training_memory
+    from lit_qlora.utils import UserError
+
+    with pytest.raises(UserError, match="does not know mixtures of experts"):
+        estimate_training_memory(moe_ckpt.config, quantize="bnb.nf4", seq_length=16)
+    with pytest.raises(UserError, match=moe_ckpt.config.hf_architecture):
+        export_gguf(moe_ckpt.folder, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()

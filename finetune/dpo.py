@@ -77,6 +77,8 @@ def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tup
     if not args.data.mask_inputs:
         raise UserError("--mask_inputs false does not apply to preference pairs (the prompt is always masked: only "
                         "the answers are compared); leave it out")
+    if args.data.data_sources is not None:
+        raise UserError("--data_sources is not read by finetune/dpo.py yet; pass one --data_dir of pairs")
     if args.pref.lora_path is not None:
         _sft_adapter(args).check_base(config, args.pref.lora_path)
     settings = DataSettings(max_seq_length, template=args.data.template)

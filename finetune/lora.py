@@ -51,7 +51,7 @@ from lit_qlora.loader import load_model, load_model_sharded
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
-from lit_qlora.prepare import DataSettings, ensure_prepared
+from lit_qlora.prepare import DataSettings, ensure_mixture, ensure_prepared
 from lit_qlora.prequantized import load_note
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import (
@@ -237,7 +237,9 @@ def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: i
     settings = DataSettings(max_seq_length, template=d.template, mask_inputs=d.mask_inputs, ignore_index=IGNORE_INDEX,
                             instruction_key=d.prompt_column, input_key=d.input_column, output_key=d.response_column,
                             messages_column=d.messages_column)
-    return ensure_prepared(args.data.data_dir, tokenizer, settings)
+    if d.data_sources is not None:
+        return ensure_mixture(d.data_sources, tokenizer, settings, args.run.seed)
+    return ensure_prepared(d.data_dir, tokenizer, settings)
 
 
 def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -> Optional[int]:
@@ -247,9 +249,12 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
         demo.ensure_demo_checkpoint(run.checkpoint_dir)
     if args.data.data_dir == demo.DEMO_DATA_DIR:
         demo.ensure_demo_data(args.data.data_dir)
-    if args.data.data_dir is None:
+    if args.data.data_sources is not None and args.data.data_dir not in (None, demo.DEMO_DATA_DIR):
+        raise UserError("--data_dir and --data_sources both name the data; pass one (list the folder in the "
+                        "--data_sources file to mix it in)")
+    if args.data.data_dir is None and args.data.data_sources is None:
         raise UserError("--data_dir is required with --checkpoint_dir; pass a prepared data folder or one holding "
-                        "train.json/alpaca.json")
+                        "train.json/alpaca.json (or --data_sources, a mixture of several)")
     check_quantize(quantize, run.precision, "cuda" if run.accelerator == "cuda" else "cpu")
     if t.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown --optimizer {t.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -651,7 +656,7 @@ def summarize(s: Session) -> None:
                    row_fill=sum(s.iter_tokens) / s.row_slots if s.row_slots else None,
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
                    trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
-                   quantized_bytes=r["quantized_bytes"],
+                   quantized_bytes=r["quantized_bytes"], data_mixture=s.inputs.data_meta.get("mixture"),
                    bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"],
                    ranks=per_rank)
     summary.update(s.watch.summary() if s.watch else {})

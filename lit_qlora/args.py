@@ -106,6 +106,11 @@ class DataArgs:
     messages_column: Optional[str] = None
     """The column that holds a conversation's turns (role/content, or ShareGPT from/value); default: messages or
     conversations."""
+    data_sources: Optional[Path] = None
+    """Instead of --data_dir: a JSON or YAML list of {path, weight} or {path, epochs} entries, each path anything
+    --data_dir accepts, each prepared as --data_dir would be. The weighted sources share as many samples as they hold
+    together, in proportion to the weights; epochs: that many passes over it. Sampled by --seed; the realized mixture
+    is in metrics.json; validation: every source's."""
 
 
 @dataclass

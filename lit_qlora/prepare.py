@@ -34,7 +34,7 @@ from lit_qlora.records import (
     text_of,
     with_messages_column,
 )
-from lit_qlora.sources import Source, resolve
+from lit_qlora.sources import Source, mix, read_mixture, resolve
 from lit_qlora.templates import AUTO, CHAT, check_template_name, get_template
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
@@ -336,6 +336,27 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
     print(f"Preparing {names} from {data_dir}: {prepared['n_train']} train and {prepared['n_val']} validation samples "
           f"(cached in {cache} for later runs)", file=sys.stderr)
     return train, val, prepared
+
+
+def ensure_mixture(sources_file: Path | str, tokenizer: TokenizerLike, s: DataSettings,
+                   seed: int) -> tuple[list, list, dict]:
+    """What finetuning calls with --data_sources: every entry prepared (and cached) as --data_dir would prepare it,
+    the training samples mixed by weight or epochs (`sources.mix`, deterministic in `seed`), the validation samples
+    of every source together. The meta is the first source's with the realized `mixture`."""
+    entries = read_mixture(sources_file)
+    parts = [ensure_prepared(e.path, tokenizer, s) for e in entries]
+    templates = {m.get("template") for _, _, m in parts}
+    if len(templates) > 1:
+        named = ", ".join(f"{e.path}: {m.get('template')}" for e, (_, _, m) in zip(entries, parts))
+        raise UserError(f"the --data_sources are rendered with different templates ({named}); one adapter learns "
+                        "one format: pass --template chat (conversations and instruction records alike)")
+    train, realized = mix([p[0] for p in parts], entries, seed)
+    val = [x for _, v, _ in parts for x in v]
+    meta = {**parts[0][2], "n_train": len(train), "n_val": len(val), "data_sources": str(sources_file),
+            "mixture": realized}
+    print("Mixture of " + ", ".join(f"{r['path']}: {r['used']} of {r['available']} ({100 * r['share']:.1f}%)"
+                                    for r in realized), file=sys.stderr)
+    return train, val, meta
 
 
 def prepare_dataset(data_file: Path, checkpoint_dir: Path, destination_path: Path, s: DataSettings) -> dict:

@@ -167,3 +167,93 @@ def hub_snapshot(repo_id: str) -> Path:
         raise UserError(f"{repo_id} is neither a folder nor a dataset in the local Hugging Face cache (looked in "
                         f"{where}); nothing is downloaded during a run: fetch it once with `huggingface-cli download "
                         f"--repo-type dataset {repo_id}`, or pass a folder") from None
+
+
+# ---- mixtures ----------------------------------------------------------------------------------------------------
+MIXTURE_KEYS = ("path", "weight", "epochs")
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    """One source of a mixture: what `path` names (anything --data_dir accepts) and its share: a `weight` (the
+    weighted sources share, in proportion, as many samples as they hold together) or `epochs` (that many passes over
+    it: 2 repeats it, 0.5 takes half)."""
+
+    path: str
+    weight: float | None = None
+    epochs: float | None = None
+
+
+def read_mixture(path: Path | str) -> list[MixEntry]:
+    """The entries of a --data_sources file: a JSON or YAML list of {path, weight} or {path, epochs} objects (a
+    relative path is read from the file's folder). Anything else is a one-line UserError naming the entry."""
+    from lit_qlora.readers import check_fields, read_yaml
+
+    path = Path(path)
+    fix = "write a list of {path, weight} or {path, epochs} entries"
+    if path.suffix.lower() == ".json":
+        data = read_json(path, list, what="--data_sources file", fix=fix)
+    elif path.suffix.lower() in (".yaml", ".yml"):
+        data = read_yaml(path, "--data_sources file", fix)
+    else:
+        raise UserError(f"--data_sources {path} is neither .json nor .yaml; {fix} in a .json or .yaml file")
+    if not isinstance(data, list) or not data:
+        raise UserError(f"--data_sources file {path} holds no list of sources; {fix}")
+    entries = []
+    for i, e in enumerate(data, start=1):
+        where = f"entry {i} of --data_sources file {path}"
+        check_fields(e, where, {"path": "str", "weight": "positive", "epochs": "positive"}, ("path",), fix,
+                     nullable=False)
+        unknown = [k for k in e if k not in MIXTURE_KEYS]
+        if unknown:
+            raise UserError(f"{where} has unknown key {unknown[0]!r}; use only {', '.join(MIXTURE_KEYS)}")
+        if ("weight" in e) == ("epochs" in e):
+            which = "both weight and epochs" if "weight" in e else "neither weight nor epochs"
+            raise UserError(f"{where} has {which}; give it one of them (a positive number)")
+        p = e["path"]
+        if not Path(p).is_absolute() and (path.parent / p).exists():
+            p = str(path.parent / p)
+        entries.append(MixEntry(p, e.get("weight"), e.get("epochs")))
+    return entries
+
+
+def mixture_counts(entries: list[MixEntry], sizes: list[int]) -> list[int]:
+    """How many samples each source gives: epochs x its size; the weighted ones share their total size in proportion
+    to the weights (largest remainders, so the counts add up exactly)."""
+    counts = [round(e.epochs * n) if e.epochs is not None else 0 for e, n in zip(entries, sizes)]
+    weighted = [i for i, e in enumerate(entries) if e.weight is not None]
+    if weighted:
+        total, w_sum = sum(sizes[i] for i in weighted), sum(entries[i].weight for i in weighted)
+        exact = {i: total * entries[i].weight / w_sum for i in weighted}
+        for i in weighted:
+            counts[i] = int(exact[i])
+        for i in sorted(weighted, key=lambda i: (exact[i] - int(exact[i]), -i), reverse=True)[:total - sum(
+                counts[i] for i in weighted)]:
+            counts[i] += 1
+    return counts
+
+
+def mix(samples: list[list], entries: list[MixEntry], seed: int) -> tuple[list, list[dict]]:
+    """The mixed training set and what it realized ({path, weight, epochs, available, used, share} per source).
+
+    Source k gives `mixture_counts` samples: whole passes over it, each in its own order drawn from `seed` and k, then
+    the part of one more pass; the mixture is then shuffled with `seed`. The same seed and sources give the same list
+    (so a resumed run, whose stream position indexes it, continues the same sequence)."""
+    import torch
+
+    counts = mixture_counts(entries, [len(s) for s in samples])
+    mixed = []
+    for k, (pool, n) in enumerate(zip(samples, counts)):
+        if n and not pool:
+            raise UserError(f"data source {entries[k].path} gives no training samples; drop it from --data_sources")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        taken = []
+        while len(taken) < n:
+            taken += torch.randperm(len(pool), generator=g).tolist()
+        mixed += [pool[i] for i in taken[:n]]
+    if not mixed:
+        raise UserError("the --data_sources mixture gives no training samples; raise a weight or an epochs")
+    order = torch.randperm(len(mixed), generator=torch.Generator().manual_seed(seed)).tolist()
+    realized = [{"path": e.path, "weight": e.weight, "epochs": e.epochs, "available": len(pool), "used": n,
+                 "share": n / len(mixed)} for e, pool, n in zip(entries, samples, counts)]
+    return [mixed[i] for i in order], realized

@@ -214,6 +214,12 @@ def _data_torn_parquet(t, p):
     return dict(data_dir=p / "data"), [str(p / "data" / "train.parquet"), "not a readable parquet file"]
 
 
+def _data_sources_bad_weight(t, p):
+    (p / "mix.yaml").write_text(f"- {{path: {t['data']}, weight: 0.7}}\n- {{path: {t['data']}, weight: -1}}\n")
+    return dict(data_dir=None, data_sources=p / "mix.yaml"), [f"entry 2 of --data_sources file {p / 'mix.yaml'}",
+                                                              "weight is -1, expected a finite number > 0"]
+
+
 def _data_empty(t, p):
     d = write_data(p / "data", "tasks.json", "")
     return dict(data_dir=d), [str(d / "tasks.json"), "is empty"]
@@ -284,7 +290,7 @@ CASES = {f.__name__[1:]: f for f in (
     _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_unknown_column,
-    _data_torn_parquet, _data_empty, _batch_size, _batch_size_devices, _quantize,
+    _data_torn_parquet, _data_sources_bad_weight, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
     _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero)}
 # also through a fresh interpreter

@@ -176,7 +176,8 @@ def test_column_mapping(tmp_path):
     train, val, _ = ensure_prepared(tmp_path / "qa.parquet", CharTokenizer(), s)
     tok = CharTokenizer()
     want = [(r["instruction"] + (f"\n{r['input']}" if r["input"] else "") + "\n" + r["output"]) for r in RECS]
-    assert sorted(x["input_ids"].tolist() for x in train + val) == sorted(tok.encode(w, eos=True).tolist() for w in want)
+    assert sorted(x["input_ids"].tolist() for x in train + val) == sorted(tok.encode(w, eos=True).tolist()
+                                                                          for w in want)
     with pytest.raises(UserError) as e:
         ensure_prepared(tmp_path / "qa.parquet", CharTokenizer(), DataSettings(200, template="plain"))
     assert_one_line_message(e, "row 1 of", "qa.parquet", "'instruction'", "--prompt_column", "question, ctx, answer")
@@ -210,3 +211,100 @@ def test_bad_sources_are_one_line(tmp_path, monkeypatch):
 def test_source_names(tmp_path):
     assert str(Source((tmp_path / "a.jsonl",))) == str(tmp_path / "a.jsonl")
     assert Source((tmp_path / "a.parquet", tmp_path / "b.parquet")).short_name() == "2 shards (a.parquet ... b.parquet)"
+
+
+# ---- mixtures ------------------------------------------------------------------------------------------------------
+def test_mixture_proportions_and_determinism():
+    from lit_qlora.sources import MixEntry, mix
+
+    pools = [[("a", i) for i in range(3000)], [("b", i) for i in range(5000)], [("c", i) for i in range(2000)]]
+    entries = [MixEntry("a", weight=0.7), MixEntry("b", weight=0.2), MixEntry("c", weight=0.1)]
+    mixed, realized = mix(pools, entries, seed=7)
+    assert len(mixed) == 10_000 and [r["used"] for r in realized] == [7000, 2000, 1000]
+    for name, w in (("a", 0.7), ("b", 0.2), ("c", 0.1)):  # the whole set exactly, and its first half within 2%
+        assert sum(x[0] == name for x in mixed) / 10_000 == pytest.approx(w)
+        share = sum(x[0] == name for x in mixed[:5000]) / 5000
+        assert abs(share - w) <= 0.02, (name, share)
+    assert mix(pools, entries, seed=7)[0] == mixed and mix(pools, entries, seed=8)[0] != mixed
+    a = [x for x in mixed if x[0] == "a"]  # upsampled: every record of a twice or thrice, none left out
+    assert {n for n in (a.count(x) for x in set(a))} == {2, 3} and len(set(a)) == 3000
+
+    from lit_qlora.sources import mixture_counts
+    thirds = [MixEntry("x", weight=2), MixEntry("y", weight=1)]  # 10 samples at 2:1: 6.67 and 3.33 round to 7 and 3
+    assert mixture_counts(thirds, [5, 5]) == [7, 3] and mixture_counts(thirds * 3, [1] * 6) == [1] * 6
+
+    epochs = [MixEntry("a", epochs=0.5), MixEntry("c", epochs=2)]
+    mixed, realized = mix([pools[0], pools[2]], epochs, seed=1)
+    c = [x for x in mixed if x[0] == "c"]
+    assert [r["used"] for r in realized] == [1500, 4000] and all(c.count(x) == 2 for x in pools[2])
+    assert len({x for x in mixed if x[0] == "a"}) == 1500  # half a pass: no record twice
+
+
+def test_mixture_files_prepare_every_source(tmp_path):
+    from lit_qlora.prepare import ensure_mixture
+
+    df = pd.DataFrame(RECS)
+    (tmp_path / "ours").mkdir()
+    df.iloc[:4].to_json(tmp_path / "ours" / "train.jsonl", orient="records", lines=True)
+    df.iloc[4:].to_parquet(tmp_path / "public.parquet")
+    (tmp_path / "mix.yaml").write_text("- {path: ours, weight: 3}\n- {path: public.parquet, weight: 1}\n")
+    s = DataSettings(200, template="plain", test_split_fraction=0.2)
+    train, val, meta = ensure_mixture(tmp_path / "mix.yaml", CharTokenizer(), s, seed=3)
+    n_ours, n_public = 4 - 1, 6 - 1  # one of each held out for validation
+    assert [r["available"] for r in meta["mixture"]] == [n_ours, n_public] and len(val) == 2
+    assert [r["used"] for r in meta["mixture"]] == [6, 2] and len(train) == 8 and meta["n_train"] == 8
+    ours = {tuple(x["input_ids"].tolist()) for x in ensure_prepared(tmp_path / "ours", CharTokenizer(), s)[0]}
+    assert sum(tuple(x["input_ids"].tolist()) in ours for x in train) == 6
+    assert [x["input_ids"].tolist() for x in ensure_mixture(tmp_path / "mix.yaml", CharTokenizer(), s, 3)[0]] == \
+        [x["input_ids"].tolist() for x in train]
+
+
+@pytest.mark.parametrize("text,expect", [
+    ('[{"path": "d", "weight": 0}]', ["entry 1", "weight is 0", "> 0"]),
+    ('[{"path": "d", "weight": -1}]', ["entry 1", "weight is -1"]),
+    ('[{"path": "d", "weight": "lots"}]', ["entry 1", "weight is 'lots'"]),
+    ('[{"path": "d", "weight": true}]', ["entry 1", "weight is True"]),
+    ('[{"path": "d", "weight": 1}, {"path": "e"}]', ["entry 2", "neither weight nor epochs"]),
+    ('[{"path": "d", "weight": 1, "epochs": 2}]', ["entry 1", "both weight and epochs"]),
+    ('[{"path": "d", "weight": 1, "wieght": 2}]', ["entry 1", "unknown key 'wieght'"]),
+    ('[{"weight": 1}]', ["entry 1", "has no 'path'"]),
+    ('{"path": "d"}', ["holds an object where a list belongs"]),
+    ('[]', ["holds no list of sources"]),
+])
+def test_bad_mixture_files_are_one_line(tmp_path, text, expect):
+    from lit_qlora.sources import read_mixture
+
+    (tmp_path / "mix.json").write_text(text)
+    with pytest.raises(UserError) as e:
+        read_mixture(tmp_path / "mix.json")
+    assert_one_line_message(e, str(tmp_path / "mix.json"), *expect)
+
+
+def test_a_mixture_trains_reports_and_resumes(train_setup, tmp_path):
+    """finetune/lora.py --data_sources: the realized mixture in metrics.json; a run resumed from its iteration-2
+    checkpoint retraces the uninterrupted one (the same mixed sequence, LoRA dropout on)."""
+    import json
+    import shutil
+
+    import helpers_train as h
+
+    recs = h.make_records(40, seed=5)
+    pd.DataFrame(recs).to_parquet(tmp_path / "other.parquet")
+    (tmp_path / "mix.json").write_text(json.dumps([{"path": str(train_setup["data"]), "weight": 1},
+                                                   {"path": "other.parquet", "epochs": 2}]))
+    common = dict(data_dir=None, data_sources=tmp_path / "mix.json", max_iters=4, save_interval=2, keep_checkpoints=0,
+                  eval_interval=4, lora_dropout=0.1)
+    a = tmp_path / "a"
+    h.train(train_setup, a, **common)
+    mixture = json.loads((a / "metrics.json").read_text())["data_mixture"]
+    n_tasks = round(64 * 0.95)  # tasks.json: 64 records, 5% held out; other.parquet: 40, 2 held out, twice
+    assert [(m["available"], m["used"]) for m in mixture] == [(n_tasks, n_tasks), (38, 76)]
+    assert sum(m["share"] for m in mixture) == pytest.approx(1)
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copy(a / "checkpoints" / "iter-000002.pth", b / "checkpoints")
+    h.train(train_setup, b, resume="true", **common)
+    la, lb = h.losses_by_iter(a), h.losses_by_iter(b)
+    assert all(abs(la[i] - lb[i]) <= 1e-6 for i in (3, 4)), (la, lb)
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(a / final), h.load_lora(b / final)) < 1e-6

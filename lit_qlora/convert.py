@@ -213,6 +213,11 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
     plan = hf_to_lit_plan(config)
     shapes = lit_param_shapes(config)
     missing = [k for _, ks, _ in plan for k in ks if k not in src.key_to_file]
+    fused = next((k for k in src.key_to_file if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))), None)
+    if missing and fused:
+        raise UserError(f"{checkpoint_dir} stores its experts stacked ({fused!r}, transformers' in-memory layout), "
+                        "which this converter does not read; save the model again with transformers' save_pretrained "
+                        "(it writes one tensor per expert)")
     if missing:
         raise UserError(f"tensor {missing[0]!r} ({len(missing)} in all) is missing from the weights in "
                         f"{checkpoint_dir}; "

@@ -147,3 +147,24 @@ def test_what_does_not_know_experts_yet_refuses_in_one_line(moe_ckpt, tmp_path):
     with pytest.raises(UserError, match=moe_ckpt.config.hf_architecture):
         export_gguf(moe_ckpt.folder, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
+    """Experts saved as transformers holds them in memory (one gate_up_proj / down_proj per layer) are refused
+    naming the tensor, not reported as an incomplete download."""
+    from helpers import make_tiny_hf_model
+    from safetensors.torch import load_file, save_file
+
+    from lit_qlora.convert import convert_hf_checkpoint
+    from lit_qlora.utils import UserError
+
+    make_tiny_hf_model("mixtral", tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        pre = f"model.layers.{i}.block_sparse_moe.experts."
+        w1, w2, w3 = ([sd.pop(f"{pre}{e}.{n}.weight") for e in range(4)] for n in ("w1", "w2", "w3"))
+        sd[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([torch.stack(w1), torch.stack(w3)], dim=1)
+        sd[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(w2)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(UserError, match="stores its experts stacked .'model.layers.0.mlp.experts"):
+        convert_hf_checkpoint(tmp_path)

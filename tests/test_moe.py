@@ -27,7 +27,9 @@ def test_experts_are_quantized_as_bitsandbytes_quantizes_each_expert(moe_ckpt, m
     """Every expert's [out, in] of every projection holds what bitsandbytes' own layer stores for that weight (the
     packed codes, block scales and their double quantization, or the int8 rows and row scales); the router stays a
     dense Linear with the checkpoint's weights. The quantized model computes what our dense model computes with
-    bitsandbytes' dequantization of those weights (int8 in its dequantizing matmul, `validation_mode`)."""
+    bitsandbytes' dequantization of those weights (int8 in its dequantizing matmul, `validation_mode`). (The reference
+    is bitsandbytes' layer per expert: transformers 5.24's BitsAndBytesConfig leaves these models' stacked experts
+    dense, quantizing only their Linear layers, so it has no quantized experts to compare with.)"""
     dense = load_model(moe_ckpt.folder, precision="32-true").eval()
     quantized = load_model(moe_ckpt.folder, precision="32-true", quantize=mode)
     validation_mode(quantized)  # eval, with int8's dequantize-then-matmul (LLM.int8 inference rounds the inputs too)

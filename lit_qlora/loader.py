@@ -122,7 +122,10 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             t, inits[name] = _take_residual(as_tensor(t), name, residual[name], lora, lora_init, quant_error)
             merged = True  # (not the stored quantization of the original weight)
         if isinstance(module, QuantizedExpertWeights):  # stacked [E, out, in]: one bitsandbytes layer per expert
-            quantize_experts(module, t, device, prec.dtype)
+            stack = key.removesuffix(".weight")  # expert e is stored as {stack}.layers.{e}.weight
+            fill = None if merged or not stored else (
+                lambda e, _m=module, _s=stack: stored.fill(_m.layers[e], f"{_s}.layers.{e}.weight"))
+            quantize_experts(module, t, device, prec.dtype, fill)
             continue
         if is_quantized(module) and param == "weight":
             if merged or not (stored and stored.fill(module, key)):

@@ -406,11 +406,13 @@ class QuantizedExpertWeights(nn.Module):
 
 
 def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | FileTensor, device: torch.device,
-                     dtype: Optional[torch.dtype] = None) -> None:
+                     dtype: Optional[torch.dtype] = None, stored: Optional[Callable[[int], bool]] = None) -> None:
     """Quantize the stacked [E, out, in] `weight` into `module`'s per-expert layers (`quantize_into` each), reading a
-    FileTensor one expert at a time."""
+    FileTensor one expert at a time. `stored(e)`: fills expert e from a stored quantization, False if it has none."""
     E, out_f, in_f = weight.shape
     for e, layer in enumerate(module.layers):
+        if stored is not None and stored(e):
+            continue
         if isinstance(weight, FileTensor):
             part = FileTensor(weight.path, weight.offset + e * out_f * in_f * weight.itemsize, (out_f, in_f),
                               weight.dtype)

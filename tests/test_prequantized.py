@@ -71,6 +71,9 @@ def quantized_layers(model) -> dict[str, torch.nn.Module]:
 
 def checkpoint_weight(folder: Path, key: str, tied: bool) -> torch.Tensor:
     key = "transformer.wte.weight" if tied and key == "lm_head.weight" else key
+    stack, _, expert = key.removesuffix(".weight").rpartition(".layers.")  # one expert of a stacked [E, out, in]
+    if stack.endswith((".experts.fc_1", ".experts.fc_2", ".experts.proj")):
+        return next(t for _, t in read_safetensors(folder / LIT_WEIGHTS, {stack + ".weight"}))[int(expert)]
     return next(t for _, t in read_safetensors(folder / LIT_WEIGHTS, {key}))
 
 

@@ -13,13 +13,14 @@ import shutil
 import signal
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from lit_qlora.adapter import ADAPTER_FORMAT
-from lit_qlora.lora import lora_state_dict
+from lit_qlora.lora import LoRAConfig, lora_state_dict
 from lit_qlora.quantize import load_bnb
 from lit_qlora.readers import check_fields, read_csv_rows
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
@@ -410,7 +411,9 @@ def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], O
 
 def check_resume_compatible(state: dict, now: dict) -> None:
     """A run resumes only with the settings its checkpoint was made with (`now`: the same keys as saved)."""
-    saved = state["resume"].get("settings", {})
+    saved = dict(state["resume"].get("settings", {}))
+    if isinstance(saved.get("lora"), dict):  # LoRA fields added since it was saved (rslora, dora, ...): their defaults
+        saved["lora"] = {**asdict(LoRAConfig()), **saved["lora"]}
     for k, v in now.items():
         if k in saved and saved[k] != v and k != "checkpoint_dir":
             raise UserError(f"the checkpoint was made with {k}={saved[k]} but this run uses {k}={v}; resume with the "

@@ -394,3 +394,17 @@ def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora
     peft_model = PeftModel.from_pretrained(hf_model(lora_llama.folder), tmp_path / "peft").eval()
     assert peft_model.peft_config["default"].r == 2 * lora.r
     assert (peft_model(idx).logits - unmerged_dense).abs().max().item() <= 1e-4
+
+
+def test_a_run_saved_before_the_variant_fields_resumes():
+    """A checkpoint whose settings name a LoRA config without the fields added since (rslora, dora, init, ...) resumes
+    under a plain LoRA of the same settings; a different variant is still refused."""
+    from dataclasses import asdict
+
+    from lit_qlora.training import check_resume_compatible
+
+    old = {k: v for k, v in asdict(LoRAConfig()).items() if k in ("r", "alpha", "dropout", "query", "value")}
+    state = {"resume": {"settings": {"lora": old}}}
+    check_resume_compatible(state, {"lora": asdict(LoRAConfig())})
+    with pytest.raises(UserError, match="the checkpoint was made with lora="):
+        check_resume_compatible(state, {"lora": asdict(LoRAConfig(dora=True))})

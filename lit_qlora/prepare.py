@@ -130,11 +130,13 @@ def checked_records(rows: list[tuple[Path, int, Any]], s: DataSettings) -> list:
     return [rec for _, _, rec in rows]
 
 
-def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings) -> tuple[list[dict], int]:
+def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings,
+                    allow_empty: bool = False) -> tuple[list[dict], int]:
     """Tokenize records into {"input_ids", "labels"}; returns (samples, number truncated).
 
     With mask_inputs, samples whose response was truncated away entirely are left out (counted as truncated), so
-    len(samples) can be less than len(records).
+    len(samples) can be less than len(records); none left is a UserError unless `allow_empty` (a record at a time,
+    as `streaming` tokenizes).
 
     Prompt templates: input_ids = tokenize(prompt + output) with eos. The prompt is tokenized on its own only to know
     how many leading tokens to mask: tokenizing the joined text keeps the merges the model will see. The chat
@@ -145,7 +147,7 @@ def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettin
     conversations = bool(records) and (isinstance(records[0], Conversation) or is_conversation_record(records[0]))
     s = replace(s, template=resolve_template(s.template, conversations, tokenizer))
     if s.template == CHAT:
-        return chat_samples(records, tokenizer, s)
+        return chat_samples(records, tokenizer, s, allow_empty)
     tmpl = get_template(s.template)
     check_records(records, (s.instruction_key, s.output_key))
     if tokenizer.eos_id is None:
@@ -167,13 +169,14 @@ def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettin
                 # the loss NaN. Dropped; the caller's warning counts them.
                 continue
         samples.append({"input_ids": input_ids, "labels": labels})
-    if not samples:
+    if not samples and not allow_empty:
         raise UserError(f"max_seq_length={s.max_seq_length} leaves no response tokens in any of the {len(records)} "
                         "samples; raise --max_seq_length")
     return samples, n_truncated
 
 
-def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings) -> tuple[list[dict], int]:
+def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings,
+                 allow_empty: bool = False) -> tuple[list[dict], int]:
     """Conversations (or instruction records, as one user turn and the reply) rendered with the tokenizer's chat
     template: input_ids are transformers' apply_chat_template(tokenize=True) ids (bos only where the template writes
     it, no eos added: the template ends each turn with its own end-of-turn token); labels keep the assistant turns,
@@ -202,7 +205,7 @@ def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings)
                 continue  # no assistant token left to learn from (see prepare_samples)
         samples.append({"input_ids": torch.tensor(ids, dtype=torch.long),
                         "labels": torch.tensor(labels, dtype=torch.long)})
-    if not samples:
+    if not samples and not allow_empty:
         raise UserError(f"max_seq_length={s.max_seq_length} leaves no assistant tokens in any of the {len(records)} "
                         "conversations; raise --max_seq_length")
     return samples, n_truncated

@@ -45,7 +45,30 @@ def is_dataset_folder(path: Path) -> bool:
 def iter_rows(path: Path | str, split: str | None = None) -> Iterator[tuple[int, Any]]:
     """(row, record) of a data file or a save_to_disk folder, rows from 1 (a JSONL file's row is its line number).
     Anything unreadable is a one-line UserError naming the file (and the line, row group or offset)."""
+    for row, rec, _ in iter_rows_from(path, split):
+        yield row, rec
+
+
+Place = tuple[int, int, int]  # where the next record of a file starts: (records before it, byte offset, lines before)
+
+
+def iter_rows_from(path: Path | str, split: str | None = None,
+                   place: Place = (0, 0, 0)) -> Iterator[tuple[int, Any, Place]]:
+    """`iter_rows` from a `Place` on, each row with the place of the one after it. Resuming at a place reads nothing
+    before it where the format allows: a JSONL file is entered at its byte offset, a parquet file skips the row groups
+    before it unread; other formats read past the records before it."""
     path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".parquet") and not path.is_dir():
+        check_file(path, "data file", "check the path")
+        yield from _jsonl_rows(path, *place) if suffix == ".jsonl" else _parquet_rows(path, place[0])
+        return
+    for n, (row, rec) in enumerate(_rows(path, split), start=1):
+        if n > place[0]:
+            yield row, rec, (n, 0, 0)
+
+
+def _rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
     if path.is_dir() and is_dataset_folder(path):
         yield from _dataset_rows(path, split)
         return
@@ -55,10 +78,6 @@ def iter_rows(path: Path | str, split: str | None = None) -> Iterator[tuple[int,
     suffix = path.suffix.lower()
     if suffix not in RAW_SUFFIXES:
         raise UserError(f"unsupported data file type {path.name!r}; use a .json, .jsonl, .csv or .parquet file")
-    if suffix == ".parquet":
-        yield from _parquet_rows(path)
-    elif suffix == ".jsonl":
-        yield from _jsonl_rows(path)
     else:
         text = read_text(path, "data file", "save it as UTF-8 text")  # a BOM (some editors, Excel) is dropped
         if not text.strip():
@@ -87,16 +106,21 @@ def _json_rows(text: str, path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(records, start=1)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """A line at a time: a JSONL file is never held in memory whole."""
+def _jsonl_rows(path: Path, n: int = 0, offset: int = 0, lines: int = 0) -> Iterator[tuple[int, Any, Place]]:
+    """A line at a time from byte `offset` (`n` records and `lines` lines before it): a JSONL file is never held in
+    memory whole. A record's row is its line number."""
     try:
         with open(path, "rb") as f:
-            empty = True
-            for lineno, raw in enumerate(f, start=1):
+            f.seek(offset)
+            empty = offset == 0
+            for lineno, raw in enumerate(f, start=lines + 1):
+                offset += len(raw)
                 line = decode_text(raw, f"line {lineno} of {path}", "save the file as UTF-8 text")
                 if line.strip():
                     empty = False
-                    yield from _jsonl_lines([line], path, lineno)
+                    n += 1
+                    for row, rec in _jsonl_lines([line], path, lineno):
+                        yield row, rec, (n, offset, lineno)
     except OSError as e:
         raise UserError(f"cannot read data file {path} ({e.strerror}); check the file") from None
     if empty:
@@ -116,8 +140,9 @@ def _jsonl_lines(lines: list[str], path: Path, first: int = 1) -> Iterator[tuple
                             "each line must be one JSON object") from None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """A row group at a time (pyarrow): a parquet file is never held in memory whole."""
+def _parquet_rows(path: Path, skip: int = 0) -> Iterator[tuple[int, Any, Place]]:
+    """A row group at a time (pyarrow), after the first `skip` rows (whole row groups before them not read): a
+    parquet file is never held in memory whole."""
     pq = optional_module("pyarrow.parquet", f"reading {path.name}")
     try:
         pf = pq.ParquetFile(path)
@@ -128,6 +153,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
     row = 0
     for g in range(n_groups):
         n = pf.metadata.row_group(g).num_rows
+        if row + n <= skip:
+            row += n
+            continue
         try:
             records = pf.read_row_group(g).to_pylist()
         except Exception as e:
@@ -135,7 +163,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
                             "file may be damaged: re-copy or re-export it") from None
         for rec in records:
             row += 1
-            yield row, rec
+            if row > skip:
+                yield row, rec, (row, 0, 0)
 
 
 def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:

@@ -5,6 +5,7 @@ input refused in one line."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 from helpers_data import CharTokenizer, assert_one_line_message
@@ -308,3 +309,94 @@ def test_a_mixture_trains_reports_and_resumes(train_setup, tmp_path):
     assert all(abs(la[i] - lb[i]) <= 1e-6 for i in (3, 4)), (la, lb)
     final = "lit_model_lora_finetuned.pth"
     assert h.max_abs_diff(h.load_lora(a / final), h.load_lora(b / final)) < 1e-6
+
+
+# ---- streaming (the data side; finetune --streaming is not wired yet) ----------------------------------------------
+def _stream(src, tok, s, **kw):
+    from lit_qlora.streaming import SampleStream, record_tokenizer, source_rows_from
+
+    return SampleStream(source_rows_from(src), record_tokenizer(tok, s), **kw)
+
+
+def _ids(samples) -> list[list[int]]:
+    return [x["input_ids"].tolist() for x in samples]
+
+
+def test_a_stream_gives_the_prepared_samples_in_file_order(tmp_path):
+    import torch
+
+    from lit_qlora.batching import collate
+    from lit_qlora.prepare import prepare_samples
+    from lit_qlora.streaming import stream_batches
+
+    recs = RECS * 3
+    pd.DataFrame(recs[:12]).to_parquet(tmp_path / "a.parquet", row_group_size=5)
+    pd.DataFrame(recs[12:]).to_json(tmp_path / "b.jsonl", orient="records", lines=True, force_ascii=False)
+    src = Source((tmp_path / "a.parquet", tmp_path / "b.jsonl"))
+    tok, s = CharTokenizer(), DataSettings(40, template="plain")  # some samples truncated, some dropped
+    want, _ = prepare_samples(recs, tok, s)
+    assert _ids(_stream(src, tok, s, buffer=3, max_epochs=1)) == _ids(want)
+    batches = list(stream_batches(_stream(src, tok, s, buffer=3, max_epochs=1), 4))
+    ref = [collate(want[i:i + 4]) for i in range(0, len(want), 4)]
+    assert len(batches) == len(ref) and all(torch.equal(a[k], b[k]) for a, b in zip(batches, ref) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_resumed_stream_equals_the_uninterrupted_one(tmp_path, monkeypatch, kind):
+    recs = RECS * 3
+    df = pd.DataFrame(recs)
+    path = tmp_path / f"d.{kind}"
+    df.to_parquet(path, row_group_size=4) if kind == "parquet" else df.to_json(path, orient="records", lines=True)
+    src, tok, s = Source((path,)), CharTokenizer(), DataSettings(200, template="plain")
+    whole = _ids(_stream(src, tok, s, buffer=2, max_epochs=2))
+    assert len(whole) == 60
+    first = _stream(src, tok, s, buffer=2, max_epochs=2)
+    it = iter(first)
+    head = [next(it)["input_ids"].tolist() for _ in range(37)]  # into the second epoch, mid-file
+    state = first.state_dict()
+    first.close()
+    assert state["epoch"] == 1 and state["place"][0] == 7
+    if kind == "jsonl":  # entered at the byte offset after the 7th line (read from line 1, it would repeat them)
+        assert state["place"][1] == sum(len(ln) for ln in path.read_bytes().splitlines(keepends=True)[:7])
+    else:
+        reads = []
+        real_read = pq.ParquetFile.read_row_group
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, *a, **k: reads.append(i) or
+                            real_read(self, i))
+    rest = _ids(_stream(src, tok, s, buffer=2, max_epochs=2, state=state))
+    assert head + rest == whole
+    if kind == "parquet":
+        assert reads[0] == 1  # rows 8 on: the first row group (rows 1-4) is skipped unread
+
+
+def test_a_stream_holds_a_bounded_buffer_of_an_endless_source():
+    import time
+
+    from lit_qlora.streaming import SampleStream
+
+    made = []
+
+    def endless(state):  # a source never materialized: rows are made as they are asked for
+        i = state.get("place", [0])[0]
+        while True:
+            i += 1
+            made.append(i)
+            yield Path("gen"), i, {"instruction": f"n{i}", "output": "x"}, {"file": 0, "place": [i, 0, 0]}
+
+    tok, s = CharTokenizer(), DataSettings(64, template="plain")
+    from lit_qlora.streaming import record_tokenizer
+
+    stream = SampleStream(endless, record_tokenizer(tok, s), buffer=5)
+    it = iter(stream)
+    got = [next(it) for _ in range(10)]
+    time.sleep(0.5)  # the worker runs ahead as far as the buffer lets it
+    assert len(got) == 10 and 10 + 5 <= len(made) <= 10 + 5 + 2
+    stream.close()
+
+
+def test_a_bad_row_in_a_stream_is_one_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"instruction": "a", "output": "b"}\n{"instruction": oops}\n')
+    stream = _stream(Source((tmp_path / "d.jsonl",)), CharTokenizer(), DataSettings(64, template="plain"))
+    with pytest.raises(UserError) as e:
+        list(stream)
+    assert_one_line_message(e, "line 2 of", "d.jsonl", "not valid JSON")

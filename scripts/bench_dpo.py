@@ -183,10 +183,10 @@ def preferred_share(checkpoint: Path, adapter: Path | None, data: Path, quantize
 
 
 def accuracy_run(quantize: str, out_dir: str) -> None:
-    from lit_qlora.demo import DEMO_CHECKPOINT, ensure_demo_checkpoint
+    from lit_qlora.demo import ensure_demo_checkpoint
 
     work = Path(out_dir or Path(tempfile.gettempdir()) / "bench-dpo-accuracy")
-    ckpt = ensure_demo_checkpoint(ROOT / DEMO_CHECKPOINT)
+    ckpt = ensure_demo_checkpoint(work / "demo")  # built here once (not shared with other runs building it)
     data = demo_pairs(work / "pairs")
     out = work / f"out-{int(time.time())}"
     args = ["--checkpoint_dir", ckpt, "--data_dir", data, "--out_dir", out, "--quantize", quantize, "--template",

@@ -5,7 +5,8 @@ bounded buffer).
     python scripts/bench_data.py --size_mb 200 --format jsonl
     python scripts/bench_data.py --size_mb 200 --format parquet --modes streamed
 
-Generates instruction records (about 1 KB each) of `--size_mb` in a temporary folder, then runs each mode in a fresh
+Generates instruction records (about 1 KB each) of `--size_mb` as JSON text (a parquet file of them is smaller:
+its size is printed) in a temporary folder, then runs each mode in a fresh
 interpreter and prints one line per mode: seconds to the first batch, peak RSS (ru_maxrss), samples read. The
 tokenizer is a byte-level stand-in (one id per UTF-8 byte), so the figures are the data path's (reading, checking,
 tokenizing, caching), not a BPE tokenizer's speed. Name the CPU next to any figure you quote.

@@ -416,8 +416,8 @@ def test_record_files_that_are_not_lists(tmp_path):
     with pytest.raises(UserError, match=r"^line 2 of .*bad.jsonl is not valid JSON"):
         ct.load_conversations(tmp_path / "bad.jsonl")
     (tmp_path / "one.json").write_text('{\n  "messages": [{"role": "user", "content": "Hi"}]\n}\n')
-    with pytest.raises(UserError, match=r"holds an object with keys \['messages'\], not a list of records; make the top "
-                       "level a JSON list"):
+    with pytest.raises(UserError, match=r"holds an object with keys \['messages'\], not a list of records; make "
+                       "the top level a JSON list"):
         ct.load_conversations(tmp_path / "one.json")
     (tmp_path / "broken.json").write_text('[{"messages": ]')
     with pytest.raises(UserError, match=r"broken.json is not valid JSON \(Expecting value at line 1 column 15\)"):

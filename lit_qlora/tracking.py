@@ -345,6 +345,11 @@ def _plot(path: Path, rows: list[dict], m: dict, title: str) -> bool:
         for r, (_, v) in zip(rects, bars):
             label = f"{v:.2f} GB" if v >= 0.1 else f"{v * 1024:.1f} MiB"
             a.annotate(label, (r.get_x() + r.get_width() / 2, r.get_height()), ha="center", va="bottom", fontsize=8)
+    else:  # a run in progress: its memory figures come with metrics.json at the end
+        a.text(0.5, 0.5, "written at the end of the run (metrics.json)", ha="center", va="center",
+               transform=a.transAxes, color="gray")
+        a.set_xticks([])
+        a.set_yticks([])
     a.set(title=f"Memory ({m.get('memory_kind', 'no metrics.json yet')})", ylabel="GB")
     settings = ", ".join(str(v) for v in (m.get("precision"), m.get("quantize"), m.get("optimizer")) if v)
     fig.suptitle(f"{m.get('model', '')} {settings}\n{title}", fontsize=10)

@@ -77,7 +77,6 @@ from lit_qlora.training import (
     check_resume_compatible,
     checkpoint_bytes,
     checkpoint_path,
-    chunked_cross_entropy,
     find_resume,
     head_chunk,
     list_checkpoints,
@@ -543,9 +542,8 @@ def _batch_loss(s: Session, batch: dict, tgt: torch.Tensor) -> torch.Tensor:
     tgt = tgt.to(dev)
     has_target = tgt != IGNORE_INDEX
     packed = {k: batch[k].to(dev) for k in ("positions", "segments") if k in batch}
-    logits = s.model(batch["input_ids"].to(dev), lm_head_chunk=head_chunk(s.inputs.config), output_mask=has_target,
-                     **packed)
-    return chunked_cross_entropy(logits, tgt[has_target], IGNORE_INDEX)
+    return s.model(batch["input_ids"].to(dev), lm_head_chunk=head_chunk(s.inputs.config), output_mask=has_target,
+                   targets=tgt[has_target], **packed)
 
 
 def _last_good(s: Session) -> str:

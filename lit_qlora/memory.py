@@ -14,9 +14,10 @@ mirrors what actually exists during training:
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
-  `_block_saved`), the logits the training loop holds (the loss saves them, plus a log-sum-exp per position), and the
-  largest temporary alive at the peak (the loss gradients of one logits chunk, a dequantized 4-bit/int8 weight,
-  the gradients inside one block's backward).
+  `_block_saved`), what the loss keeps (with a frozen dense head, the default: the gradient of the final hidden
+  states, one chunk of logits existing at a time in forward; with a quantized head or a LoRA on it: the logits and a
+  log-sum-exp per position), and the largest temporary alive at the peak (one chunk of logits with its fp32 softmax,
+  a dequantized 4-bit/int8 weight, the gradients inside one block's backward).
 
 The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
 saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
@@ -49,6 +50,7 @@ from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
+from lit_qlora.losses import head_chunk_rows
 from lit_qlora.precision import Precision, parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import CPU_QUANTIZE_CHUNK
@@ -402,6 +404,7 @@ def estimate_training_memory(
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
                     lora_targets=lora.targets(), shard_world=shard_world)
     extra = dict(saved_for_backward=sum(act.saved_all) + sum(act.logits) + sum(act.loss_saved), logits=sum(act.logits),
+                 chunk_tokens=act.chunk_tokens,
                  optimizer_state=static["optimizer state"],
                  live_dynamic=sum(peak.saved) + sum(peak.held) + sum(peak.temps), small_max=small_max,
                  rank_weight_bytes=static["quantized weights"] + static["dense weights"]
@@ -462,11 +465,15 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     # Counted for every position: an upper bound, as training runs the output layer only where a target exists
     # (GPT(output_mask=...)), which prompt masking and packing make a fraction of the positions.
     V = c.vocab_size
+    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
+    saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
+    if "lm_head" not in targets and head_quantize is None:
+        # a frozen dense head: losses.head_cross_entropy holds one chunk of logits at a time, in forward, and keeps
+        # only the gradient of the hidden states for backward
+        return _Activations(saved_all, block_max, tail, [], [d.N * c.n_embd * d.a], min(head_chunk_rows(V), d.N))
     chunk_T = min(256 if V >= 32000 else d.T, d.T)
     n_chunks = -(-d.T // chunk_T)
     N_c = d.B * chunk_T
-    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
-    saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
     return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [d.N * 4, d.N * 8], N_c)
 
 
@@ -508,6 +515,18 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[QuantM
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
     saved = act.saved_all
+    if not act.logits:  # the loss of a frozen dense head, made chunk by chunk in forward (head_cross_entropy)
+        chunk_temps = [N_c * V * a, N_c * V * 4] + ([N_c * V * a] if a != 4 else [])
+        phases = [_Phase("output loss (forward)", saved, act.loss_saved, chunk_temps,
+                         "one chunk of logits, its fp32 softmax and its gradient")]
+        phases.append(_Phase("block recomputation", saved[:-len(act.tail) or None] + act.block_max,
+                             act.loss_saved[:1], block_temps, "a recomputed block + " + block_note)
+                      if activation_checkpointing else
+                      _Phase("block backward", saved, act.loss_saved[:1], block_temps, block_note))
+        if validation:
+            phases.append(_Phase("validation forward", [], [], [N_c * V * a, N_c * V * 4],
+                                 "one chunk of logits and its fp32 softmax (no grad)"))
+        return phases
     phases = [
         _Phase("loss backward", saved, act.logits + act.loss_saved, [N_c * V * 4] + ([N_c * V * a] if a != 4 else []),
                "loss gradients of one logits chunk (fp32, and in the logits' dtype)"),

@@ -35,52 +35,6 @@ class TrainingDiverged(UserError):
 
 
 # ---- loss -------------------------------------------------------------------------------------
-def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
-                          ignore_index: int = -100) -> torch.Tensor:
-    """Sum (not mean) of token losses. `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`: the fp32
-    upcast is then made chunk by chunk, as a temporary (backward keeps only the logits and a log-sum-exp per row).
-    Logits [B, T, V] go with targets [B, T]; logits of selected positions [N, V] (`GPT(output_mask=...)`) with the
-    targets of those positions [N]."""
-    if isinstance(logits, torch.Tensor):
-        logits = [logits]
-    total, start = None, 0
-    for chunk in logits:
-        T = chunk.size(1) if chunk.dim() == 3 else chunk.size(0)
-        t = targets[:, start:start + T] if chunk.dim() == 3 else targets[start:start + T]
-        start += T
-        loss = _CrossEntropySum.apply(chunk.reshape(-1, chunk.size(-1)), t.reshape(-1), ignore_index)
-        total = loss if total is None else total + loss
-    return total
-
-
-class _CrossEntropySum(torch.autograd.Function):
-    """F.cross_entropy(logits.float(), targets, reduction="sum") for logits [N, V], saving the logits (which the
-    caller holds anyway) and one fp32 log-sum-exp per row. Why: autograd's cross entropy saves its fp32
-    log-probabilities (a second [N, V] tensor, twice the logits' size in bf16) and its backward fills a zero [N, V]
-    gradient, scatters into it and runs softmax's backward; here backward builds softmax - one_hot in one tensor."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        x = logits.float()
-        lse = torch.logsumexp(x, dim=-1)  # [N]
-        valid = targets != ignore_index
-        safe = torch.where(valid, targets, 0)
-        picked = x.gather(-1, safe[:, None])[:, 0]
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.ignore_index = ignore_index
-        return torch.where(valid, lse - picked, 0).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        valid = targets != ctx.ignore_index
-        g = torch.sub(logits, lse[:, None]).exp_()  # softmax, one new fp32 [N, V] (bf16 - fp32 gives fp32)
-        rows = valid.nonzero()[:, 0]
-        g[rows, targets[rows]] -= 1.0
-        g.mul_(torch.where(valid, grad, 0)[:, None])  # ignored rows: no gradient
-        return g.to(logits.dtype), None, None
-
-
 def head_chunk(config) -> int:
     """Positions per lm_head chunk for `GPT(lm_head_chunk=...)`: large vocabularies project 256 positions at a time,
     so the loss's fp32 upcast is made per chunk; 0 (all at once) below 32000 entries."""

@@ -123,7 +123,8 @@ def build_ours(config: Config, quantize: Optional[str], device: torch.device, qu
 
 def ours_cell(config: Config, quantize: Optional[str], device: torch.device, batch: torch.Tensor,
               args: argparse.Namespace) -> tuple[nn.Module, Callable[[], torch.Tensor], str]:
-    from lit_qlora.training import chunked_cross_entropy, head_chunk, shift_labels
+    from lit_qlora.losses import chunked_cross_entropy
+    from lit_qlora.training import head_chunk, shift_labels
 
     model = build_ours(config, quantize, device, args.quantize_lm_head)
     model.activation_checkpointing = args.activation_checkpointing

@@ -47,7 +47,8 @@ def main() -> None:
 
     from lit_qlora.loader import load_model
     from lit_qlora.lora import LoRAConfig
-    from lit_qlora.training import chunked_cross_entropy, head_chunk
+    from lit_qlora.losses import chunked_cross_entropy
+    from lit_qlora.training import head_chunk
     from lit_qlora.utils import tune_cpu_allocator
 
     device = torch.device(args.device)

@@ -17,6 +17,7 @@ from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, weight_bytes
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import memory_report
+from lit_qlora.training import head_chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
@@ -69,9 +70,8 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
 
 
 def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
-    """Bytes of the distinct storages autograd saves in one training forward + loss (what backward will need)."""
-    from lit_qlora.training import chunked_cross_entropy
-
+    """Bytes of the distinct storages autograd saves in one training forward + loss (what backward will need), the
+    loss computed as training computes it (GPT(..., targets=...))."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -84,7 +84,7 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     idx = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        chunked_cross_entropy(model(idx), idx)
+        model(idx, targets=idx, lm_head_chunk=head_chunk(config))
     return sum(seen.values())
 
 
@@ -219,18 +219,24 @@ def test_optimizer_state_matches_the_real_optimizer(memory_ckpts, optimizer, pre
 
 
 @pytest.mark.parametrize("arch", ["llama", "neox"])
-def test_logits_term_matches_what_the_loop_holds(memory_ckpts, arch):
-    """The logits the training loop holds through backward: the chunks GPT(lm_head_chunk=...) returns."""
+@pytest.mark.parametrize("lora", [QV, ALL], ids=["frozen_head", "head_lora"])
+def test_logits_term_matches_what_the_loop_holds(memory_ckpts, arch, lora):
+    """The logits the training loop holds through backward: none with a frozen dense head (the loss makes one chunk at
+    a time in forward, losses.head_cross_entropy); with a LoRA on the head, the chunks GPT(lm_head_chunk=...) keeps."""
     from lit_qlora.loader import load_model
-    from lit_qlora.training import head_chunk
+    from lit_qlora.losses import head_chunk_rows
 
     folder, config = memory_ckpts[arch]
-    model = load_model(folder, precision="bf16-true", lora=QV, config=config, seed=0).train()
+    model = load_model(folder, precision="bf16-true", lora=lora, config=config, seed=0).train()
     B, T = 3, 40
+    est = estimate_training_memory(config, lora, "bf16-true", None, micro_batch_size=B, seq_length=T)
+    if lora is QV:
+        assert type(model.lm_head) is torch.nn.Linear and not model.lm_head.weight.requires_grad
+        assert est.extra["logits"] == 0 and est.extra["chunk_tokens"] == min(head_chunk_rows(config.vocab_size), B * T)
+        return
     idx = torch.randint(0, config.vocab_size, (B, T))
     out = model(idx, lm_head_chunk=head_chunk(config))
     held = sum(t.numel() * t.element_size() for t in (out if isinstance(out, list) else [out]))
-    est = estimate_training_memory(config, QV, "bf16-true", None, micro_batch_size=B, seq_length=T)
     assert est.extra["logits"] == held
 
 

@@ -240,9 +240,13 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = Config.from_file(checkpoint_dir / LIT_CONFIG)
     weights = Path(weights or checkpoint_dir / LIT_WEIGHTS)
-    safetensors_header(weights)  # sizes, dtypes and offsets checked against the file before anything is written
-    out_dir.mkdir(parents=True, exist_ok=True)
+    header, _, _ = safetensors_header(weights)  # sizes, dtypes, offsets checked before anything is written
     plan = lit_to_hf_plan(config)
+    missing = [k for _, keys, _ in plan for k in keys if k not in header]
+    if missing:
+        raise UserError(f"{weights} has no tensor {missing[0]!r} ({len(missing)} missing), which {config.name}'s "
+                        f"config needs; convert the checkpoint again (delete {weights.name} and rerun)")
+    out_dir.mkdir(parents=True, exist_ok=True)
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         specs = []
         for hf_key, keys, j in plan:

@@ -147,9 +147,14 @@ def write_csv(cells: list[dict], path: Path) -> None:
 
 
 def _label(r: dict, many_models: bool) -> str:
-    mb = f"mb{r['micro_batch_size']}"
-    s = f"{r['quantize']}\n{r['precision']} {r['optimizer']} {mb}" + (" ckpt" if r["activation_checkpointing"] else "")
-    return f"{r['model']}\n{s}" if many_models else s
+    def short(v) -> str:  # a damaged metrics.json may hold megabytes where a name belongs: no plot can draw that
+        v = str(v)
+        return v if len(v) <= 40 else v[:37] + "..."
+
+    mb = f"mb{short(r['micro_batch_size'])}"
+    s = f"{short(r['quantize'])}\n{short(r['precision'])} {short(r['optimizer'])} {mb}" + (
+        " ckpt" if r["activation_checkpointing"] else "")
+    return f"{short(r['model'])}\n{s}" if many_models else s
 
 
 def plots(cells: list[dict], out_root: Path) -> list[Path]:
@@ -201,11 +206,14 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
                               ("training_time_s", "time.png", "training time (s)")):
         fig, ax = plt.subplots(figsize=(max(7, 2.0 * len(cells)), 5))
         labels = [_label(r, many) for r in cells]
-        values = [r[key] if isinstance(r[key], (int, float)) else 0.0 for r in cells]
+        # a figure a bar can show: a damaged metrics.json (1e308 GB, inf, a negative time) gets no bar, only its text
+        shown = [isinstance(r[key], (int, float)) and math.isfinite(r[key]) and 0 <= r[key] < 1e6 for r in cells]
+        values = [r[key] if ok else 0.0 for r, ok in zip(cells, shown)]
         bars = ax.bar(range(len(cells)), values,
                       color=["tab:blue" if r["status"] == "ok" else "tab:red" for r in cells])
-        for bar, r in zip(bars, cells):
-            text = f"{r[key]:.2f}" if isinstance(r[key], (int, float)) else _status(r).split(":")[0]
+        for bar, r, ok in zip(bars, cells, shown):
+            text = f"{r[key]:.2f}" if ok else f"{r[key]!r:.12}" if isinstance(r[key], (int, float)) \
+                else _status(r).split(":")[0]
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=7)
         ax.set_xticks(range(len(cells)))

@@ -406,6 +406,7 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     d = _case_folder(pristine, work / f"{kind}-{seed}")
     rel, read = KINDS[kind]
     target = d / rel
+    original = target.read_bytes() if target.is_file() else b""
     what = corrupt(target, kind, rng)
     before = _snapshot(d, target)
     outcome, detail = "accepted", ""
@@ -425,8 +426,44 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     changed = sorted(k for k in before if before[k] != after.get(k))
     if changed:
         outcome, detail = "changed", f"modified {changed[:3]}"
+    damage = _text_diff(original, target) if detail == "reads differently" else ""
     shutil.rmtree(d, ignore_errors=True)
-    return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail}
+    return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail, "damage": damage}
+
+
+def _json_diff(old, new, path: str = "") -> str:
+    if type(old) is not type(new) or not isinstance(old, (dict, list)):
+        return f"{path or '(top)'}: {json.dumps(old)[:60]} -> {json.dumps(new)[:60]}" if old != new else ""
+    if isinstance(old, dict):
+        for k in sorted(set(old) | set(new), key=str):
+            if k not in new:
+                return f"{path}.{k} deleted"
+            if k not in old:
+                return f"{path}.{k} added"
+            if (d := _json_diff(old[k], new[k], f"{path}.{k}")):
+                return d
+        return ""
+    if len(old) != len(new):
+        return f"{path}: {len(old)} -> {len(new)} items"
+    return next((d for i, (a, b) in enumerate(zip(old, new)) if (d := _json_diff(a, b, f"{path}[{i}]"))), "")
+
+
+def _text_diff(original: bytes, target: Path, width: int = 160) -> str:
+    """The first changed line of a damaged text file (what a reader accepted as different but valid), for review."""
+    import difflib
+
+    try:
+        old, new = original.decode(), target.read_bytes().decode()
+    except (UnicodeDecodeError, OSError):
+        return "(binary)"
+    try:  # JSON: the first value that differs, by its path
+        return _json_diff(json.loads(old), json.loads(new))[:width]
+    except ValueError:
+        pass
+    for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0):
+        if line.startswith(("+", "-")) and not line.startswith(("+++", "---")):
+            return line[:width]
+    return ""
 
 
 def _reading(value, d: Path) -> str:
@@ -474,6 +511,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--per_kind", type=int, default=40)
     p.add_argument("--kinds", nargs="*", default=None)
+    p.add_argument("--show_accepted", action="store_true", help="print what each accepted, changed reading was")
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="fuzz-pristine-"))
     pristine = build_pristine(base)
@@ -481,6 +519,8 @@ def main() -> None:
     for r in results:
         if r["outcome"] in ("traceback", "changed"):
             print(f"{r['kind']} seed {r['seed']} ({r['corruption']}): {r['outcome']}: {r['detail']}")
+        if args.show_accepted and r["detail"] == "reads differently":
+            print(f"accepted, reads differently: {r['kind']} seed {r['seed']} ({r['corruption']}): {r['damage']}")
     print(table(results))
     shutil.rmtree(base, ignore_errors=True)
 

@@ -396,6 +396,8 @@ def estimate_training_memory(
                                        else "reading + quantizing a chunk of a tensor")
     notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
                    device_type)
+    if not act.logits:  # losses.head_cross_entropy
+        notes["logits (+ loss gradient)"] = "none kept: made a chunk at a time in forward; the hidden states' gradient"
     if shard_world > 1:
         for k in ("quantized weights", "dense weights", "LoRA weights + grads", "optimizer state"):
             notes[k] = f"this rank's 1/{shard_world}" + (f" of {notes[k]}" if notes[k] else "") + (

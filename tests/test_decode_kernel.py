@@ -615,7 +615,8 @@ def test_int8_generation_is_unchanged_and_close_to_its_dequantized_weights(famil
     """int8 has no kernel: the generation path leaves its layers alone (same logits, bit for bit, as before the hook).
     LLM.int8 also rounds the activations to int8, so its tokens may differ from the dense model of its dequantized
     weights (4 of 11 families at 32-true): teacher-forced, its logits stay within 0.3 x their std of that model's
-    at 32-true and 0.4 x at bf16-true (measured up to 0.23 and 0.32)."""
+    at 32-true and 0.5 x at bf16-true (measured up to 0.23 and, bf16, 0.32 through fp32 kernels on an AVX2 CPU and
+    0.43 with native bf16 kernels on AVX512-BF16: llama_longrope)."""
     from lit_qlora.loader import load_model
 
     folder = family_ckpts(kind)
@@ -625,7 +626,7 @@ def test_int8_generation_is_unchanged_and_close_to_its_dequantized_weights(famil
     assert not calls
     untouched = load_model(folder, precision=precision, quantize="bnb.int8").eval()
     assert torch.equal(teacher_forced_logits(untouched, seq), got)
-    bound = 0.3 if precision == "32-true" else 0.4
+    bound = 0.3 if precision == "32-true" else 0.5
     if model.config.moe_n_expert and precision != "32-true":
         # bf16 rounding moves some tokens to other experts: the dense bf16 model of the same weights is as far off
         # (tiny Mixtral: 0.82 x std; its int8 model 0.89 x)

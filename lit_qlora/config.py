@@ -258,6 +258,11 @@ configs += [
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=128, hidden_act="silu",
               max_position_embeddings=40960, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000,
               sliding_window=None, use_sliding_window=False, vocab_size=151936)
+# the fields every published Gemma 2 config.json shares (each entry below adds its own shape)
+_GEMMA2 = dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
+               final_logit_softcapping=30.0, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+               max_position_embeddings=8192, rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096,
+               vocab_size=256000)
 _OLMO2_13B = dict(architectures=["Olmo2ForCausalLM"], attention_bias=False, hidden_act="silu", hidden_size=5120,
                   intermediate_size=13824, max_position_embeddings=4096, num_attention_heads=40, num_hidden_layers=40,
                   num_key_value_heads=40, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=500000,
@@ -306,12 +311,8 @@ _HF_CONFIGS: dict[str, dict] = {
     "Qwen3-32B": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, max_window_layers=64, tie_word_embeddings=False),
     # kevinstephano/thunder_model_blocks: thunder_model_blocks/gemma2/gemma2_config.py (google/gemma-2-9b-it)
-    "gemma-2-9b-it": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
-                          final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
-                          hidden_activation="gelu_pytorch_tanh", hidden_size=3584, intermediate_size=14336,
-                          max_position_embeddings=8192, num_attention_heads=16, num_hidden_layers=42,
-                          num_key_value_heads=8, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0,
-                          sliding_window=4096, vocab_size=256000),
+    "gemma-2-9b-it": dict(_GEMMA2, head_dim=256, hidden_size=3584, intermediate_size=14336, num_attention_heads=16,
+                          num_hidden_layers=42, num_key_value_heads=8, query_pre_attn_scalar=256),
     # Liwink/gemma-jax: models/README.md (gemma-3-1b-it)
     "gemma-3-1b-it": dict(architectures=["Gemma3ForCausalLM"], attention_bias=False, attn_logit_softcapping=None,
                           final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh",
@@ -336,19 +337,11 @@ _HF_CONFIGS: dict[str, dict] = {
     "Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, max_window_layers=28, tie_word_embeddings=True),
     # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "gemma2_2b" (eos [1, 107]: the -it config.json)
-    "gemma-2-2b-it": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
-                          final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
-                          hidden_activation="gelu_pytorch_tanh", hidden_size=2304, intermediate_size=9216,
-                          max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=26,
-                          num_key_value_heads=4, query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0,
-                          sliding_window=4096, vocab_size=256000),
+    "gemma-2-2b-it": dict(_GEMMA2, head_dim=256, hidden_size=2304, intermediate_size=9216, num_attention_heads=8,
+                          num_hidden_layers=26, num_key_value_heads=4, query_pre_attn_scalar=256),
     # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "gemma2_27b" (eos 1: the base config.json)
-    "gemma-2-27b": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_logit_softcapping=50.0,
-                        final_logit_softcapping=30.0, head_dim=128, hidden_act="gelu_pytorch_tanh",
-                        hidden_activation="gelu_pytorch_tanh", hidden_size=4608, intermediate_size=36864,
-                        max_position_embeddings=8192, num_attention_heads=32, num_hidden_layers=46,
-                        num_key_value_heads=16, query_pre_attn_scalar=144, rms_norm_eps=1e-06, rope_theta=10000.0,
-                        sliding_window=4096, vocab_size=256000),
+    "gemma-2-27b": dict(_GEMMA2, head_dim=128, hidden_size=4608, intermediate_size=36864, num_attention_heads=32,
+                        num_hidden_layers=46, num_key_value_heads=16, query_pre_attn_scalar=144),
     # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py at 8f49ea6b (before 95d50546 removed it), "phi-3"
     # (_name_or_path Phi-3-mini-4k-instruct)
     "Phi-3-mini-4k-instruct": dict(architectures=["Phi3ForCausalLM"], bos_token_id=1, eos_token_id=32000,

@@ -7,6 +7,7 @@ a `--config` YAML is one flat mapping, as `--print_config` writes it. `python fi
 from __future__ import annotations
 
 import json
+import math
 import sys
 from argparse import ArgumentError
 from dataclasses import asdict, dataclass, fields
@@ -201,6 +202,27 @@ class TrainArgs:
     nan_policy: str = "stop"
     """stop: end the run at a NaN/inf loss, keeping the last good checkpoint; skip: skip the step."""
 
+    def __post_init__(self) -> None:
+        # values of the right type that cannot mean anything (a hand-edited --config, a typo): refused here, before
+        # any file is read, rather than training with them
+        def bad(flag: str, value, expected: str) -> UserError:
+            return UserError(f"--{flag} is {value!r}; it must be {expected}")
+
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise bad("learning_rate", self.learning_rate, "a number above 0, e.g. 3e-4")
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.learning_rate):
+            raise bad("min_lr", self.min_lr, f"from 0 to --learning_rate {self.learning_rate}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight_decay", self.weight_decay, "0 or more")
+        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise bad("grad_clip", self.grad_clip, "a number above 0, or null to disable clipping")
+        for flag, value, least in (("warmup_steps", self.warmup_steps, 0), ("epochs", self.epochs, 1),
+                                   ("save_interval", self.save_interval, 1), ("log_interval", self.log_interval, 1),
+                                   ("keep_checkpoints", self.keep_checkpoints, 0)):
+            if value < least:
+                raise bad(flag, value, f"at least {least}")
+
 
 @dataclass
 class EvalArgs:
@@ -337,6 +359,9 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
             continue
         path = Path(value)
         data = read_yaml(path, "--config file", "fix the file (--print_config writes a valid one)")
+        if data is None and path.read_text(errors="replace").strip():  # an explicit null, not an empty file
+            raise UserError(f"--config file {path} holds null, not a mapping of flags; write one flag per line "
+                            "(--print_config writes a valid file)")
         data = {} if data is None else data
         if not isinstance(data, dict):
             raise UserError(f"--config file {path} holds a {type(data).__name__}, not a mapping of flags; write one "

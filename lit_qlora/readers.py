@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from lit_qlora.families import architecture_of, spec
+from lit_qlora.families import SPECS, architecture_of, spec
 from lit_qlora.utils import UserError
 
 # the largest size any one model dimension may have (a vocabulary, a layer width, a context length): larger ones are
@@ -343,7 +343,8 @@ def check_config_values(cfg: Any, where: str = "the model config") -> None:
     v = cfg.rotary_percentage
     check_value(_is_number(v) and 0 < v <= 1, where, "rotary_percentage", v, "a number in (0, 1]", fix)
     check_value(isinstance(cfg.name, str), where, "name", cfg.name, "a string", fix)
-    check_value(isinstance(cfg.hf_architecture, str), where, "hf_architecture", cfg.hf_architecture, "a string", fix)
+    check_value(cfg.hf_architecture in SPECS, where, "hf_architecture", cfg.hf_architecture,
+                "an architecture this package implements (" + ", ".join(sorted(SPECS)[:3]) + ", ...)", fix)
     check_value(cfg.rope_scaling is None or isinstance(cfg.rope_scaling, dict), where, "rope_scaling",
                 cfg.rope_scaling, "an object or null", fix)
     if isinstance(cfg.rope_scaling, dict):

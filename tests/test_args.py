@@ -89,3 +89,30 @@ def test_console_command_runs_the_same_script():
                          env=h.env(), cwd=h.ROOT)
     h.assert_one_line_error(bad, "unknown command 'finetnue'")
 
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--learning_rate", "-1"], "--learning_rate is -1.0"),
+    (["--learning_rate", "0"], "--learning_rate is 0.0"),
+    (["--min_lr", "1", "--learning_rate", "0.01"], "--min_lr is 1.0"),
+    (["--save_interval", "0"], "--save_interval is 0"),
+    (["--grad_clip", "0"], "--grad_clip is 0.0"),
+    (["--warmup_steps", "-3"], "--warmup_steps is -3"),
+])
+def test_values_that_cannot_train_are_refused_when_parsed(argv, expect):
+    """Found by the file fuzzer: a hand-edited --config with learning_rate -1 parsed and would have trained."""
+    from lit_qlora.utils import UserError
+
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(argv)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_config_file_holding_null_is_refused_an_empty_one_is_not(tmp_path):
+    from lit_qlora.utils import UserError
+
+    (tmp_path / "null.json").write_text("null")
+    (tmp_path / "empty.yaml").write_text("\n")
+    with pytest.raises(UserError, match="holds null"):
+        parse_finetune_args(["--config", str(tmp_path / "null.json")])
+    parse_finetune_args(["--config", str(tmp_path / "empty.yaml")])

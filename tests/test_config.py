@@ -51,3 +51,19 @@ def test_named_config_round_trips_through_transformers(name):
         for key in ("short_factor", "long_factor", "original_max_position_embeddings"):  # longrope
             assert rope.get(key) == ours.rope_scaling.get(key), key
     assert hf.tie_word_embeddings == ours.tie_embeddings
+
+
+def test_an_unknown_hf_architecture_in_our_config_is_refused(tmp_path):
+    """Found by the file fuzzer: a flipped byte in model_config.json's hf_architecture ('LlamaForCaus`lLM') loaded."""
+    import json
+
+    from lit_qlora.utils import UserError
+
+    config = Config.from_name(sorted(NAMES)[0])
+    path = tmp_path / "model_config.json"
+    config.save(path)
+    data = json.loads(path.read_text())
+    data["hf_architecture"] = "LlamaForCaus`lLM"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="hf_architecture"):
+        Config.from_file(path)

@@ -36,7 +36,6 @@ from lit_qlora.config import Config  # noqa: E402
 from lit_qlora.convert import write_random_checkpoint  # noqa: E402
 from lit_qlora.loader import load_model  # noqa: E402
 from lit_qlora.lora import LoRAConfig  # noqa: E402
-from lit_qlora.losses import chunked_cross_entropy  # noqa: E402
 from lit_qlora.precision import resolve_precision  # noqa: E402
 from lit_qlora.training import head_chunk, shift_labels  # noqa: E402
 from lit_qlora.utils import run_cli  # noqa: E402
@@ -78,9 +77,9 @@ def sft_loss(model, rows: list[dict], chunk: int) -> torch.Tensor:
     tgt = shift_labels(batch["labels"])
     batch, tgt = unpad(batch, tgt)
     has = tgt != -100
-    logits = model(batch["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=batch["positions"],
-                   segments=batch["segments"])
-    return chunked_cross_entropy(logits, tgt[has]) / has.sum()
+    loss = model(batch["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=batch["positions"],
+                 segments=batch["segments"], targets=tgt[has])  # as finetune/lora.py's step: no logits kept
+    return loss / has.sum()
 
 
 def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwards: bool) -> torch.Tensor:

@@ -63,7 +63,7 @@ def main(
                                              quantize_lm_head=quantize_lm_head, precision_why=precision_why)
     bank = AdapterBank(model, precision)
     for adapter_name, path in adapters.items():
-        bank.add(adapter_name, Adapter.load(path, model.config))
+        bank.add(adapter_name, Adapter.load(path, model.config, mmap=True))
         say(f"Adapter {adapter_name}: {path} ({bank.lora_bytes(adapter_name) / 2**20:.1f} MiB, unmerged)")
     engine = Engine(bank, tokenizer, device, precision, max_concurrent=max_concurrent, timeout_s=timeout_s)
     app = create_app(Server(engine, name, api_key=api_key, default_max_tokens=max_tokens))

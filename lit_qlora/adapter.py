@@ -86,9 +86,11 @@ class Adapter:
                    dict(payload.get("train") or {}))
 
     @classmethod
-    def load(cls, path: Path, base_config: Optional[Config] = None) -> "Adapter":
+    def load(cls, path: Path, base_config: Optional[Config] = None, mmap: bool = False) -> "Adapter":
         """Read our adapter file (or any checkpoint of a run) or a PEFT LoRA folder, and check it belongs to
-        `base_config` when given (a PEFT folder needs it: its tensors are mapped onto that model)."""
+        `base_config` when given (a PEFT folder needs it: its tensors are mapped onto that model). `mmap`: our
+        file's tensors stay in the file's pages (for a caller that copies them out and drops them: no heap left
+        fragmented by freed temporaries)."""
         path = Path(path)
         if not path.exists():
             raise UserError(f"adapter {path} not found; pass --lora_path with a lit_model_lora_finetuned.pth file "
@@ -99,7 +101,7 @@ class Adapter:
             tensors, lora, train = import_peft(path, base_config)
             adapter = cls(tensors, lora, base_config.to_dict(), train)
         else:
-            payload = load_torch(path, "adapter", "use an earlier checkpoint")  # weights_only
+            payload = load_torch(path, "adapter", "use an earlier checkpoint", mmap=mmap)  # weights_only
             adapter = cls.from_payload(payload, path)
         if base_config is not None:
             adapter.check_base(base_config, path)

@@ -197,9 +197,13 @@ class LoRALinear(nn.Module):
             self.__dict__["_decode_cache"] = c
         return c[3], c[4]
 
+    def drop_decode_weights(self) -> None:
+        """Free the fp32 copies `_decode_weights` keeps (made again at the next decoding step)."""
+        self.__dict__.pop("_decode_cache", None)
+
     def train(self, mode: bool = True) -> "LoRALinear":
         if mode:
-            self.__dict__.pop("_decode_cache", None)
+            self.drop_decode_weights()
         return super().train(mode)
 
     def stacked_B(self) -> torch.Tensor:

@@ -3,8 +3,9 @@
 One base model is loaded once (4-bit or not, as generate/lora.py loads it). Each adapter is held as its own LoRA
 wrappers around the base model's very layers (`AdapterBank`): a request for adapter X puts X's wrappers in place
 (a few hundred attribute assignments), a request for the base puts the bare layers back. Nothing is merged and the
-base weights exist once; an adapter costs its LoRA tensors. Over 4-bit layers on CPU the wrappers decode through the
-4-bit kernel with the update added inside it (`decode4bit.DecodeLoRALinear`).
+base weights exist once; an adapter costs its LoRA tensors in the precision's dtype, once. Over 4-bit layers on CPU
+the wrappers decode through the 4-bit kernel with the update added inside it (`decode4bit.DecodeLoRALinear`), from
+fp32 copies of A and the scaled B that only the adapter in place holds (dropped when another is put in place).
 
 Requests are served in turn by one worker thread (`Engine`): a request waits in a queue (at most `max_concurrent`
 admitted, the rest get 429), then generates all its choices. Tokens are handed to the HTTP side as they are made
@@ -77,7 +78,10 @@ def parse_lora_paths(items: list[str]) -> dict[str, Path]:
 class AdapterBank:
     """The base model's own layers, and for each adapter a LoRA wrapper (`LoRALinear`, or `DecodeLoRALinear` over a
     4-bit kernel layer) around each layer it targets, holding that adapter's tensors in the precision's trainable
-    dtype: the same modules generate/lora.py --merge false builds, sharing the base layer objects."""
+    dtype: the same modules generate/lora.py --merge false builds, sharing the base layer objects. What one adapter
+    holds is its A and B in that dtype and nothing else (tests/test_serve.py counts the tensor storage): the file's
+    tensors are copied out and dropped, and the fp32 decoding copies (`LoRALinear._decode_weights`, 2.4x the bf16
+    tensors with every target adapted) exist for the active adapter only."""
 
     def __init__(self, model: nn.Module, precision: str) -> None:
         self.model = model
@@ -86,6 +90,7 @@ class AdapterBank:
         self.wrappers: dict[str, dict[str, LoRALinear]] = {}  # adapter -> module name -> wrapper
         self.adapters: dict[str, Adapter] = {}  # their settings and training record (tensors dropped)
         self.active: Optional[str] = None  # None: the bare base
+        self._no_dropout = nn.Identity()  # one for every wrapper (a module each is ~2 KB of Python dicts)
 
     def add(self, name: str, adapter: Adapter) -> None:
         wrappers = {}
@@ -109,8 +114,10 @@ class AdapterBank:
                 raise UserError(f"adapter {name}'s tensors of {module_name} have shapes {tuple(A.shape)}/"
                                 f"{tuple(B.shape)}, the base model expects {tuple(w.lora_A.shape)}/"
                                 f"{tuple(w.lora_B.shape)}; use the base model the adapter was trained on")
-            w.lora_A = nn.Parameter(A.to(device=device, dtype=self.dtype), requires_grad=False)
-            w.lora_B = nn.Parameter(B.to(device=device, dtype=self.dtype), requires_grad=False)
+            # copies, never the loaded tensors themselves (which may be views of the file's pages or of one storage)
+            w.lora_A = nn.Parameter(A.to(device=device, dtype=self.dtype, copy=True), requires_grad=False)
+            w.lora_B = nn.Parameter(B.to(device=device, dtype=self.dtype, copy=True), requires_grad=False)
+            w.dropout = self._no_dropout  # never trained here: dropout is the identity whatever its p
             w.eval()
             if type(base) is DecodeLinear4bit:  # base and update in one kernel call, as enable_fast_decode does
                 w.__class__ = DecodeLoRALinear
@@ -123,6 +130,8 @@ class AdapterBank:
         """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere)."""
         if name == self.active:
             return
+        for w in self.wrappers.get(self.active, {}).values():  # its fp32 decoding copies: ~2.4x its own size
+            w.drop_decode_weights()
         wrappers = self.wrappers.get(name, {}) if name is not None else {}
         for module_name, base in self.base_layers.items():
             parent_name, _, child = module_name.rpartition(".")

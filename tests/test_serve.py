@@ -8,6 +8,7 @@ generate/base.py / generate/lora.py --merge false give for the same prompt (same
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -373,3 +374,62 @@ def test_sigterm_cancels_what_outlives_the_grace(served):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU tensor storage Python can reach, each storage counted once."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu":  # type(): no deprecation-warning getattr
+            s = o.untyped_storage()
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def test_each_adapter_holds_its_own_tensors_once(tmp_path):
+    """An extra adapter costs its A and B in the precision's dtype (bf16 here), counted from the tensor storage
+    after each served a request: no fp32 copy, no state dict beside the installed tensors, no decoding copies of
+    an adapter that is not in place (those exist for the active adapter only)."""
+    from lit_qlora.generation import generate
+    from lit_qlora.inference import autocast_for, load_for_inference
+    from lit_qlora.serve import AdapterBank
+
+    folder = tmp_path / "tiny-chat"
+    make_chat_checkpoint("gemma", folder, load_template("gemma_it"))
+    tok = Tokenizer(folder)
+    make_tiny_hf_model("llama", folder, vocab_size=tok.vocab_size, initializer_range=0.2)
+    convert_hf_checkpoint(folder)
+    every = LoRAConfig(r=4, alpha=8, dropout=0.05, query=True, key=True, value=True, projection=True, mlp=True)
+    paths = [tmp_path / f"a{i}.pth" for i in range(3)]
+    for i, path in enumerate(paths):
+        _adapter(folder, path, every, i, {"template": "chat"})
+    precision, device = "bf16-true", torch.device("cpu")
+    model, tok, _ = load_for_inference(folder, None, "bnb.nf4", precision, device)
+    bank = AdapterBank(model, precision)
+    ids = tok.encode(PROMPT)
+
+    def serve(name):
+        bank.activate(name)
+        with torch.no_grad(), autocast_for(precision, device):
+            generate(model, ids, 4, temperature=0.0)
+
+    sizes = {}
+    for i, path in enumerate(paths):  # the file's element counts at 2 bytes each (bf16)
+        sizes[f"a{i}"] = 2 * sum(t.numel() for t in Adapter.load(path, model.config).lora.values())
+    bank.add("a0", Adapter.load(paths[0], model.config, mmap=True))
+    serve("a0")
+    serve(None)
+    one = _live_tensor_bytes()
+    for name, path in zip(("a1", "a2"), paths[1:]):
+        bank.add(name, Adapter.load(path, model.config, mmap=True))
+        serve(name)
+    serve(None)
+    assert _live_tensor_bytes() - one == sizes["a1"] + sizes["a2"]
+    assert [bank.lora_bytes(n) for n in sizes] == list(sizes.values())
+    # the adapter in place holds fp32 A and scaling * B (B spread over q/k/v's columns) for decoding, and only it
+    serve("a2")
+    serve("a1")
+    copies = sum(4 * (w.lora_A.numel() + w.out_features * w.lora_A.shape[0]) for w in bank.wrappers["a1"].values())
+    assert all("_decode_cache" in w.__dict__ for w in bank.wrappers["a1"].values())  # the decoding path ran
+    assert _live_tensor_bytes() - one == sizes["a1"] + sizes["a2"] + copies

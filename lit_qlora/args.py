@@ -325,6 +325,9 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
         if ns.checkpoint_dir is None and preference:
             raise UserError("--checkpoint_dir is required (finetune/dpo.py has no demo); pass the model folder, and "
                             "--data_dir a folder of prompt/chosen/rejected rows")
+        if ns.checkpoint_dir is None and sources:  # a damaged or emptied file must not turn the run into the demo
+            raise UserError(f"--config {', '.join(sources)} sets no checkpoint_dir (and no --checkpoint_dir flag "
+                            "does); add `checkpoint_dir: <model folder>` to the file, or drop --config to run the demo")
         if ns.checkpoint_dir is None:
             ns = parser.parse_args(["--config", str(demo.PRESET), *argv])
     except ArgumentError as e:

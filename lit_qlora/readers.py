@@ -313,11 +313,15 @@ def load_torch(path: Path, what: str = "checkpoint", fix: str = "use an earlier 
 
 # ---- the model config's values -------------------------------------------------------------------------------------
 _CONFIG_SIZES = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
-_CONFIG_OPTIONAL_SIZES = ("n_query_groups", "head_size", "intermediate_size", "sliding_window_size")
+_CONFIG_OPTIONAL_SIZES = ("n_query_groups", "head_size", "intermediate_size", "sliding_window_size",
+                          "moe_intermediate_size")
+_CONFIG_COUNTS = ("moe_n_expert", "moe_top_k")
+_CONFIG_OPTIONAL_POSITIVE = ("rope_local_base", "attention_scale", "attn_softcap", "final_softcap")
 _CONFIG_BOOLS = ("parallel_residual", "shared_attention_norm", "norm_unit_offset", "bias", "attn_bias", "lm_head_bias",
-                 "tie_embeddings", "scale_embeddings")
+                 "tie_embeddings", "scale_embeddings", "pre_norms", "post_norms", "norm_fp32_scale", "moe_norm_topk")
 _CONFIG_CHOICES = {"norm_class": ("RMSNorm", "LayerNorm"), "mlp_class": ("GptNeoxMLP", "LLaMAMLP"),
-                   "activation": ("silu", "gelu", "gelu_tanh")}
+                   "activation": ("silu", "gelu", "gelu_tanh"), "qk_norm": (None, "head", "full")}
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def check_config_values(cfg: Any, where: str = "the model config") -> None:
@@ -336,10 +340,24 @@ def check_config_values(cfg: Any, where: str = "the model config") -> None:
         check_value(isinstance(v, bool), where, name, v, "true or false", fix)
     for name, choices in _CONFIG_CHOICES.items():
         v = getattr(cfg, name)
-        check_value(v in choices, where, name, v, "one of " + ", ".join(choices), fix)
+        check_value(v in choices, where, name, v, "one of " + ", ".join(map(json.dumps, choices)), fix)
+    for name in _CONFIG_COUNTS:
+        v = getattr(cfg, name)
+        check_value(_fits("count", v), where, name, v, _EXPECTED["count"], fix)
     for name in ("rope_base", "norm_eps"):
         v = getattr(cfg, name)
         check_value(_fits("positive", v), where, name, v, _EXPECTED["positive"], fix)
+    for name in _CONFIG_OPTIONAL_POSITIVE:
+        v = getattr(cfg, name)
+        check_value(v is None or _fits("positive", v), where, name, v, _EXPECTED["positive"] + " or null", fix)
+    n = cfg.n_layer
+    v = cfg.layer_types
+    check_value(v is None or isinstance(v, list) and len(v) == n and all(t in _LAYER_TYPES for t in v), where,
+                "layer_types", v, f"null or a list of {n} entries, each one of " + ", ".join(_LAYER_TYPES), fix)
+    for name in ("nope_layers", "moe_dense_layers"):
+        v = getattr(cfg, name)
+        check_value(v is None or isinstance(v, list) and all(_is_int(i) and 0 <= i < n for i in v), where, name, v,
+                    f"null or a list of layer numbers from 0 to {n - 1}", fix)
     v = cfg.rotary_percentage
     check_value(_is_number(v) and 0 < v <= 1, where, "rotary_percentage", v, "a number in (0, 1]", fix)
     check_value(isinstance(cfg.name, str), where, "name", cfg.name, "a string", fix)

@@ -309,16 +309,26 @@ def _resume_named(d: Path):
     return path and path.name, state and state["resume"]["step"]
 
 
-def _read_config(d: Path):
+def _parsed_flags(config_file: Path) -> dict:
+    """The flags of a --config file as finetune/lora.py reads them, and the folders they name opened as its
+    check_inputs opens them next (a damaged path is refused there, not trained on)."""
     from lit_qlora.args import parse_finetune_args
+    from lit_qlora.convert import ensure_converted
+    from lit_qlora.sources import resolve
 
-    return parse_finetune_args(["--config", str(d / "run.yaml")]).as_flat_dict()
+    args = parse_finetune_args(["--config", str(config_file)])
+    ensure_converted(args.run.checkpoint_dir, quiet=True)
+    if resolve(args.data.data_dir) is None:
+        raise UserError(f"no data in {args.data.data_dir}")
+    return args.as_flat_dict()
+
+
+def _read_config(d: Path):
+    return _parsed_flags(d / "run.yaml")
 
 
 def _read_hparams(d: Path):
-    from lit_qlora.args import parse_finetune_args
-
-    return parse_finetune_args(["--config", str(d / "run" / "hyperparameters.json")]).as_flat_dict()
+    return _parsed_flags(d / "run" / "hyperparameters.json")
 
 
 def _read_alpaca(d: Path):

@@ -115,4 +115,18 @@ def test_a_config_file_holding_null_is_refused_an_empty_one_is_not(tmp_path):
     (tmp_path / "empty.yaml").write_text("\n")
     with pytest.raises(UserError, match="holds null"):
         parse_finetune_args(["--config", str(tmp_path / "null.json")])
-    parse_finetune_args(["--config", str(tmp_path / "empty.yaml")])
+    args = parse_finetune_args(["--config", str(tmp_path / "empty.yaml"), "--checkpoint_dir", str(tmp_path)])
+    assert args.run.checkpoint_dir == tmp_path
+
+
+@pytest.mark.parametrize("text", ["", "\n", "#checkpoint_dir: ckpt\nmax_iters: 2\n", "checkpoint_dir: null\n"])
+def test_a_config_file_without_a_model_never_falls_back_to_the_demo(tmp_path, text):
+    """Found by the file fuzzer (seeds 9104, 9106, 9107): a --config file truncated to nothing or with its
+    checkpoint_dir line damaged into a comment parsed as the demo preset's flags, and the run would have trained the
+    demo model instead of the user's."""
+    from lit_qlora.utils import UserError
+
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(UserError, match="sets no checkpoint_dir") as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert "\n" not in str(e.value)

@@ -67,3 +67,27 @@ def test_an_unknown_hf_architecture_in_our_config_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(UserError, match="hf_architecture"):
         Config.from_file(path)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("moe_intermediate_size", []),  # found by the file fuzzer (seed 9100): a list where a size belongs loaded
+    ("moe_n_expert", -1), ("moe_top_k", 1.5), ("post_norms", "yes"), ("qk_norm", "per-head"),
+    ("attn_softcap", 0), ("final_softcap", float("nan")), ("rope_local_base", "10000"), ("attention_scale", -1.0),
+    ("layer_types", ["sliding_attention"]), ("layer_types", ["sliding_attention", "linear_attention"]),
+    ("nope_layers", [5]), ("moe_dense_layers", [0.5]), ("norm_fp32_scale", None)])
+def test_every_field_of_our_model_config_is_checked(tmp_path, field, value):
+    """Each field of model_config.json that changes the math is refused in one line naming it when its value is of
+    the wrong type or out of range (a 2-layer config: layer lists have 2 entries, layer numbers are 0 or 1)."""
+    import json
+
+    from lit_qlora.utils import UserError
+
+    path = tmp_path / "model_config.json"
+    Config(n_layer=2).save(path)
+    Config.from_file(path)  # the pristine file loads
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=field) as e:
+        Config.from_file(path)
+    assert "\n" not in str(e.value)

@@ -9,12 +9,14 @@ vocabulary size and a ChatML template), and 8 random adapters on every target (r
 generate/serve.py on a free 127.0.0.1 port; clients are threads of the official `openai` client. Requests are spread
 evenly over the levels' clients and alternate between the two adapters. Time to first token: from sending the
 request to its first content chunk, queueing included (the server serves one request at a time). Memory: the
-server's resident set (VmRSS) after every adapter served a request.
+server's resident set (VmRSS) once loaded, and again after every adapter served a request (RSS moves with the
+allocator: tests/test_serve.py checks the bytes an adapter holds exactly, from the tensor storage).
 """
 from __future__ import annotations
 
 import json
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -220,6 +222,7 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
     mem = {}
     for n in (0, 1, 8):
         proc, url = start_server(folder, adapters[:n], quantize, precision)
+        mem[f"loaded{n}"] = rss_gb(proc.pid)  # before any request
         try:
             import openai
 
@@ -232,9 +235,21 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
         if n:
             size = [ln for ln in log.splitlines() if ln.startswith("Adapter a0:")]
             mem["adapter_line"] = size[0] if size else "?"
+            loaded = [ln for ln in log.splitlines() if ln.startswith("Loaded")]
+            mem["loaded_line"] = loaded[0] if loaded else "?"
     per = (mem[8] - mem[1]) / 7 * 1024
-    print(f"\nserver RSS: base only {mem[0]:.3f} GB, 1 adapter {mem[1]:.3f} GB, 8 adapters {mem[8]:.3f} GB: "
-          f"{per:.1f} MiB per extra adapter; each adapter's tensors: {mem['adapter_line']}")
+    own = re.search(r"\(([0-9.]+) MiB", mem["adapter_line"])
+
+    def ratio(mib: float) -> str:
+        return f" = {mib / float(own.group(1)):.2f}x its tensors" if own else ""
+
+    loaded = (mem["loaded8"] - mem["loaded1"]) / 7 * 1024
+    print(f"\nserver RSS once loaded (no request yet): base only {mem['loaded0']:.3f} GB, 1 adapter "
+          f"{mem['loaded1']:.3f} GB, 8 adapters {mem['loaded8']:.3f} GB: {loaded:.1f} MiB per extra adapter"
+          f"{ratio(loaded)}")
+    print(f"server RSS after every adapter served a request: base only {mem[0]:.3f} GB, 1 adapter {mem[1]:.3f} GB, "
+          f"8 adapters {mem[8]:.3f} GB: "
+          f"{per:.1f} MiB per extra adapter{ratio(per)}; {mem['adapter_line']}\nserver: {mem['loaded_line']}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@
  * `q4_linear_lora` adds a LoRA update in the same call: y = x @ W^T (+ bias) + (x @ A^T) @ B^T, A [r, K] and B
  * [N, r] in fp32 (the LoRA scaling folded into B), everything summed in fp32 and rounded once. A decoding step
  * then costs one call per adapted layer where separate torch ops cost five and their Python around them.
+ * `q4_linear_dora` is DoRA's form of it: y = g * (x @ W^T + (x @ A^T) @ B^T) (+ bias), g [N] the fp32 factor of
+ * each output row (magnitude / row norm of W + B A, 1 for rows without LoRA), still rounded once.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -417,9 +419,12 @@ static float dot_f32(const float *a, const float *b, int64_t k) {
     return s;
 }
 
-/* What is added to output (m, o) besides the weights' product: the bias and the LoRA update B[o] . ax[m]. */
-static inline float extra(const q4_layer *L, const float *B, const float *ax, int64_t r, int64_t m, int64_t o) {
-    return (L->bias ? L->bias[o] : 0.0f) + (ax ? dot_f32(B + o * r, ax + m * r, r) : 0.0f);
+/* Output (m, o) from the weights' product `wx`: plus the bias and the LoRA update B[o] . ax[m]; with a DoRA factor
+ * g, g[o] * (wx + update) + bias. */
+static inline float finish(const q4_layer *L, const float *B, const float *ax, int64_t r, const float *g, int64_t m,
+                           int64_t o, float wx) {
+    const float bias = L->bias ? L->bias[o] : 0.0f, update = ax ? dot_f32(B + o * r, ax + m * r, r) : 0.0f;
+    return g ? g[o] * (wx + update) + bias : wx + (bias + update);
 }
 
 static inline void put(void *y, int dtype, int64_t i, float v) {
@@ -438,11 +443,11 @@ DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
 
-/* y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows). x and y are fp32 (dtype 0)
- * or bf16 (dtype 1), row-major and contiguous. Accumulates in fp32; the rows of W are shared out between
+/* y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows; that sum without the bias
+ * times rowscale[N] when given: DoRA). x and y are fp32 (dtype 0) or bf16 (dtype 1), row-major and contiguous. Accumulates in fp32; the rows of W are shared out between
  * `nthreads` OpenMP threads. Returns 0, or -1 when K is odd (rows would start mid-byte) or memory runs out. */
 static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                  const float *B, int64_t r) {
+                  const float *B, int64_t r, const float *rowscale) {
     const int64_t n = L->n, k = L->k, kh = k / 2;
     if (k % 2) return -1;
     float *ax = NULL; /* the LoRA's x @ A^T [M, r], computed once before the rows are shared out */
@@ -502,7 +507,7 @@ static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtyp
             else
 #endif
                 rows4_fp32(L, o0, xs, b2_shift, out4);
-            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, out4[j] + extra(L, B, ax, r, 0, o0 + j));
+            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, finish(L, B, ax, r, rowscale, 0, o0 + j, out4[j]));
             continue;
         }
 #endif
@@ -519,7 +524,7 @@ static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtyp
                     default: tile_4(L, o, xt, xt16, b2_shift, out); break;
                 }
                 for (int64_t m = 0; m < mt; m++)
-                    put(y, dtype, (m0 + m) * n + o, out[m] + extra(L, B, ax, r, m0 + m, o));
+                    put(y, dtype, (m0 + m) * n + o, finish(L, B, ax, r, rowscale, m0 + m, o, out[m]));
             }
         }
     }
@@ -530,10 +535,15 @@ static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtyp
 }
 
 int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
-    return linear(L, x, y, M, dtype, nthreads, NULL, NULL, 0);
+    return linear(L, x, y, M, dtype, nthreads, NULL, NULL, 0, NULL);
 }
 
 int q4_linear_lora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
                    const float *B, int64_t r) {
-    return linear(L, x, y, M, dtype, nthreads, A, B, r);
+    return linear(L, x, y, M, dtype, nthreads, A, B, r, NULL);
+}
+
+int q4_linear_dora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
+                   const float *B, int64_t r, const float *g) {
+    return linear(L, x, y, M, dtype, nthreads, A, B, r, g);
 }

@@ -175,6 +175,8 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear.restype = ctypes.c_int
     lib.q4_linear_lora.argtypes = lib.q4_linear.argtypes + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.q4_linear_lora.restype = ctypes.c_int
+    lib.q4_linear_dora.argtypes = lib.q4_linear_lora.argtypes + [ctypes.c_void_p]
+    lib.q4_linear_dora.restype = ctypes.c_int
     lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
     return lib
 
@@ -242,10 +244,12 @@ class _State:
 
 
 def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int,
-               lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+               lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               rowscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype. With `lora`
     (A [r, in], B [out, r], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before the
-    one rounding to x's dtype."""
+    one rounding to x's dtype; with `rowscale` too (DoRA's factor g [out], fp32 and contiguous) the output is
+    g * (x @ W^T + update) (+ bias)."""
     x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], out_features))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -254,10 +258,14 @@ def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: i
         return y
     if lora is None:
         failed = lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
-    else:
+    elif rowscale is None:
         A, B = lora
         failed = lib.q4_linear_lora(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
                                     A.data_ptr(), B.data_ptr(), A.size(0))
+    else:
+        A, B = lora
+        failed = lib.q4_linear_dora(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
+                                    A.data_ptr(), B.data_ptr(), A.size(0), rowscale.data_ptr())
     if failed:
         raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
     return y
@@ -323,8 +331,8 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         y = self.kernel_forward(x)
         return self._dense_forward(x) if y is None else y
 
-    def kernel_forward(self, x: torch.Tensor,
-                       lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+    def kernel_forward(self, x: torch.Tensor, lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                       rowscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The layer's output (plus a LoRA update, see `run_kernel`) through the kernel, or None where the kernel
         does not take x (more than MAX_KERNEL_ROWS rows, a gradient to compute, not on CPU, ...)."""
         lib = kernel()
@@ -338,8 +346,8 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
                 return None
             self._q4 = _State(self, lib)
         if x.dtype == torch.float16:  # the kernel reads fp32 and bf16; fp16 on CPU is rare (16-true)
-            return run_kernel(lib, self._q4, x.float(), self.out_features, lora).to(torch.float16)
-        return run_kernel(lib, self._q4, x, self.out_features, lora)
+            return run_kernel(lib, self._q4, x.float(), self.out_features, lora, rowscale).to(torch.float16)
+        return run_kernel(lib, self._q4, x, self.out_features, lora, rowscale)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill and anything else the kernel does not take: dequantize, then a dense matmul. With a gradient to
@@ -355,13 +363,14 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
 class DecodeLoRALinear(LoRALinear):
     """A `LoRALinear` over a `DecodeLinear4bit` base, for generation: a decoding step (eval, nothing to
     differentiate, no autocast, up to MAX_KERNEL_ROWS rows) runs the base layer and the LoRA update in one kernel
-    call, in fp32 with one rounding; everything else is LoRALinear's own forward. Made by `enable_fast_decode`,
-    never constructed."""
+    call, in fp32 with one rounding (DoRA: the sum scaled by each row's factor inside the same call); everything
+    else is LoRALinear's own forward. Made by `enable_fast_decode`, never constructed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (type(self.base) is DecodeLinear4bit and not self.training and not torch.is_grad_enabled()
                 and not torch.is_autocast_enabled("cpu")):
-            y = self.base.kernel_forward(x, self._decode_weights())
+            A, B, g = self._decode_weights()
+            y = self.base.kernel_forward(x, (A, B), g)
             if y is not None:
                 return y
         return super().forward(x)
@@ -382,7 +391,7 @@ def enable_fast_decode(model: nn.Module) -> int:
         # bitsandbytes' AVX512-BF16 repacking would rewrite the weight into a layout the kernel cannot read
         m.support_avx512bf16_for_cpu = False
     for m in model.modules():  # unmerged adapters over those layers: base and update in one call
-        if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit and not m.dora:  # DoRA: LoRALinear's forward
+        if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit:
             m.__class__ = DecodeLoRALinear
     return len(layers)
 

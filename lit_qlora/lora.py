@@ -131,9 +131,19 @@ class LoRALinear(nn.Module):
             return g
         return g.new_ones(self.out_features).index_put((self.dora_rows(),), g)
 
+    def _dora_rescale(self, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """g * (z - bias) + bias for z = W x + bias + s*B A x [rows, out] (fp32): DoRA's output from LoRA's, with the
+        factor g of a model that is not training (`_decode_weights`)."""
+        bias = getattr(self.base, "bias", None)
+        if bias is None:
+            return z.mul_(g)
+        b = bias.float()
+        return z.sub_(b).mul_(g).add_(b)
+
     def _dora_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + (g - 1) * W x' + g * s * B A x', g = `dora_scale`, x' = dropout(x): PEFT's DoRA term, which with dropout
-        on in training takes W x' from one more base product (without, W x' = y - bias)."""
+        on in training takes W x' from one more base product (without, W x' = y - bias). Not training and nothing to
+        differentiate: `_frozen_forward`."""
         dropping = isinstance(self.dropout, nn.Dropout) and self.training and self.dropout.p > 0
         xd = self.dropout(x) if dropping else x
         ax = cpu_half.linear(xd.to(self.lora_A.dtype), self.lora_A)
@@ -150,16 +160,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(self.base, x)
-        if self.dora:  # (not the decoding fast path: it has no place for the per-row factor)
+        if self._decoding(x) or self.dora and not self.training and not torch.is_grad_enabled():
+            return self._frozen_forward(x, y)
+        if self.dora:
             return self._dora_forward(x, y)
-        if self._decoding(x):
-            # Why fp32: a decoding step's products are tiny ([rows, in] @ [in, r] @ [r, out]), and 16-bit CPU matmuls
-            # of that size cost several times their fp32 ones (oneDNN's per-call overhead: 18 against 2.5 us for
-            # 1 x 576 @ 576 x 24 in bf16 on an AVX512-BF16 CPU). With every layer adapted that made unmerged decoding
-            # 2.2x slower than merged. One rounding to x's dtype at the end, as addmm does.
-            A, B = self._decode_weights()
-            ax = nn.functional.linear(x.reshape(-1, self.in_features).float(), A)
-            return torch.addmm(y.reshape(-1, self.out_features).float(), ax, B.T).to(y.dtype).view(y.shape)
         p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
         if p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
             ax = _DropoutMatmul.apply(x, self.lora_A, p)  # [B, T, n*r], one matmul for all parts
@@ -173,6 +177,19 @@ class LoRALinear(nn.Module):
             return torch.addmm(y.reshape(-1, self.out_features), ax.reshape(-1, ax.size(-1)), B.T).view(y.shape)
         return y + cpu_half.linear(ax, B).to(y.dtype)
 
+    def _frozen_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The update added to y = base(x) in fp32 from `_decode_weights`' copies, rounded once to y's dtype, as addmm
+        does; DoRA's rows then scaled by their fixed factor. Taken by decoding steps, and by DoRA whenever nothing
+        trains (its factor then costs no product with the base per call).
+        Why fp32 when decoding: a decoding step's products are tiny ([rows, in] @ [in, r] @ [r, out]), and 16-bit CPU
+        matmuls of that size cost several times their fp32 ones (oneDNN's per-call overhead: 18 against 2.5 us for
+        1 x 576 @ 576 x 24 in bf16 on an AVX512-BF16 CPU). With every layer adapted that made unmerged decoding 2.2x
+        slower than merged."""
+        A, B, g = self._decode_weights()
+        ax = nn.functional.linear(x.reshape(-1, self.in_features).float(), A)
+        z = torch.addmm(y.reshape(-1, self.out_features).float(), ax, B.T)
+        return (z if g is None else self._dora_rescale(z, g)).to(y.dtype).view(y.shape)
+
     def _decoding(self, x: torch.Tensor) -> bool:
         """A generation step on CPU: a few rows of 16-bit activations, nothing to differentiate, no dropout, no
         autocast (which would cast the products back to 16 bits)."""
@@ -180,22 +197,28 @@ class LoRALinear(nn.Module):
                 and not torch.is_grad_enabled() and x.numel() <= DECODE_ROWS * x.size(-1)
                 and not torch.is_autocast_enabled("cpu"))
 
-    def _decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 A and scaling * stacked B for decoding steps, made once instead of at every step (four to eight
-        small ops per layer and step: decoding with every layer adapted went from 41 to 46 tokens/s). Made again
-        whenever A or B changes: their version counters count every in-place update (an optimizer step, a
-        load_state_dict). `train()` drops them (a few MB of fp32 copies that training would make stale)."""
-        A, B = self.lora_A, self.lora_B
-        if A.is_inference() or B.is_inference():  # no version counter to tell an update by: made every time
-            return A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
-        # A and B themselves are held with the copies: a new tensor can never reuse their address or id
-        stamp = (A._version, B._version, A.data_ptr(), B.data_ptr(), self.scaling)
+    def _decode_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """fp32 A, scaling * stacked B and, for DoRA, the factor g = `dora_scale` of every output row, for a model
+        that is not training: made once instead of at every step (four to eight small ops per layer and step:
+        decoding with every layer adapted went from 41 to 46 tokens/s; DoRA's g takes a product with the base).
+        Made again whenever A, B or the magnitudes change: their version counters count every in-place update (an
+        optimizer step, a load_state_dict). `train()` drops them (a few MB of fp32 copies that training would make
+        stale)."""
+        params = (self.lora_A, self.lora_B, self.lora_magnitude) if self.dora else (self.lora_A, self.lora_B)
+        if any(p.is_inference() for p in params):  # no version counter to tell an update by: made every time
+            return self._make_decode_weights()
+        # the parameters themselves are held with the copies: a new tensor can never reuse their address or id
+        stamp = tuple((p._version, p.data_ptr()) for p in params) + (self.scaling,)
         c = self.__dict__.get("_decode_cache")
-        if c is None or c[0] is not A or c[1] is not B or c[2] != stamp:
-            with torch.no_grad():
-                c = A, B, stamp, A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
+        if c is None or any(a is not b for a, b in zip(c[0], params)) or c[1] != stamp:
+            c = params, stamp, self._make_decode_weights()
             self.__dict__["_decode_cache"] = c
-        return c[3], c[4]
+        return c[2]
+
+    def _make_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        with torch.no_grad():
+            A, B = self.lora_A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
+            return A, B, self.dora_scale().float().contiguous() if self.dora else None
 
     def drop_decode_weights(self) -> None:
         """Free the fp32 copies `_decode_weights` keeps (made again at the next decoding step)."""

@@ -111,22 +111,28 @@ def bf16_weights(lib, layer: nn.Module, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and d.bf16_dot(lib) and qs.blocksize == 64 and layer.in_features % 64 == 0
 
 
-def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor, lib=None, lora=None) -> None:
+def assert_close_to_reference(y: torch.Tensor, layer: nn.Module, x: torch.Tensor, lib=None, lora=None,
+                              rowscale=None) -> None:
     """Tolerance: fp32 accumulation error, 1e-5 x sum|x_k w_k| per output (an fp32 sum of up to 192 products stays
     well inside it), plus, for bf16 outputs, the bf16 rounding of the result (2^-8 relative), and where the kernel
     multiplies by bf16 weights (`bf16_weights`), their rounding (2^-8 relative each: 2^-8 x sum|x_k w_k|). With
-    `lora` (A, B) the reference adds (x @ A^T) @ B^T and the fp32 error allowed grows by 1e-5 x its |.| sums."""
+    `lora` (A, B) the reference adds (x @ A^T) @ B^T and the fp32 error allowed grows by 1e-5 x its |.| sums; with
+    `rowscale` g (DoRA) it is g * (x @ W^T + update) + bias, every error but the final rounding scaled by |g|."""
     ref = reference(layer, x)
+    bias = layer.bias.double() if layer.bias is not None else torch.zeros(ref.shape[-1], dtype=torch.float64)
     scale = x.double().abs() @ bnb_weight(layer).double().abs().T
     tol = 1e-5 * scale + 1e-7
     if lora is not None:
         A, B = (t.double() for t in lora)
         ref = ref + (x.double() @ A.T) @ B.T
         tol = tol + 1e-5 * ((x.double().abs() @ A.abs().T) @ B.abs().T)
-    if y.dtype == torch.bfloat16:
-        tol = tol + ref.abs() * 2.0**-8
     if lib is not None and bf16_weights(lib, layer, y.dtype):
         tol = tol + scale * 2.0**-8
+    if rowscale is not None:
+        g = rowscale.double()
+        ref, tol = (ref - bias) * g + bias, tol * g.abs() + 1e-7
+    if y.dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2.0**-8
     err = (y.double() - ref).abs()
     assert y.dtype == x.dtype and y.shape == ref.shape
     assert (err <= tol).all(), f"max error {float(err.max()):.3g}, worst ratio {float((err / tol).max()):.3g}"
@@ -329,6 +335,27 @@ def test_kernel_adds_a_lora_update(mode, r, rows, dtype, variant):
         x = torch.randn(rows, shape[1], generator=g).to(dtype)
         y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B))
         assert_close_to_reference(y, layer, x, lib, lora=(A, B))
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.fp4-dq"])
+def test_kernel_scales_a_dora_sum_per_row(mode, rows, dtype, variant):
+    """q4_linear_dora: g * (x @ W^T + (x @ A^T) @ B^T) + bias in one call (DoRA's output with its factor g per row,
+    rows between 0.5 and 1.5, some exactly 1), against float64 from bitsandbytes' weights; red with the factor
+    applied to the bias too, or not at all."""
+    lib = lib_for(variant)
+    for shape in [(96, 192), (33, 128), (7, 100), (514, 256)]:
+        layer = quantized_layer(mode, *shape, dtype=dtype, bias=True)
+        g = torch.Generator().manual_seed(rows)
+        A, B = 0.1 * torch.randn(8, shape[1], generator=g), 0.1 * torch.randn(shape[0], 8, generator=g)
+        scale = 0.5 + torch.rand(shape[0], generator=g)
+        scale[::3] = 1.0
+        x = torch.randn(rows, shape[1], generator=g).to(dtype)
+        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B), rowscale=scale)
+        assert_close_to_reference(y, layer, x, lib, lora=(A, B), rowscale=scale)
 
 
 def lora_over(layer: nn.Module, parts=None, seed: int = 0):

@@ -265,15 +265,13 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
         raise UserError(f"unknown --nan_policy {t.nan_policy!r}; choose stop or skip")
     check_world(run.devices, run.num_nodes)
     check_strategy(run.strategy, quantize, run.precision, t.optimizer, run.compile)
-    if lora.dora and run.strategy == "fsdp":
-        raise UserError("--lora_dora true with --strategy fsdp is not supported (the magnitudes start from the whole "
-                        "base rows); use --strategy ddp")
-    if lora.init in ("pissa", "olora", "loftq") and run.strategy == "fsdp":
-        raise UserError(f"--lora_init {lora.init} with --strategy fsdp is not supported (it starts from whole "
-                        "weights); use --strategy ddp")
     if lora.init == "loftq" and not (quantize and QuantMode.parse(quantize).is_4bit):
         raise UserError("--lora_init loftq needs a 4-bit --quantize (bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq): it "
                         "starts from their quantization error; or use --lora_init pissa")
+    if lora.init == "loftq" and lora.head and not run.quantize_lm_head:
+        raise UserError("--lora_init loftq with --lora_head true needs --quantize_lm_head true: LoftQ starts from the "
+                        "quantization error, and the output layer is not quantized without it; or leave --lora_head "
+                        "off")
     micro = t.micro_batch_size
     if run.estimate_only or micro == "auto":  # before anything is loaded
         micro = plan_micro_batch_size(

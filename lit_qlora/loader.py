@@ -204,10 +204,7 @@ def _take_residual(w: torch.Tensor, name: str, parts, lora: LoRAConfig, given: O
     if given is not None:
         A0, B0 = given[name + ".lora_A0"].float(), given[name + ".lora_B0"].float()
         A, B = given[name + ".lora_A"].float(), given[name + ".lora_B"].float()
-    else:
-        if lora.r > min(n for _, n in parts) or lora.r > w.shape[1]:
-            raise UserError(f"--lora_init {lora.init} needs --lora_r at most the smaller side of each adapted weight; "
-                            f"{name} has a part of {min(n for _, n in parts)} rows: use a smaller --lora_r")
+    else:  # (a rank above a part's smaller side is refused by apply_lora)
         pieces = [residual_init(w[a:a + n], lora.init, lora.r, lora.scaling, lora.loftq_iters,
                                 None if quant_error is None else _rows_error(quant_error, w, a, n)) for a, n in parts]
         A, B, A0, B0 = (torch.cat([p[i] for p in pieces]) for i in range(4))
@@ -226,7 +223,7 @@ def _rows_error(quant_error, w: torch.Tensor, start: int, n: int):
 
 def _quant_error(module: nn.Module, device: torch.device, dtype: torch.dtype):
     """w -> w - dequantize(quantize(w)) as the 4-bit layer `module` would store w (None for int8: LoftQ is 4-bit)."""
-    if not hasattr(module.weight, "quant_state") and not hasattr(module.weight, "quant_type"):
+    if not isinstance(module, load_bnb().nn.Linear4bit):
         return None
     F = load_bnb().functional
 
@@ -285,7 +282,9 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     whole (the same bytes `load_model` stores) and only this rank's part of it is kept (`copy_into_param`: DTensor
     places it). Peak: the shards + the largest single tensor being quantized. The 4-bit layers' block scales are
     kept whole on every rank. LoRA weights are initialized whole from `seed`, like `load_model`, then sharded: the
-    same values as an unsharded run."""
+    same values as an unsharded run. A pissa / olora / loftq init takes its residual from each whole weight as it is
+    read (as `load_model` does); DoRA's row norms and starting magnitudes come from each whole weight as stored
+    (dequantized for a moment), before only this rank's part of it is kept."""
     device = torch.device(device)
     prec = parse_precision(precision)
     quantize = check_quantize(quantize, precision, device)
@@ -300,16 +299,23 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     model.to_empty(device=device)
     filled: set[str] = set()
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    adapted = lora_targets(config, lora) if lora is not None else {}
+    inits: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> A, B, A0, B0 of a residual init
+    dora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> DoRA's row norms^2 and magnitudes, whole
 
-    def place(module: nn.Module, param: str, t: torch.Tensor) -> None:
+    def place(module: nn.Module, param: str, t: torch.Tensor, name: Optional[str] = None) -> None:
         target = module._parameters[param]
         if is_quantized(module) and param == "weight":
             packed, state = quantize_4bit_tensor(module, t.to(prec.dtype), device)
             module.quant_state = state  # whole on every rank, on `device` (where it was quantized)
+            if name in dora:  # the weight the layer computes with
+                dora[name] = _dora_start(_dequantize_packed(packed, state), adapted[name], lora, inits.get(name))
             t = packed
         else:
             dtype = prec.frozen_linear_dtype if isinstance(module, nn.Linear) else prec.frozen_other_dtype
             t = t.to(dtype)
+            if name in dora:
+                dora[name] = _dora_start(t, adapted[name], lora, inits.get(name))
         with torch.no_grad():
             copy_into_param(target, t)
         filled.add(names[id(target)])
@@ -320,14 +326,23 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
         except AttributeError:
             raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
                             f"model_config.json: convert the checkpoint again")
-        place(module, param, t)
+        name = key.removesuffix(".weight")
+        if name in adapted and param == "weight":
+            if lora.init in RESIDUAL_INITS:  # the base keeps W - s*B0@A0, as load_model
+                quant_error = _quant_error(module, device, prec.dtype) if is_quantized(module) else None
+                t, inits[name] = _take_residual(as_tensor(t), name, adapted[name], lora, None, quant_error)
+            if lora.dora:
+                dora[name] = None  # filled by place() from the weight as stored
+        else:
+            name = None
+        place(module, param, t, name)
         if key == "transformer.wte.weight" and config.tie_embeddings:
             head, _ = _owner(model, "lm_head.weight")
             if is_quantized(head):  # the quantized head is its own tensor (an unquantized one is wte itself)
                 place(head, "weight", t)
         del t
     if lora is not None:
-        _init_lora_sharded(model, prec.trainable_dtype, device, seed, filled, names)
+        _init_lora_sharded(model, prec.trainable_dtype, device, seed, filled, names, inits, dora)
     missing = [n for n in names.values() if n not in filled]
     if missing:
         raise UserError(f"{weights} has no tensor for {missing[0]}; the checkpoint is incomplete: convert it again")
@@ -358,19 +373,55 @@ def _set_meta_dtypes(model: nn.Module, prec) -> None:
 
 
 def _init_lora_sharded(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: Optional[int],
-                       filled: set[str], names: dict[int, str]) -> None:
-    """`_init_lora` on whole tensors (the same random draws, in the same order), each then sharded."""
+                       filled: set[str], names: dict[int, str], inits: dict, dora: dict) -> None:
+    """`_init_lora` on whole tensors (the same random draws, in the same order), each then sharded; the residual
+    inits' A and B and DoRA's magnitudes as `load_model_sharded` computed them from the whole weights (the initial
+    A0, B0 and the row norms are buffers: whole on every rank)."""
     gen_state = torch.random.get_rng_state()
     if seed is not None:
         torch.manual_seed(seed)
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             A = torch.empty(m.lora_A.shape, device=device, dtype=dtype)
             B = torch.empty(m.lora_B.shape, device=device, dtype=dtype)
-            init_lora_(A, B, len(m.parts), m.r)
+            init_lora_(A, B, len(m.parts), m.r, m.init)
+            if name in inits:
+                A, B, A0, B0 = (x.to(device) for x in inits[name])
+                m.lora_A0, m.lora_B0 = A0, B0
             with torch.no_grad():
                 copy_into_param(m.lora_A, A)
                 copy_into_param(m.lora_B, B)
             filled.update((names[id(m.lora_A)], names[id(m.lora_B)]))
+            if m.dora:
+                wnorm2, magnitude = dora[name]
+                m.lora_wnorm2 = wnorm2.to(device)
+                with torch.no_grad():
+                    copy_into_param(m.lora_magnitude, magnitude)
+                filled.add(names[id(m.lora_magnitude)])
     if seed is not None:
         torch.random.set_rng_state(gen_state)
+
+
+def _dequantize_packed(packed: torch.Tensor, state) -> torch.Tensor:
+    """The [out, in] weight a 4-bit layer holding `packed` bytes and `state` computes with (bitsandbytes' own
+    dequantization, over the flat blocks as they were quantized)."""
+    F = load_bnb().functional
+    flat = copy.copy(state)
+    flat.shape = torch.Size([state.shape.numel()])
+    return F.dequantize_4bit(packed.reshape(-1).view(torch.uint8), flat).reshape(state.shape)
+
+
+def _dora_start(weight: torch.Tensor, parts, lora: LoRAConfig, init: Optional[tuple] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DoRA's row norms^2 and starting magnitudes of a layer whose whole weight (as it computes with it) is
+    `weight`: `LoRALinear.init_dora` on a dense stand-in holding it, with the residual init's A and B (B = 0
+    otherwise: the magnitudes are then the row norms, whatever A is)."""
+    out_f, in_f = weight.shape
+    stand_in = nn.Linear(in_f, out_f, bias=False, device="meta")
+    stand_in.weight = nn.Parameter(weight, requires_grad=False)
+    m = LoRALinear(stand_in, in_f, out_f, lora.r, lora.alpha, 0.0, parts, rslora=lora.rslora, dora=True)
+    with torch.no_grad():
+        m.lora_A = nn.Parameter(init[0].float() if init else torch.zeros(m.lora_A.shape))
+        m.lora_B = nn.Parameter(init[1].float() if init else torch.zeros(m.lora_B.shape))
+        m.init_dora(weight)
+    return m.lora_wnorm2, m.lora_magnitude.detach()

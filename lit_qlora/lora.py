@@ -309,8 +309,9 @@ def residual_init(weight: torch.Tensor, init: str, r: int, scaling: float, iters
         return A, B, A, B
     if init == "loftq":
         if quant_error is None:
-            raise UserError("--lora_init loftq needs a 4-bit --quantize mode (it starts from the quantization error); "
-                            "pass e.g. --quantize bnb.nf4, or use --lora_init pissa")
+            raise UserError("--lora_init loftq adapts only layers stored in 4 bits (it starts from their "
+                            "quantization error): pass a 4-bit --quantize such as bnb.nf4 (and --quantize_lm_head true "
+                            "with --lora_head), or use --lora_init pissa")
         A0, B0 = W.new_zeros(r, W.shape[1]), W.new_zeros(W.shape[0], r)
         for i in range(iters):
             kept = W - scaling * (B0 @ A0)
@@ -377,6 +378,11 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
         out_f, in_f = base.weight.shape
+        smallest = min([in_f, *(n for _, n in parts or [(0, out_f)])])
+        if lora.init in RESIDUAL_INITS and lora.r > smallest:  # r singular vectors (QR columns) of each part
+            raise UserError(f"--lora_init {lora.init} needs --lora_r at most the smaller side of each adapted weight "
+                            f"(part); {name} has one of {smallest}: use --lora_r {smallest} or less, or --lora_init "
+                            "default")
         setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts,
                                            rslora=lora.rslora, dora=lora.dora, init=lora.init))
     mark_only_lora_trainable(model)

@@ -173,12 +173,13 @@ def sharded_load_worker(rank: int, world: int, port: int, cases: list[dict], out
         r["inf_seen_by_all"] = not all_finite(p.grad for p in with_grad)
         shard.view(-1)[0] = kept
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        full.update((n, b) for n, b in model.named_buffers() if "lora_" in n)  # A0, B0, DoRA's row norms: whole
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
         if rank == 0:
             ref = load_model(folder, **kw)
             load_lora_weights(ref, lora_b)
             ref_logits = _step(ref, _batch(config))
-            ref_params = dict(ref.named_parameters())
+            ref_params = {**dict(ref.named_buffers()), **dict(ref.named_parameters())}
             diffs = {}
             for n, t in full.items():
                 ref_t = ref_params[n].data

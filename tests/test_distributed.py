@@ -58,6 +58,13 @@ def sharded_loads(tmp_path_factory):
              lora=dict(ALL, head=False), quantize_lm_head=False),
         dict(name="neox dense", folder=folders["neox"], quantize=None, precision="32-true", lora=ALL,
              quantize_lm_head=True),
+        # LoRA variants that start from the whole weights: DoRA's magnitudes and row norms, PiSSA's / LoftQ's residual
+        dict(name="dora + pissa, nf4-dq", folder=folders["neox"], quantize="bnb.nf4-dq", precision="32-true",
+             lora=dict(ALL, head=False, dora=True, init="pissa"), quantize_lm_head=False),
+        dict(name="dora + loftq + rslora, nf4", folder=folders["tied"], quantize="bnb.nf4", precision="32-true",
+             lora=dict(ALL, head=False, dora=True, init="loftq", loftq_iters=2, rslora=True), quantize_lm_head=False),
+        dict(name="dora + gaussian, dense bf16", folder=folders["neox"], quantize=None, precision="bf16-true",
+             lora=dict(ALL, dora=True, init="gaussian"), quantize_lm_head=False),
         dict(name="medium nf4-dq bf16", folder=folders["medium"], quantize="bnb.nf4-dq", precision="bf16-true",
              lora=dict(r=8, alpha=16, dropout=0.0), quantize_lm_head=True, compare=False),
     ]
@@ -99,6 +106,26 @@ def test_sharded_load_is_the_unsharded_model_split(sharded_loads, case):
     assert r0["grads"] and all("lora_" in n for n in r0["grads"]) and r0["grad_max_rel_diff"] <= 1e-5
     # what rank 0 holds is what the estimator predicts per rank, to the byte
     assert r0["rank_bytes"] == r0["estimated_rank_bytes"], (r0["rank_bytes"], r0["estimated_rank_bytes"])
+
+
+@pytest.mark.parametrize("case", ["dora + pissa, nf4-dq", "dora + loftq + rslora, nf4", "dora + gaussian, dense bf16"])
+def test_sharded_lora_variants_start_as_unsharded(sharded_loads, case):
+    """DoRA, PiSSA, LoftQ and the gaussian init under FSDP: every LoRA tensor (A, B, the magnitudes) sharded like the
+    rest, and gathered equal to load_model's: the residual bases, the initial A0 / B0 and DoRA's row norms (whole on
+    every rank) bit for bit, the magnitudes within fp32 rounding of the product they start from; one training step
+    gives the same logits and LoRA gradients (the magnitudes' included). Red with the residual not taken, the
+    gaussian init drawn as kaiming, or the row norms of a shard."""
+    r0, r1 = sharded_loads[case]
+    assert r0["all_shard0"] and r1["all_shard0"] and r0["fourbit_have_state"]
+    diffs = r0["param_diffs"]
+    assert {n.rsplit(".", 1)[1] for n in diffs if "lora_" in n} >= (
+        {"lora_A", "lora_B", "lora_magnitude", "lora_wnorm2"} | ({"lora_A0", "lora_B0"} if "gaussian" not in case
+                                                                  else set()))
+    assert all(d == 0 for n, d in diffs.items() if "lora_magnitude" not in n), {n: d for n, d in diffs.items() if d}
+    assert all(0 <= d <= 1e-5 for n, d in diffs.items() if "lora_magnitude" in n), diffs
+    assert all(r0["quant_states_equal"].values())
+    assert r0["logits_max_diff"] <= 1e-5 * r0["logits_scale"], (r0["logits_max_diff"], r0["logits_scale"])
+    assert any("lora_magnitude" in n for n in r0["grads"]) and r0["grad_max_rel_diff"] <= 1e-4
 
 
 def test_each_rank_holds_about_half_the_base(sharded_loads):

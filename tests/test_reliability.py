@@ -285,6 +285,36 @@ def _resume_no_such_file(t, p):
     return dict(resume=p / "iter-000001.pth"), ["no such checkpoint"]
 
 
+def _loftq_without_4bit(t, p):
+    return dict(lora_init="loftq", quantize="bnb.int8", out_dir=p / "new"), [
+        "--lora_init loftq needs a 4-bit --quantize", "--lora_init pissa"]
+
+
+def _loftq_on_a_dense_head(t, p):  # LEARN_ARGS adapt the head: without --quantize_lm_head it stays dense
+    return dict(lora_init="loftq", quantize="bnb.nf4", out_dir=p / "new"), [
+        "--lora_init loftq with --lora_head true needs --quantize_lm_head true"]
+
+
+def _pissa_rank_above_a_part(t, p):  # the tiny Llama's k and v parts of the fused qkv have 32 rows
+    return dict(lora_init="pissa", lora_r=48, out_dir=p / "new"), [
+        "--lora_init pissa needs --lora_r at most the smaller side", "transformer.h.0.attn.qkv has one of 32",
+        "--lora_r 32 or less"]
+
+
+def _dora_on_moe_experts(t, p):  # the one layer kind LoRA (DoRA included) does not cover: a mixture's experts
+    from helpers import make_tiny_hf_model
+
+    from lit_qlora.convert import convert_hf_checkpoint
+
+    d = p / "moe"
+    make_tiny_hf_model("qwen3_moe", d)
+    convert_hf_checkpoint(d)
+    for f in t["ckpt"].glob("tokenizer*"):
+        shutil.copy(f, d / f.name)
+    return dict(checkpoint_dir=d, lora_dora="true", out_dir=p / "new"), [
+        "--lora_mlp on a mixture of experts", "not implemented", "leave --lora_mlp off"]
+
+
 CASES = {f.__name__[1:]: f for f in (
     _ckpt_missing, _ckpt_not_converted, _ckpt_truncated, _ckpt_garbage_header, _ckpt_partial, _ckpt_disagrees,
     _ckpt_config_corrupt,
@@ -292,7 +322,8 @@ CASES = {f.__name__[1:]: f for f in (
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_unknown_column,
     _data_torn_parquet, _data_sources_bad_weight, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
-    _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero)}
+    _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero,
+    _loftq_without_4bit, _loftq_on_a_dense_head, _pissa_rank_above_a_part, _dora_on_moe_experts)}
 # also through a fresh interpreter
 SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "data_unknown_column", "optimizer"}
 
@@ -301,7 +332,8 @@ SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "data_unknown_c
 def test_bad_input_is_refused_up_front(case, train_setup, prev_run, tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("LIT_QLORA_DEBUG", raising=False)
     overrides, expect = CASES[case](train_setup, tmp_path)
-    args = h.train_args(train_setup, prev_run, **{**h.LEARN_ARGS, "resume": "auto", **overrides})
+    out_dir = overrides.pop("out_dir", prev_run)  # a new folder: a check the resume check would come before
+    args = h.train_args(train_setup, out_dir, **{**h.LEARN_ARGS, "resume": "auto", **overrides})
     before = h.snapshot(prev_run)
     r = run_inprocess(args, capfd)
     line = h.assert_one_line_error(r, *expect)  # one line: nothing was loaded or printed before the check

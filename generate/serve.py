@@ -61,10 +61,13 @@ def main(
     precision, precision_why = resolve_generation_precision(precision, device)
     model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
                                              quantize_lm_head=quantize_lm_head, precision_why=precision_why)
-    bank = AdapterBank(model, precision)
+    bank = AdapterBank(model, precision, quantize)
     for adapter_name, path in adapters.items():
         bank.add(adapter_name, Adapter.load(path, model.config, mmap=True))
-        say(f"Adapter {adapter_name}: {path} ({bank.lora_bytes(adapter_name) / 2**20:.1f} MiB, unmerged)")
+        held = bank.adapters[adapter_name]
+        how = (f", its --lora_init {held.train['converted_from']} as a rank-{held.config.r} LoRA over the base"
+               if held.train.get("converted_from") else "")
+        say(f"Adapter {adapter_name}: {path} ({bank.lora_bytes(adapter_name) / 2**20:.1f} MiB, unmerged{how})")
     engine = Engine(bank, tokenizer, device, precision, max_concurrent=max_concurrent, timeout_s=timeout_s)
     app = create_app(Server(engine, name, api_key=api_key, default_max_tokens=max_tokens))
     say(f"Serving {', '.join([name, *adapters])} on http://{host}:{port}/v1")

@@ -117,18 +117,16 @@ class Adapter:
     def as_plain_lora(self) -> "Adapter":
         """A pissa / olora adapter (trained over a base that gave up s*B0@A0) as the same update over the original
         base, a plain LoRA of rank 2r, as PEFT's `path_initial_model_for_weight_conversion` converts one: per part
-        A' = [A; A0], B' = [B, -B0], alpha doubled (times sqrt(2) for rsLoRA) to keep the scaling. Other adapters
-        are returned as they are."""
+        A' = [A; A0], B' = [B, -B0], alpha doubled (times sqrt(2) for rsLoRA) to keep the scaling. W + s*B'@A' is
+        W - s*B0@A0 + s*B@A, so a DoRA adapter keeps its magnitudes: the row norms it divides by are the same. Other
+        adapters are returned as they are."""
         c = self.config
         if c.init not in RESIDUAL_INITS:
             return self
         if c.init == "loftq":
             raise UserError("a LoftQ adapter belongs to the quantized residual it was trained on, not to the original "
                             "weights; export it merged instead (scripts/export_hf.py), or train with --lora_init pissa")
-        if c.dora:
-            raise UserError(f"a DoRA adapter started with --lora_init {c.init} has no plain LoRA form over the "
-                            "original base (its row norms depend on the base); export it merged (scripts/export_hf.py)")
-        tensors = {}
+        tensors = {k: v for k, v in self.lora.items() if k.endswith(".lora_magnitude")}
         for module, parts in self.targets().items():
             n = len(parts or [None])
             A, A0 = (self.lora[f"{module}.{k}"].float() for k in ("lora_A", "lora_A0"))

@@ -20,7 +20,7 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +34,8 @@ from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
+from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quantize import dequantize_weight, is_quantized
 from lit_qlora.templates import CHAT
 from lit_qlora.utils import UserError
 
@@ -79,44 +81,72 @@ class AdapterBank:
     """The base model's own layers, and for each adapter a LoRA wrapper (`LoRALinear`, or `DecodeLoRALinear` over a
     4-bit kernel layer) around each layer it targets, holding that adapter's tensors in the precision's trainable
     dtype: the same modules generate/lora.py --merge false builds, sharing the base layer objects. What one adapter
-    holds is its A and B in that dtype and nothing else (tests/test_serve.py counts the tensor storage): the file's
-    tensors are copied out and dropped, and the fp32 decoding copies (`LoRALinear._decode_weights`, 2.4x the bf16
-    tensors with every target adapted) exist for the active adapter only."""
+    holds is its A and B in that dtype (and a DoRA adapter its magnitudes) and nothing else (tests/test_serve.py
+    counts the tensor storage): the file's tensors are copied out and dropped, and the fp32 decoding copies
+    (`LoRALinear._decode_weights`, 2.4x the bf16 tensors with every target adapted) exist for the active adapter
+    only. DoRA's row norms of a base layer (one fp32 vector) are shared by every DoRA adapter of that layer.
 
-    def __init__(self, model: nn.Module, precision: str) -> None:
+    An adapter started by PiSSA / OLoRA (trained over a base that gave up s*B0@A0) is served as the same update over
+    the shared original base, a LoRA of rank 2r (`Adapter.as_plain_lora`); over a quantized base that is the base
+    quantized whole rather than the residual it trained on, as a merged generation is. A LoftQ adapter's base is its
+    own quantized residual: served only where that is the shared base (one LoftQ step: the base itself, quantized
+    in the same mode)."""
+
+    def __init__(self, model: nn.Module, precision: str, quantize: Optional[str] = None) -> None:
         self.model = model
         self.dtype = parse_precision(precision).trainable_dtype
+        self.quantize = QuantMode.parse(quantize)
         self.base_layers: dict[str, nn.Module] = {}  # module name -> the model's own layer
         self.wrappers: dict[str, dict[str, LoRALinear]] = {}  # adapter -> module name -> wrapper
         self.adapters: dict[str, Adapter] = {}  # their settings and training record (tensors dropped)
         self.active: Optional[str] = None  # None: the bare base
         self._no_dropout = nn.Identity()  # one for every wrapper (a module each is ~2 KB of Python dicts)
+        self._row_norms2: dict[str, torch.Tensor] = {}  # module name -> ||W||^2 of each row (DoRA), made once
+
+    def servable(self, name: str, adapter: Adapter) -> Adapter:
+        """The adapter as an update over the shared base (see the class), or a one-line UserError."""
+        cfg = adapter.config
+        if cfg.init == "loftq":
+            trained = QuantMode.parse(adapter.train.get("quantize"))
+            if cfg.loftq_iters > 1 or trained != self.quantize:
+                served = self.quantize or "not quantized"
+                raise UserError(f"adapter {name} is a LoftQ adapter (--lora_init loftq, --loftq_iters "
+                                f"{cfg.loftq_iters}, trained over {trained or 'no quantization'}): it belongs to its "
+                                f"own quantized residual, not to the base served here ({served}); merge it "
+                                "(scripts/merge_lora.py) and serve the merged folder")
+            # one step: the residual is the whole weight (A0, B0 = 0), quantized as the server quantizes it
+            tensors = {k: v for k, v in adapter.lora.items() if not k.endswith(("lora_A0", "lora_B0"))}
+            return Adapter(tensors, replace(cfg, init="default"), adapter.model_config, adapter.train)
+        return adapter.as_plain_lora()
 
     def add(self, name: str, adapter: Adapter) -> None:
+        adapter = self.servable(name, adapter)
+        cfg = adapter.config
         wrappers = {}
         for module_name, parts in adapter.targets().items():
             if module_name not in self.base_layers:
                 self.base_layers[module_name] = self.model.get_submodule(module_name)
             base = self.base_layers[module_name]
-            cfg = adapter.config
-            if cfg.dora:
-                raise UserError(f"adapter {name} is a DoRA adapter, which the server cannot switch per request yet; "
-                                "merge it into the base first (scripts/merge_lora.py) and serve that")
             w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
-                           rslora=cfg.rslora)
+                           rslora=cfg.rslora, dora=cfg.dora)
             device = w.lora_A.device
+            names = ("lora_A", "lora_B", "lora_magnitude") if cfg.dora else ("lora_A", "lora_B")
             try:
-                A, B = adapter.lora[module_name + ".lora_A"], adapter.lora[module_name + ".lora_B"]
+                tensors = [adapter.lora[f"{module_name}.{k}"] for k in names]
             except KeyError as e:
                 raise UserError(f"adapter {name} has no tensor {e.args[0]}; it is incomplete: use another checkpoint "
                                 "of it") from None
-            if A.shape != w.lora_A.shape or B.shape != w.lora_B.shape:
-                raise UserError(f"adapter {name}'s tensors of {module_name} have shapes {tuple(A.shape)}/"
-                                f"{tuple(B.shape)}, the base model expects {tuple(w.lora_A.shape)}/"
-                                f"{tuple(w.lora_B.shape)}; use the base model the adapter was trained on")
+            wanted = [getattr(w, k).shape for k in names]
+            if [t.shape for t in tensors] != wanted:
+                raise UserError(f"adapter {name}'s tensors of {module_name} have shapes "
+                                f"{'/'.join(str(tuple(t.shape)) for t in tensors)}, the base model expects "
+                                f"{'/'.join(str(tuple(s)) for s in wanted)}; use the base model the adapter was "
+                                "trained on")
             # copies, never the loaded tensors themselves (which may be views of the file's pages or of one storage)
-            w.lora_A = nn.Parameter(A.to(device=device, dtype=self.dtype, copy=True), requires_grad=False)
-            w.lora_B = nn.Parameter(B.to(device=device, dtype=self.dtype, copy=True), requires_grad=False)
+            for k, t in zip(names, tensors):
+                setattr(w, k, nn.Parameter(t.to(device=device, dtype=self.dtype, copy=True), requires_grad=False))
+            if cfg.dora:
+                w.lora_wnorm2 = self._row_norms(module_name, base)
             w.dropout = self._no_dropout  # never trained here: dropout is the identity whatever its p
             w.eval()
             if type(base) is DecodeLinear4bit:  # base and update in one kernel call, as enable_fast_decode does
@@ -125,6 +155,15 @@ class AdapterBank:
         self.wrappers[name] = wrappers
         adapter.lora = {}  # the wrappers hold the tensors now (no second copy kept)
         self.adapters[name] = adapter
+
+    def _row_norms(self, module_name: str, base: nn.Module) -> torch.Tensor:
+        """||W||^2 of each row of a base layer, from its weight as served (a 4-bit one dequantized once, then freed),
+        as the loader starts a DoRA layer (`LoRALinear.init_dora`)."""
+        if module_name not in self._row_norms2:
+            with torch.no_grad():
+                w = dequantize_weight(base) if is_quantized(base) else base.weight
+                self._row_norms2[module_name] = w.float().square().sum(1)
+        return self._row_norms2[module_name]
 
     def activate(self, name: Optional[str]) -> None:
         """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere)."""
@@ -140,7 +179,7 @@ class AdapterBank:
         self.active = name
 
     def lora_bytes(self, name: str) -> int:
-        return sum(p.numel() * p.element_size() for w in self.wrappers[name].values() for p in (w.lora_A, w.lora_B))
+        return sum(p.numel() * p.element_size() for w in self.wrappers[name].values() for p in w.parameters(False))
 
 
 # ----------------------------------------------------------------------------------------------

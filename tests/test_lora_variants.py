@@ -9,7 +9,7 @@ from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomiz
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import LoRAArgs
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.lora import LoRAConfig
+from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.peft_interop import import_peft
 from lit_qlora.training import loraplus_groups, make_optimizer
 from lit_qlora.utils import UserError
@@ -194,7 +194,6 @@ def test_dora_starts_at_the_base_and_keeps_no_weight_copy(lora_llama):
     model = load_model(lora_llama.folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0)
     with torch.no_grad():
         assert (model(idx) - base(idx)).abs().max().item() <= 1e-4
-    from lit_qlora.lora import lora_modules
     for m in lora_modules(model).values():
         assert {n: tuple(b.shape) for n, b in m.named_buffers(recurse=False)} == {"lora_wnorm2": (m.out_features,)}
         assert m.lora_magnitude.shape == (m.lora_B.shape[0],)
@@ -263,7 +262,6 @@ def test_unmerged_dora_decodes_through_the_kernel_as_peft_on_bitsandbytes(lora_l
     from lit_qlora.decode4bit import DecodeLoRALinear, kernel
     from lit_qlora.generation import generate
     from lit_qlora.inference import fast_cpu_4bit_decoding
-    from lit_qlora.lora import lora_modules
 
     peft_model = _peft_dora_model(lora_llama, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
     peft_model.save_pretrained(tmp_path / "peft")
@@ -354,17 +352,22 @@ def test_loftq_starts_as_peft_and_closer_than_the_4bit_base(iters):
     assert (base + B @ A - w).norm() < 0.9 * (plain - w).norm()
 
 
-@pytest.mark.parametrize("init,quantize", [("pissa", None), ("pissa", "bnb.nf4"), ("olora", "bnb.nf4-dq"),
-                                           ("loftq", "bnb.nf4")])
+@pytest.mark.parametrize("init,quantize,dora", [("pissa", None, False), ("pissa", "bnb.nf4", False),
+                                                ("olora", "bnb.nf4-dq", False), ("loftq", "bnb.nf4", False),
+                                                ("olora", None, True)],
+                         ids=["pissa", "qpissa-nf4", "olora-nf4-dq", "loftq-nf4", "olora+dora"])
 @torch.no_grad()
-def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora_llama, tmp_path):
+def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, dora, lora_llama, tmp_path):
     """A fresh model with the init computes the unquantized base (nearly: the residual is what gets quantized);
     after training its adapter loads with no flags (the base gives up the recorded s*B0@A0 again), the merge equals
-    the unmerged model, and the PEFT export is a plain LoRA of rank 2r over the original base with the same logits."""
+    the unmerged model, and the PEFT export is a plain LoRA of rank 2r over the original base with the same logits
+    (with DoRA: PEFT's DoRA layers, the same magnitudes over W + s*B'@A' = the residual + s*B@A)."""
     from peft import PeftModel
 
     idx = random_tokens(2, 10, seed=4)
-    lora = replace(lora_cfg(query=True, value=True, mlp=True), init=init, loftq_iters=2)
+    lora = replace(lora_cfg(query=True, value=True, mlp=True), init=init, loftq_iters=2, dora=dora)
+    if dora:  # all of the fused qkv: PEFT's DoRA needs every part of a fused layer it adapts
+        lora = replace(lora, key=True)
     dense = load_model(lora_llama.folder, precision="32-true")(idx)
     model = load_model(lora_llama.folder, precision="32-true", quantize=quantize, lora=lora, seed=0)
     start = model(idx)
@@ -374,6 +377,10 @@ def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora
         plain = load_model(lora_llama.folder, precision="32-true", quantize=quantize)(idx)
         assert (start - dense).abs().mean() < (plain - dense).abs().mean()
     randomize_lora(model, seed=8)  # "trained"
+    if dora:
+        g = torch.Generator().manual_seed(3)
+        for m in lora_modules(model).values():
+            m.lora_magnitude.mul_(1 + 0.2 * torch.randn(m.lora_magnitude.shape, generator=g))
     trained = model(idx)
     adapter = Adapter.of_model(model, lora, train=dict(quantize=quantize, precision="32-true"))
     adapter.save(tmp_path / "a.pth")
@@ -384,7 +391,6 @@ def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora
     if init == "loftq":  # merged: the 4-bit residual it trained on, dequantized, + s*B@A: what the layer computed
         from safetensors.torch import load_file
 
-        from lit_qlora.lora import lora_modules
         from lit_qlora.quantize import dequantize_weight
         stored = load_file(lora_llama.folder / "lit_model.safetensors")
         for name in ("transformer.h.0.attn.qkv", "transformer.h.1.mlp.fc_2"):
@@ -399,7 +405,7 @@ def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, lora
     assert (merged - unmerged_dense).abs().max().item() <= 1e-4
     again.export_peft(lora_llama.config, tmp_path / "peft")
     peft_model = PeftModel.from_pretrained(hf_model(lora_llama.folder), tmp_path / "peft").eval()
-    assert peft_model.peft_config["default"].r == 2 * lora.r
+    assert peft_model.peft_config["default"].r == 2 * lora.r and peft_model.peft_config["default"].use_dora == dora
     assert (peft_model(idx).logits - unmerged_dense).abs().max().item() <= 1e-4
 
 

@@ -1,10 +1,11 @@
 """generate/serve.py: a real uvicorn server (a subprocess of the script, on a free 127.0.0.1 port) serving a tiny
-4-bit model and two adapters, called with the official `openai` client and raw HTTP.
+4-bit model and three adapters, called with the official `openai` client and raw HTTP.
 
 The model: a tiny random Llama with a Gemma-style chat tokenizer (its template refuses a system message). Adapter
 "alpha" (q, v, r 4) renders with the checkpoint's template; adapter "beta" (projection and MLP, r 8) recorded a
-ChatML template, which takes a system message. The base and both adapters must each give the greedy text
-generate/base.py / generate/lora.py --merge false give for the same prompt (same 4-bit kernel path, unmerged).
+ChatML template, which takes a system message; adapter "gamma" is a DoRA + rsLoRA adapter (q, v, MLP). The base and
+each adapter must give the greedy text generate/base.py / generate/lora.py --merge false give for the same prompt
+(same 4-bit kernel path, unmerged).
 """
 from __future__ import annotations
 
@@ -43,14 +44,17 @@ FLAGS = ["--quantize", "bnb.nf4", "--precision", "32-true"]
 PROMPT = "Tell me a joke about robots"
 
 
-def _adapter(folder: Path, path: Path, lora: LoRAConfig, seed: int, train: dict) -> None:
-    model = load_model(folder, precision="32-true", lora=lora, seed=seed)
+def _adapter(folder: Path, path: Path, lora: LoRAConfig, seed: int, train: dict, quantize=None) -> None:
+    model = load_model(folder, precision="32-true", lora=lora, seed=seed, quantize=quantize)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in lora_modules(model).values():  # strong enough to change the greedy text
             m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=g) * 0.5)
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.5)
-    Adapter.of_model(model, lora, train=train).save(path)
+            if m.dora:  # magnitudes away from the row norms, some rows halved, some doubled
+                m.lora_magnitude.mul_(torch.rand(m.lora_magnitude.shape, generator=g) * 1.5 + 0.5)
+    Adapter.of_model(model, lora, train=dict(train, quantize=quantize, quantize_lm_head=False, precision="32-true")
+                     ).save(path)
 
 
 def _free_port() -> int:
@@ -88,12 +92,14 @@ def served(tmp_path_factory):
     make_tiny_hf_model("llama", folder, vocab_size=tok.vocab_size, initializer_range=0.2,
                        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
     convert_hf_checkpoint(folder)
-    adapters = {"alpha": folder.parent / "alpha.pth", "beta": folder.parent / "beta.pth"}
+    adapters = {n: folder.parent / f"{n}.pth" for n in ("alpha", "beta", "gamma")}
     _adapter(folder, adapters["alpha"], LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, value=True), 1,
              {"template": "chat"})
     _adapter(folder, adapters["beta"], LoRAConfig(r=8, alpha=16, dropout=0.0, query=False, value=False,
                                                   projection=True, mlp=True), 2,
              {"template": "chat", "chat_template": load_template("smollm2_instruct")})
+    _adapter(folder, adapters["gamma"], LoRAConfig(r=4, alpha=8, dropout=0.0, mlp=True, dora=True, rslora=True), 3,
+             {"template": "chat"}, quantize="bnb.nf4")
     proc, url = _start(folder, adapters, "--api_key", KEY, "--max_tokens", "24")
     yield {"folder": folder, "adapters": adapters, "url": url, "proc": proc,
            "client": openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)}
@@ -114,14 +120,14 @@ def _script_text(capsys, script: str, **kwargs) -> str:
 
 def test_models_and_health(served):
     ids = [m.id for m in served["client"].models.list().data]
-    assert ids == ["base", "alpha", "beta"]
+    assert ids == ["base", "alpha", "beta", "gamma"]
     assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
 
 
 def test_base_and_each_adapter_give_generate_scripts_greedy_text(served, capsys):
     client, folder, adapters = served["client"], served["folder"], served["adapters"]
     texts = {}
-    for name in ("alpha", "beta"):
+    for name in ("alpha", "beta", "gamma"):
         reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPT}],
                                                temperature=0, max_tokens=12)
         want = _script_text(capsys, "lora", checkpoint_dir=folder, lora_path=adapters[name], prompt=PROMPT,
@@ -139,7 +145,7 @@ def test_base_and_each_adapter_give_generate_scripts_greedy_text(served, capsys)
     base = client.completions.create(model="base", prompt=PROMPT, temperature=0, max_tokens=12)
     texts["base"] = base.choices[0].text
     assert texts["base"] == _script_text(capsys, "base", checkpoint_dir=folder, prompt=PROMPT, max_new_tokens=12)
-    assert len(set(texts.values())) == 3, texts  # each its own text: the adapters really are switched
+    assert len(set(texts.values())) == 4, texts  # each its own text: the adapters really are switched
 
 
 def test_streaming_chat_and_completion_add_up_to_the_reply(served):
@@ -207,7 +213,7 @@ def _raw(served, path: str, body, key: str = KEY) -> httpx.Response:
 
 
 @pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/chat/completions", {"model": "gamma", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": "delta", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ("/v1/chat/completions", {"model": "alpha", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "base", "messages": [{"role": "system", "content": "Be brief."},
                                                             {"role": "user", "content": "hi"}]}, 400, "messages"),
@@ -242,7 +248,7 @@ def test_the_template_and_the_key_through_the_client(served):
                                                                {"role": "user", "content": "hi"}], max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gamma", prompt="hi")
+        client.completions.create(model="delta", prompt="hi")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served["url"] + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(served["url"] + "/v1/models").status_code == 401  # no key at all
@@ -433,3 +439,51 @@ def test_each_adapter_holds_its_own_tensors_once(tmp_path):
     copies = sum(4 * (w.lora_A.numel() + w.out_features * w.lora_A.shape[0]) for w in bank.wrappers["a1"].values())
     assert all("_decode_cache" in w.__dict__ for w in bank.wrappers["a1"].values())  # the decoding path ran
     assert _live_tensor_bytes() - one == sizes["a1"] + sizes["a2"] + copies
+
+
+@torch.no_grad()
+def test_variant_adapters_over_the_shared_base(tmp_path):
+    """Adapters of each LoRA variant held together over one base compute what generate/lora.py --merge false's model
+    of each computes (load_model_with_adapter, itself checked against PEFT in tests/test_lora_variants.py): DoRA
+    (sharing each layer's row norms), PiSSA + rsLoRA and OLoRA + DoRA (their base gave up s*B0@A0: served as rank-2r
+    LoRAs over the original base) exactly on a dense base; DoRA and one-step LoftQ over nf4 through the 4-bit
+    kernel. A LoftQ adapter of several steps, or trained over another quantization, is refused in one line. Red
+    with the residual adapters served as they are (their A0/B0 ignored)."""
+    from lit_qlora.inference import load_for_inference
+    from lit_qlora.serve import AdapterBank
+    from lit_qlora.utils import UserError
+
+    folder = tmp_path / "tiny-chat"
+    make_chat_checkpoint("gemma", folder, load_template("gemma_it"))
+    make_tiny_hf_model("llama", folder, vocab_size=Tokenizer(folder).vocab_size, initializer_range=0.2)
+    convert_hf_checkpoint(folder)
+    qv_mlp = dict(r=4, alpha=8, dropout=0.0, query=True, value=True, mlp=True)
+    kinds = {"dora": (dict(dora=True), None), "pissa": (dict(init="pissa", rslora=True), None),
+             "olora_dora": (dict(init="olora", dora=True, key=True), None),
+             "dora_nf4": (dict(dora=True), "bnb.nf4"), "loftq_nf4": (dict(init="loftq"), "bnb.nf4"),
+             "loftq2": (dict(init="loftq", loftq_iters=2), "bnb.nf4"), "loftq_fp4": (dict(init="loftq"), "bnb.fp4")}
+    for i, (name, (kw, quantize)) in enumerate(kinds.items()):
+        _adapter(folder, tmp_path / f"{name}.pth", LoRAConfig(**{**qv_mlp, **kw}), i, {}, quantize=quantize)
+    idx = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    for quantize, names in ((None, ["dora", "pissa", "olora_dora"]), ("bnb.nf4", ["dora_nf4", "loftq_nf4"])):
+        model, _, _ = load_for_inference(folder, None, quantize, "32-true", torch.device("cpu"))
+        bank = AdapterBank(model, "32-true", quantize)
+        for name in names:
+            bank.add(name, Adapter.load(tmp_path / f"{name}.pth", model.config))
+        if quantize:
+            for bad in ("loftq2", "loftq_fp4"):
+                with pytest.raises(UserError, match=f"adapter {bad} is a LoftQ adapter .* merge it"):
+                    bank.add(bad, Adapter.load(tmp_path / f"{bad}.pth", model.config))
+        logits = {}
+        for name in [*names, *names]:  # twice: switching back and forth keeps each adapter's own output
+            bank.activate(name)
+            logits.setdefault(name, []).append(model(idx))
+        for name in names:
+            want, _, _ = load_for_inference(folder, tmp_path / f"{name}.pth", quantize, "32-true", torch.device("cpu"),
+                                            merge=False)
+            ref = want(idx)
+            for got in logits[name]:
+                assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), (quantize, name)
+        assert len({float(v[0].sum()) for v in logits.values()}) == len(names)
+        if quantize:
+            assert all(type(w).__name__ == "DecodeLoRALinear" for w in bank.wrappers["dora_nf4"].values())

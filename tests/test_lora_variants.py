@@ -145,23 +145,26 @@ def test_dora_forward_and_gradients_equal_peft(rslora):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
 
-@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
-def test_dora_over_a_4bit_base_equals_peft_bnb_dora(mode):
-    """fp32 compute, the same bitsandbytes nf4 layer under ours and under PEFT's bnb Linear4bit DoRA layer: the same
-    output and gradients (PEFT dequantizes the whole weight for its norms; ours never does after init)."""
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"])
+def test_dora_over_a_quantized_base_equals_peft_bnb_dora(mode):
+    """fp32 compute, the same bitsandbytes layer (every --quantize mode) under ours and under PEFT's bnb Linear4bit /
+    Linear8bitLt DoRA layer: the same output and gradients (PEFT dequantizes the whole weight for its norms; ours
+    never does after init)."""
     import copy
 
     from helpers import reference_layer
     from peft import LoraConfig
     from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
+    from peft.tuners.lora.bnb import Linear8bitLt as PeftLinear8bitLt
 
     from lit_qlora.lora import LoRALinear
     from lit_qlora.quantize import dequantize_weight
 
     g = torch.Generator().manual_seed(3)
     base = reference_layer(mode, torch.randn(48, 64, generator=g) * 0.1, torch.float32)
-    ref = PeftLinear4bit(copy.deepcopy(base), "default", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                    use_dora=True), r=4, lora_alpha=8)
+    layer = PeftLinear8bitLt if mode == "bnb.int8" else PeftLinear4bit
+    ref = layer(copy.deepcopy(base), "default", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=True), r=4,
+                lora_alpha=8)
     ours = LoRALinear(base, 64, 48, 4, 8, 0.0, dora=True)
     ours.reset_lora_parameters()
     ours.init_dora(dequantize_weight(base))
@@ -350,6 +353,33 @@ def test_loftq_starts_as_peft_and_closer_than_the_4bit_base(iters):
     assert ((B @ A) - (ref_B @ ref_A)).abs().max().item() <= 1e-4
     plain = w - quant_error(w)
     assert (base + B @ A - w).norm() < 0.9 * (plain - w).norm()
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"])
+@torch.no_grad()
+def test_residual_bases_are_bitsandbytes_quantizations_of_the_residual(mode, lora_llama):
+    """Every --quantize mode, PiSSA / OLoRA / LoftQ (4-bit only): the base the loader stores is bitsandbytes' own
+    layer of W - s*B0@A0 (the residual of the adapter's recorded initial A0, B0; a fused qkv's q and v parts each
+    their own, k as it was), to the byte and block scale; for PiSSA and LoftQ on 4 bits, base + s*B@A is closer to
+    W than the 4-bit W alone."""
+    from helpers import assert_same_stored, reference_layer
+    from safetensors.torch import load_file
+
+    from lit_qlora.lora import lora_delta
+    from lit_qlora.quantize import dequantize_weight
+
+    stored = load_file(lora_llama.folder / "lit_model.safetensors")
+    for init in ["pissa", "olora"] + (["loftq"] if mode != "bnb.int8" else []):
+        lora = replace(lora_cfg(query=True, value=True, mlp=True), init=init, loftq_iters=2)
+        model = load_model(lora_llama.folder, precision="32-true", quantize=mode, lora=lora, seed=0)
+        for name in ("transformer.h.0.attn.qkv", "transformer.h.1.mlp.fc_2"):
+            m, w = lora_modules(model)[name], stored[name + ".weight"].float()
+            residual = w - lora_delta(m.lora_A0, m.lora_B0, m.parts, m.r, m.scaling, m.out_features)
+            assert_same_stored(m.base, reference_layer(mode, residual, torch.float32))
+            if init != "olora" and mode != "bnb.int8":
+                plain = dequantize_weight(reference_layer(mode, w, torch.float32)).float()
+                start = dequantize_weight(m.base).float() + m.delta_weight()
+                assert (start - w).norm() < (plain - w).norm(), (init, name)
 
 
 @pytest.mark.parametrize("init,quantize,dora", [("pissa", None, False), ("pissa", "bnb.nf4", False),

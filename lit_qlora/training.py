@@ -168,8 +168,11 @@ def check_checkpoint_state(state: dict, where: object) -> None:
         raise UserError(f"{where} resume.optimizer is not an optimizer state (param_groups, state); {fix}")
     from lit_qlora.config import Config
 
-    model = meta_model(Config.from_dict(state["model_config"]), LoRAConfig.from_dict(state["lora_config"]))
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    lora = LoRAConfig.from_dict(state["lora_config"])
+    model = meta_model(Config.from_dict(state["model_config"]), lora)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ordered = loraplus_groups(trainable, 1.0, lora.loraplus_lr_ratio)  # the optimizer's order: its groups' (LoRA+)
+    shapes = [tuple(p.shape) for g in ordered for p in (g["params"] if isinstance(g, dict) else [g])]
     ids = [i for g in groups for i in g["params"]]
     if all(isinstance(i, int) for i in ids):  # one process's optimizer: by position in the trainable parameters
         if sorted(ids) != list(range(len(shapes))):

@@ -1,5 +1,6 @@
 """LoRA variants (rsLoRA, LoRA+, DoRA) against PEFT: the same forward, gradients, optimizer groups, merges and exports
 on the same weights."""
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -451,3 +452,49 @@ def test_a_run_saved_before_the_variant_fields_resumes():
     check_resume_compatible(state, {"lora": asdict(LoRAConfig())})
     with pytest.raises(UserError, match="the checkpoint was made with lora="):
         check_resume_compatible(state, {"lora": asdict(LoRAConfig(dora=True))})
+
+
+# ---- the variants through finetune/lora.py: packing, resume, DDP, FSDP --------------------------------------------
+VARIANT_RUN = dict(quantize="bnb.nf4-dq", precision="32-true", accelerator="cpu", packing="true", max_seq_length=64,
+                   learning_rate=1e-2, min_lr=1e-2, warmup_steps=0, lora_dropout=0.0, lora_mlp="true", batch_size=4,
+                   eval_interval=4, eval_iters=1, save_interval=2, keep_checkpoints=0, max_iters=4)
+
+
+@pytest.mark.parametrize("variant,full", [(dict(lora_dora="true", lora_init="pissa", lora_rslora="true",
+                                                loraplus_lr_ratio=4), True),
+                                           (dict(lora_dora="true", lora_init="loftq", loftq_iters=2), False)],
+                         ids=["dora+pissa+rslora+lora+", "dora+loftq"])
+def test_variants_train_packed_on_two_processes_and_resume(variant, full, train_setup, tmp_path):
+    """Packed nf4-dq runs of the variants: two DDP processes (micro batch 2) train what one process (micro batch 4)
+    trains over the same global batches (losses and every adapter tensor, DoRA's magnitudes and the residual init's
+    A0 / B0 included). For the first combination also: a DDP run resumed from its iteration-2 checkpoint retraces it
+    (red before the checkpoint check followed LoRA+'s parameter groups: the checkpoint was refused as damaged), and
+    FSDP over the two processes follows (the residual and DoRA's norms taken from whole weights before sharding;
+    LoftQ under FSDP: tests/test_distributed.py). The adapter records the variant (loads with no flags)."""
+    import helpers_train as h
+
+    args = {**VARIANT_RUN, **variant}
+    one, two, resumed, sharded = (tmp_path / n for n in ("one", "two", "resumed", "sharded"))
+    h.train(train_setup, one, devices=1, micro_batch_size=4, **args)
+    h.train(train_setup, two, devices=2, micro_batch_size=2, **args)
+    final = "lit_model_lora_finetuned.pth"
+    a, b = h.load_lora(one / final), h.load_lora(two / final)
+    assert {k.rsplit(".", 1)[1] for k in a} == {"lora_A", "lora_B", "lora_magnitude", "lora_A0", "lora_B0"}
+    assert h.max_abs_diff(a, b) < 1e-5
+    l1, l2 = h.losses_by_iter(one), h.losses_by_iter(two)
+    assert l1.keys() == l2.keys() == {1, 2, 3, 4} and all(abs(l1[i] - l2[i]) < 1e-5 for i in l1), (l1, l2)
+    adapter = Adapter.load(one / final)
+    assert (adapter.config.dora, adapter.config.init) == (True, variant["lora_init"])
+    if not full:
+        return
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(two / "checkpoints/iter-000002.pth", resumed / "checkpoints/iter-000002.pth")
+    r = h.train(train_setup, resumed, devices=2, micro_batch_size=2, resume="true", **args)
+    assert "at iteration 2" in r.stderr
+    assert h.max_abs_diff(b, h.load_lora(resumed / final)) < 1e-6
+    l3 = h.losses_by_iter(resumed)
+    assert all(abs(l3[i] - l2[i]) < 1e-6 for i in (3, 4)), (l2, l3)
+    h.train(train_setup, sharded, devices=2, micro_batch_size=2, strategy="fsdp", **args)
+    l4 = h.losses_by_iter(sharded)
+    assert all(abs(l4[i] - l1[i]) <= 1e-4 * abs(l1[i]) for i in l1), (l1, l4)
+    assert h.max_abs_diff(a, h.load_lora(sharded / final)) < 1e-4

@@ -1,6 +1,7 @@
 """Merging: the merged checkpoint and the HF export compute what the model with its adapter computes; a bf16
 checkpoint is merged by the exact rule."""
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,18 +13,27 @@ from lit_qlora.checkpoint import LIT_WEIGHTS
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_hf_checkpoint
 from lit_qlora.loader import load_model
-from lit_qlora.lora import LoRAConfig
+from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.merge import merge_checkpoint
 
 
-@pytest.mark.parametrize("which", ["lora_llama", "lora_tied"])
+@pytest.mark.parametrize("which,variant", [("lora_llama", {}), ("lora_tied", {}),
+                                           ("lora_llama", dict(dora=True, rslora=True)),
+                                           ("lora_llama", dict(dora=True, init="pissa", head=False))],
+                         ids=["llama", "tied", "llama-dora+rslora", "llama-dora+pissa"])
 @torch.no_grad()
-def test_hf_export_of_merged_model_matches(which, request, tmp_path):
+def test_hf_export_of_merged_model_matches(which, variant, request, tmp_path):
+    """scripts/export_hf.py merges the adapter into the full-precision weights: transformers computes on the merged
+    folder what our model with the adapter computes (DoRA: each adapted row scaled to its magnitude; PiSSA: the
+    residual given up is added back)."""
     tiny = request.getfixturevalue(which)
     idx = random_tokens(2, 12, seed=7)
-    lora = lora_cfg()
+    lora = replace(lora_cfg(), **variant)
     model = load_model(tiny.folder, precision="32-true", lora=lora, seed=0)
     randomize_lora(model, seed=8)
+    if lora.dora:
+        for m in lora_modules(model).values():
+            m.lora_magnitude.mul_(1.5)
     expected = model(idx)
     Adapter.of_model(model, lora).save(tmp_path / "adapter.pth")
     assert run_script_here("export_hf.py", "--checkpoint_dir", tiny.folder, "--lora_path", tmp_path / "adapter.pth",

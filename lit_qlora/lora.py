@@ -103,14 +103,16 @@ class LoRALinear(nn.Module):
             self.lora_wnorm2 = weight.float().square().sum(1).to(self.lora_A.device)
             self.lora_magnitude.copy_(self.dora_weight_norm())
 
-    def dora_weight_norm(self) -> torch.Tensor:
+    def dora_weight_norm(self, wa: Optional[torch.Tensor] = None) -> torch.Tensor:
         """||W + s*B@A|| of each adapted row, fp32, detached (DoRA's section 4.3, as PEFT): from ||W||^2 (kept),
-        2s <W, B@A> (= 2s sum_k B_ik (W A^T)_ik, W A^T by the base layer itself on A's r rows) and s^2 ||B@A||^2
-        (= B (A A^T) B^T): no dequantized W, on a 4-bit base, and r instead of `in` products per row."""
+        2s <W, B@A> (= 2s sum_k B_ik (W A^T)_ik, W A^T by the base layer itself on A's r rows: `wa`, [n*r, out] with
+        the bias, when the caller has it) and s^2 ||B@A||^2 (= B (A A^T) B^T): no dequantized W, on a 4-bit base, and
+        r instead of `in` products per row."""
         with torch.no_grad():
             A, B = self.lora_A.float(), self.stacked_B().float()
-            dtype = getattr(getattr(self.base, "weight", None), "dtype", A.dtype)
-            wa = linear(self.base, A.to(dtype if dtype.is_floating_point else torch.float32)).float()  # [n*r, out]
+            if wa is None:
+                wa = linear(self.base, A.to(self._norm_dtype()))
+            wa = wa.float()
             bias = getattr(self.base, "bias", None)
             if bias is not None:
                 wa = wa - bias.float()
@@ -120,13 +122,19 @@ class LoRALinear(nn.Module):
             norm2 = (self.lora_wnorm2.float() + 2 * s * cross + s * s * ba2).clamp_min(0).sqrt()
             return norm2[self.dora_rows()]
 
+    def _norm_dtype(self) -> torch.dtype:
+        """The dtype A's rows go through the base layer in for the norms: the weight's (fp32 for a 4-bit layer, whose
+        bytes are no float dtype: it computes in its own compute dtype)."""
+        dtype = getattr(getattr(self.base, "weight", None), "dtype", torch.float32)
+        return dtype if dtype.is_floating_point else torch.float32
+
     def dora_rows(self) -> torch.Tensor:
         """The output rows the magnitudes belong to, in lora_B's order."""
         return torch.cat([torch.arange(a, a + n, device=self.lora_A.device) for a, n in self.parts])
 
-    def dora_scale(self) -> torch.Tensor:
+    def dora_scale(self, wa: Optional[torch.Tensor] = None) -> torch.Tensor:
         """m / ||W + s*B@A|| for every output row (1 for rows without LoRA), differentiable in m only."""
-        g = self.lora_magnitude / self.dora_weight_norm().to(self.lora_magnitude.dtype)
+        g = self.lora_magnitude / self.dora_weight_norm(wa).to(self.lora_magnitude.dtype)
         if len(self.parts) == 1 and self.parts[0] == (0, self.out_features):
             return g
         return g.new_ones(self.out_features).index_put((self.dora_rows(),), g)
@@ -140,30 +148,42 @@ class LoRALinear(nn.Module):
         b = bias.float()
         return z.sub_(b).mul_(g).add_(b)
 
-    def _dora_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + (g - 1) * W x' + g * s * B A x', g = `dora_scale`, x' = dropout(x): PEFT's DoRA term, which with dropout
-        on in training takes W x' from one more base product (without, W x' = y - bias). Not training and nothing to
-        differentiate: `_frozen_forward`."""
+    def _dora_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """PEFT's DoRA output y + (g - 1) * W x' + g * s * B A x' (g = `dora_scale`, x' = dropout(x), W x' without the
+        bias) as g * (W x' + s * B A x') + (y - W x'): with the products g multiplies summed first, autograd keeps one
+        activation-sized tensor for g's gradient instead of two. The base layer runs once, on x, x' (dropout on) and
+        A's rows (the row norms) stacked: a 4-bit weight is dequantized once per step and direction, as without DoRA
+        (three times forward and twice backward before, with dropout on). Not training and nothing to differentiate:
+        `_frozen_forward`."""
         dropping = isinstance(self.dropout, nn.Dropout) and self.training and self.dropout.p > 0
-        xd = self.dropout(x) if dropping else x
+        rows = x.reshape(-1, self.in_features)
+        if dropping:  # nn.Dropout's distribution, drawn as _DropoutMatmul draws it (0.6x the cost, a 1-byte mask kept)
+            p = self.dropout.p
+            xd = torch.where(dropout_keep(rows, p), rows, 0) * (1.0 / (1.0 - p))
+        else:
+            xd = rows
+        n, r = rows.shape[0], self.lora_A.shape[0]
+        stacked = [rows, xd] if dropping else [rows]
+        out = linear(self.base, torch.cat([*stacked, self.lora_A.detach().to(self._norm_dtype()).to(rows.dtype)]))
+        y, wx, wa = out[:n], out[n:-r] if dropping else out[:n], out[-r:]
         ax = cpu_half.linear(xd.to(self.lora_A.dtype), self.lora_A)
         lora = cpu_half.linear(ax, self.stacked_B() * self.scaling)
-        if dropping:
-            wx = linear(self.base, xd)
-        else:
-            wx = y
+        g = self.dora_scale(wa)
         bias = getattr(self.base, "bias", None)
         if bias is not None:
             wx = wx - bias.to(wx.dtype)
-        g = self.dora_scale()
-        return y + ((g - 1) * wx.to(g.dtype) + g * lora.to(g.dtype)).to(y.dtype)
+        z = g * (wx.to(g.dtype) + lora.to(g.dtype))
+        rest = (y - wx) if dropping else bias  # y - W x' = bias + W (x - x')
+        out = z if rest is None else z + rest.to(g.dtype)
+        return out.to(y.dtype).view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        frozen = self.dora and not self.training and not torch.is_grad_enabled()
+        if self.dora and not frozen:
+            return self._dora_forward(x)
         y = linear(self.base, x)
-        if self._decoding(x) or self.dora and not self.training and not torch.is_grad_enabled():
+        if frozen or self._decoding(x):
             return self._frozen_forward(x, y)
-        if self.dora:
-            return self._dora_forward(x, y)
         p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
         if p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
             ax = _DropoutMatmul.apply(x, self.lora_A, p)  # [B, T, n*r], one matmul for all parts
@@ -257,7 +277,7 @@ class _DropoutMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, A: torch.Tensor, p: float) -> torch.Tensor:
-        keep = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_() >= round(p * 2**31)
+        keep = dropout_keep(x, p)
         ctx.save_for_backward(x, keep, A)
         ctx.scale = 1.0 / (1.0 - p)
         return cpu_half.mm(torch.where(keep, x, 0).mul_(ctx.scale).to(A.dtype), A.T)
@@ -272,6 +292,12 @@ class _DropoutMatmul(torch.autograd.Function):
             dropped = torch.where(keep, x, 0).mul_(ctx.scale).to(A.dtype)
             grad_a = cpu_half.mm(grad.reshape(-1, grad.size(-1)).T, dropped.reshape(-1, dropped.size(-1)))
         return grad_x, grad_a, None
+
+
+def dropout_keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Which elements of x dropout (probability p) keeps: 31-bit integers from torch's generator, each kept when at
+    or above p * 2^31 (see _DropoutMatmul)."""
+    return torch.empty(x.shape, dtype=torch.int32, device=x.device).random_() >= round(p * 2**31)
 
 
 def init_lora_(A: torch.Tensor, B: torch.Tensor, n_parts: int, r: int, init: str = "default") -> None:

@@ -146,6 +146,68 @@ def test_dora_forward_and_gradients_equal_peft(rslora):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
 
+@pytest.mark.parametrize("mode", [None, "bnb.nf4-dq"], ids=["dense", "nf4-dq"])
+def test_dora_with_dropout_equals_peft_on_the_same_mask(mode, monkeypatch):
+    """Dropout on: PEFT's DoRA multiplies the dropped-out input by the base weight once more (the W x' of its
+    formula); ours runs x, x' and A's rows through the base layer in one call. With the same dropout mask in both
+    (ours drawn by lora.dropout_keep, PEFT's nn.Dropout replaced by the same mask), the same output and gradients of
+    A, B, the magnitudes and the input, over a dense base with a bias and over nf4-dq. Red with the W (x - x') term
+    left out."""
+    import copy
+
+    from helpers import reference_layer
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as PeftLoraLinear
+    from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
+
+    from lit_qlora import lora as lora_module
+    from lit_qlora.lora import LoRALinear
+    from lit_qlora.quantize import dequantize_weight
+
+    g = torch.Generator().manual_seed(4)
+    if mode is None:
+        base = torch.nn.Linear(24, 40, bias=True)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(40, 24, generator=g) * 0.2)
+            base.bias.copy_(torch.randn(40, generator=g))
+        ref = PeftLoraLinear(copy.deepcopy(base), "default", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25,
+                                                                        use_dora=True), r=4, lora_alpha=8)
+    else:
+        base = reference_layer(mode, torch.randn(40, 64, generator=g) * 0.1, torch.float32)
+        ref = PeftLinear4bit(copy.deepcopy(base), "default", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25,
+                                                                        use_dora=True), r=4, lora_alpha=8)
+    k = base.in_features
+    ours = LoRALinear(base, k, 40, 4, 8, 0.25, dora=True)
+    ours.reset_lora_parameters()
+    ours.init_dora(dequantize_weight(base) if mode else base.weight)
+    with torch.no_grad():
+        ref.lora_A["default"].weight.copy_(torch.randn(4, k, generator=g) * 0.3)
+        ref.lora_B["default"].weight.copy_(torch.randn(40, 4, generator=g) * 0.3)
+        ref.lora_magnitude_vector["default"].weight.mul_(1 + 0.3 * torch.randn(40, generator=g))
+        ours.lora_A.copy_(ref.lora_A["default"].weight)
+        ours.lora_B.copy_(ref.lora_B["default"].weight)
+        ours.lora_magnitude.copy_(ref.lora_magnitude_vector["default"].weight)
+    x = torch.randn(3, 5, k, generator=g)
+    keep = torch.rand(15, k, generator=g) >= 0.25
+    monkeypatch.setattr(lora_module, "dropout_keep", lambda t, p: keep)
+
+    class SameMask(torch.nn.Module):
+        def forward(self, t):
+            return torch.where(keep.view(t.shape), t, 0) / 0.75
+
+    ref.lora_dropout["default"] = SameMask()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours.train()(xa), ref.train()(xb)
+    assert (ya - yb).abs().max().item() <= 1e-5
+    w = torch.randn(ya.shape, generator=g)
+    (ya * w).sum().backward()
+    (yb * w).sum().backward()
+    for a, b in [(xa.grad, xb.grad), (ours.lora_A.grad, ref.lora_A["default"].weight.grad),
+                 (ours.lora_B.grad, ref.lora_B["default"].weight.grad),
+                 (ours.lora_magnitude.grad, ref.lora_magnitude_vector["default"].weight.grad)]:
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"])
 def test_dora_over_a_quantized_base_equals_peft_bnb_dora(mode):
     """fp32 compute, the same bitsandbytes layer (every --quantize mode) under ours and under PEFT's bnb Linear4bit /

@@ -119,6 +119,11 @@ def _script_text(capsys, script: str, **kwargs) -> str:
 
 
 def test_models_and_health(served):
+    import psutil
+
+    listening = [c.laddr for c in psutil.Process(served["proc"].pid).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening)  # no --host: this machine only
     ids = [m.id for m in served["client"].models.list().data]
     assert ids == ["base", "alpha", "beta", "gamma"]
     assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
@@ -191,6 +196,14 @@ def test_n_seed_and_stop_sequences(served, capsys):
     main(checkpoint_dir=served["folder"], lora_path=served["adapters"]["alpha"], prompt=PROMPT, merge=False,
          quantize="bnb.nf4", precision="32-true", temperature=1.5, seed=7, num_samples=3, max_new_tokens=10)
     assert capsys.readouterr().out.split("\n")[:3] == texts
+    # top_p: the nucleus draws of generate/lora.py --top_p with the same seed (and not the unfiltered ones)
+    nucleus = client.chat.completions.create(model="alpha", messages=msgs, temperature=1.5, top_p=0.3, n=3, seed=7,
+                                             max_tokens=10)
+    main(checkpoint_dir=served["folder"], lora_path=served["adapters"]["alpha"], prompt=PROMPT, merge=False,
+         quantize="bnb.nf4", precision="32-true", temperature=1.5, top_p=0.3, seed=7, num_samples=3,
+         max_new_tokens=10)
+    want = capsys.readouterr().out.split("\n")[:3]
+    assert [c.message.content for c in nucleus.choices] == want and want != texts
     # stop sequences: the text ends before the first one, finish_reason stop, streamed the same
     full = greedy.choices[0].message.content
     assert len(full) >= 6, full

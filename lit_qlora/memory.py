@@ -171,6 +171,7 @@ class _Dims:
     cpu_half: bool  # lit_qlora.cpu_half's fp32 kernels (CPU without native 16-bit matmuls, *-true): wins over the above
     mixed: bool
     lora_dropout: bool
+    t: int = 4  # bytes of a trainable (LoRA) weight: DoRA's factor and the sum it multiplies are in that dtype
 
     @property
     def N(self) -> int:
@@ -205,6 +206,8 @@ def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, tar
         return s, grad_in
     parts = targets[name]
     n_parts = len(parts) if parts else 1
+    if lora.dora:
+        return s + _dora_saved(in_f, out_f, parts, grad_in, d, lora, in_bytes, saved_inputs, input_name), True
     if d.lora_dropout and not d.mixed:
         # lora._DropoutMatmul: the input itself (unless kept already) and a one-byte mask
         s.append(N * in_f)
@@ -224,6 +227,34 @@ def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, tar
     if not d.mixed:  # (under autocast: its low-precision copy, as the LoRA weights' copies in the tail)
         s.append(out_f * n_parts * lora.r * d.a)  # B stacked and scaled (LoRALinear.forward), kept for x @ A's grad
     return s, True
+
+
+def _dora_saved(in_f: int, out_f: int, parts, grad_in: bool, d: _Dims, lora: LoRAConfig, in_bytes: int,
+                saved_inputs: set, input_name: str) -> list[int]:
+    """What a DoRA layer (LoRALinear._dora_forward) saves: the input of x' @ A (the input itself, shared, or with
+    dropout its dropped-out copy, and the one-byte mask when the input needs a gradient; under autocast its
+    low-precision copy), x' @ A and the stacked B for the LoRA products, the sum its factor multiplies ([N, out],
+    trainable dtype), and the factor's small vectors (the row norms, the factor, and the adapted rows' indices where
+    the rows come in several parts)."""
+    N, rows = d.N, sum(n for _, n in parts) if parts else out_f
+    s: list[int] = []
+    if d.lora_dropout:
+        if grad_in:
+            s.append(N * in_f)  # lora.dropout_keep's mask, for the input's gradient
+        s.append(N * in_f * (d.a if d.mixed else in_bytes))  # x' (under autocast: its low-precision copy)
+    elif in_bytes != d.a:
+        s.append(N * in_f * d.a)  # autocast's low-precision copy of the (fp32) input
+    elif input_name not in saved_inputs:
+        s.append(N * in_f * d.a)  # the input itself (shared with other layers reading it)
+        saved_inputs.add(input_name)
+    n_r = (len(parts) if parts else 1) * lora.r
+    s.append(N * n_r * d.a)  # x' @ A
+    if not d.mixed:  # (under autocast: its low-precision copy, as the LoRA weights' copies in the tail)
+        s.append(out_f * n_r * d.a)  # B stacked and scaled
+    s += [N * out_f * d.t, rows * d.t, out_f * d.t]  # g's multiplicand, the norms, g
+    if parts and parts != [(0, out_f)]:
+        s.append(rows * 8)  # the adapted rows' indices (g spread over every row: LoRALinear.dora_scale)
+    return s
 
 
 def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: _Dims, i: int,
@@ -367,7 +398,7 @@ def estimate_training_memory(
               cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
               cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
                         and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
-              lora_dropout=lora.dropout > 0)
+              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype))
 
     quantize_lm_head = bool(quantize_lm_head)
     shard_world = max(1, int(shard_world))

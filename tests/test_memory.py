@@ -28,6 +28,8 @@ NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_
             activation="gelu", parallel_residual=True, rotary_percentage=0.25)
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
+DORA_QV = LoRAConfig(r=8, alpha=16, dropout=0.0, dora=True)
+DORA_ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True, dora=True)
 BIG = Config.from_name("Llama-2-7b-hf")
 
 
@@ -98,6 +100,12 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("llama", ALL, "bf16-mixed", None, False),
     ("neox", ALL, "bf16-true", None, False),
     ("neox", QV, "32-true", None, True),
+    # DoRA: the sum its factor multiplies, and with dropout its own dropped-out input
+    ("llama", DORA_QV, "32-true", "bnb.nf4-dq", False),
+    ("llama", DORA_ALL, "bf16-true", None, False),
+    ("llama", DORA_ALL, "bf16-mixed", None, False),
+    ("neox", DORA_ALL, "32-true", None, False),
+    ("neox", DORA_QV, "bf16-true", "bnb.nf4-dq", True),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""

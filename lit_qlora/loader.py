@@ -9,7 +9,6 @@ process's resident set once touched, which would make the whole checkpoint count
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -40,9 +39,9 @@ from lit_qlora.quantize import (
     StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
+    dequantize_packed,
     dequantize_weight,
     is_quantized,
-    load_bnb,
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
     quantize_experts,
@@ -228,14 +227,10 @@ def _quant_error(module: nn.Module, device: torch.device, dtype: torch.dtype):
     """w -> w - dequantize(quantize(w)) as the 4-bit layer `module` would store w (None for int8: LoftQ is 4-bit)."""
     if not hasattr(module.weight, "quant_state") and not hasattr(module.weight, "quant_type"):
         return None
-    F = load_bnb().functional
 
     def err(w: torch.Tensor) -> torch.Tensor:
         packed, state = quantize_4bit_tensor(module, w.to(dtype), device)
-        state = copy.copy(state)
-        state.shape, state.dtype = torch.Size([w.numel()]), torch.float32
-        deq = F.dequantize_4bit(packed.view(torch.uint8).reshape(-1), state).reshape(w.shape).cpu()
-        return w.float() - deq
+        return w.float() - dequantize_packed(packed, state, torch.float32).reshape(w.shape).cpu()
     return err
 
 

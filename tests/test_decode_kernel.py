@@ -23,11 +23,10 @@ is wrong when in_features % 64 == 32 (0.50.2), so the reference dequantizes the 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
+from helpers import bnb_dequantized
 
 from lit_qlora.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
 
@@ -93,10 +92,9 @@ def quantized_layer(mode: str, out_f: int, in_f: int, dtype: torch.dtype = torch
 
 
 def bnb_weight(layer: nn.Module) -> torch.Tensor:
-    """bitsandbytes' own fp32 dequantization of the layer's weight, over the flattened tensor (see the docstring)."""
-    qs = copy.copy(layer.weight.quant_state)
-    qs.shape, qs.dtype = torch.Size([layer.out_features * layer.in_features]), torch.float32
-    return bnb.functional.dequantize_4bit(layer.weight.data, qs).view(layer.out_features, layer.in_features)
+    """bitsandbytes' own fp32 dequantization of the layer's weight, over the flattened tensor (see the docstring),
+    part by part where it was quantized part by part (a fused qkv)."""
+    return bnb_dequantized(layer)
 
 
 def reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,15 @@ class Config:
     moe_intermediate_size: Optional[int] = None  # None: intermediate_size
     moe_norm_topk: bool = False  # the top-k routing weights renormalized to sum to 1 (Mixtral; norm_topk_prob)
     moe_dense_layers: Optional[list] = None  # layers with a dense MLP of intermediate_size (Qwen3-MoE mlp_only_layers)
+    moe_bias: bool = False  # biases on the router and on every expert's projections (gpt-oss)
+    # gpt-oss's clamped SwiGLU in the experts: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit), instead of silu(gate) * up. None: the plain gated MLP
+    moe_swiglu_limit: Optional[float] = None
+    moe_swiglu_alpha: Optional[float] = None
+    # The checkpoint file stores each expert stack as MXFP4 (`{stack}.weight_blocks` / `.weight_scales`, gpt-oss's
+    # published weights) instead of a dense `{stack}.weight`; the loader dequantizes it expert by expert
+    moe_mxfp4: bool = False
+    attn_sinks: bool = False  # a learned logit per head in every attention softmax, whose value is zero (gpt-oss)
     hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
 
     def __post_init__(self) -> None:
@@ -85,6 +94,9 @@ class Config:
             if not 0 < self.moe_top_k <= self.moe_n_expert or self.mlp_class != "LLaMAMLP":
                 raise UserError(f"moe_top_k={self.moe_top_k} of moe_n_expert={self.moe_n_expert} experts (gated "
                                 "LLaMAMLP experts) is not a mixture of experts this model has; fix the model config")
+        if (self.moe_swiglu_limit is None) != (self.moe_swiglu_alpha is None):
+            raise UserError("moe_swiglu_limit and moe_swiglu_alpha go together (gpt-oss's clamped SwiGLU): give both "
+                            "or neither; fix the model config")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""

@@ -67,7 +67,7 @@ def test_phi3_reads_older_rope_type_names_as_longrope(old):
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
     (dict(architectures=["Qwen3NextForCausalLM"]), "linear-attention"),
     (dict(architectures=["Gemma3nForCausalLM"]), "per-layer input embeddings"),
-    (dict(architectures=["GptOssForCausalLM"]), "gpt-oss is not implemented .attention sinks"),
+    (dict(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "gptq"}), "quant_method='gptq'"),
     (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, output_router_logits=True),
      "output_router_logits=True"),
     (dict(architectures=["MixtralForCausalLM"], num_local_experts=4, router_jitter_noise=0.1),

@@ -31,11 +31,21 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
             blocks.size(-1) != BLOCK // 2:
         raise UserError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                         f"{scales.dtype} do not fit together; convert the checkpoint again")
-    codes = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    low, high = codes[(blocks & 0x0F).int()], codes[(blocks >> 4).int()]  # [..., G, 16] each
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., G, 32]: byte i holds values 2i (low), 2i + 1
-    values *= torch.exp2(scales.float() - 127).unsqueeze(-1)
-    return values.flatten(-2).to(dtype)
+    pairs = _byte_values(blocks.device)[blocks.int()].view(*blocks.shape[:-1], BLOCK)  # [..., G, 32]
+    out = torch.empty(pairs.shape, dtype=dtype, device=blocks.device)
+    torch.mul(pairs, torch.exp2(scales.float() - 127).unsqueeze(-1), out=out)  # exact: a power of two
+    return out.flatten(-2)
+
+
+_BYTE_VALUES: dict = {}
+
+
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: the two values a byte holds, its low nibble's first (one lookup per byte instead of two)."""
+    if device not in _BYTE_VALUES:
+        _BYTE_VALUES[device] = torch.tensor([(E2M1[b & 0x0F], E2M1[b >> 4]) for b in range(256)],
+                                            dtype=torch.float32, device=device)
+    return _BYTE_VALUES[device]
 
 
 class Mxfp4Tensor:

@@ -396,6 +396,8 @@ HF_CONFIG_FIELDS = {
     "activation": "str", "tie_word_embeddings": "bool", "use_parallel_residual": "bool", "bias": "bool",
     "attention_bias": "bool", "mlp_bias": "bool", "use_sliding_window": "bool", "new_decoder_architecture": "bool",
     "multi_query": "bool", "parallel_attn": "bool", "alibi": "bool", "qk_layernorm": "bool", "use_qkv_bias": "bool",
+    "num_local_experts": "size", "num_experts_per_tok": "size", "swiglu_limit": "positive", "swiglu_alpha": "positive",
+    "quantization_config": "object", "attention_dropout": "fraction", "output_router_logits": "bool",
 }
 
 

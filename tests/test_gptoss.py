@@ -274,6 +274,8 @@ BAD_FIELDS = [
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
     (dict(hidden_size=48, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": UNCONVERTED}),
      "hidden_size=48 is not a multiple of 32"),
+    (dict(swiglu_limit="seven"), "swiglu_limit is 'seven', expected a finite number > 0"),
+    (dict(quantization_config="mxfp4"), "quantization_config is 'mxfp4', expected an object"),
 ]
 
 

@@ -262,6 +262,32 @@ def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path
         assert r.returncode == 0, r.stderr
 
 
+def test_the_published_config_reads_as_transformers_reads_it():
+    """openai/gpt-oss-20b's config.json (lit_qlora/config.py's named entry): the sizes, layer kinds, window, top-k,
+    clamp and MXFP4 storage as transformers' GptOssConfig has them, 20.9B parameters, and its YaRN (factor 32, not
+    truncated) giving transformers' inverse frequencies and cos/sin factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lit_qlora.checkpoint import lit_param_shapes
+    from lit_qlora.config import _HF_CONFIGS, Config
+    from lit_qlora.model import rope_inv_freq
+
+    published = _HF_CONFIGS["gpt-oss-20b"]
+    ours, theirs = Config.from_hf_config(published), transformers.GptOssConfig(**published)
+    assert ours.moe_mxfp4 and not Config.from_name("gpt-oss-20b").moe_mxfp4  # a name is the model, not a folder
+    assert (ours.n_layer, ours.moe_n_expert, ours.moe_top_k, ours.moe_intermediate_size, ours.head_size) == (
+        theirs.num_hidden_layers, theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size,
+        theirs.head_dim)
+    assert (ours.layer_types, ours.sliding_window_size) == (theirs.layer_types, theirs.sliding_window)
+    assert (ours.moe_swiglu_limit, ours.moe_swiglu_alpha) == (theirs.swiglu_limit, theirs.swiglu_alpha)
+    ours.moe_mxfp4 = False
+    assert round(sum(s.numel() for s in lit_param_shapes(ours).values()) / 1e9, 1) == 20.9
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    got, got_factor = rope_inv_freq(ours.rope_n_elem, ours.rope_base, ours.rope_scaling, torch.device("cpu"))
+    torch.testing.assert_close(got, inv_freq.float(), rtol=1e-6, atol=0)
+    assert got_factor == pytest.approx(factor)
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 BAD_FIELDS = [
     (dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),

@@ -21,6 +21,7 @@ from lit_qlora import cpu_half
 from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.lora import LoRALinear
 from lit_qlora.model import ExpertWeights
+from lit_qlora.mxfp4 import Mxfp4Tensor
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.utils import UserError, release_freed_memory
@@ -544,9 +545,11 @@ class QuantizedExpertWeights(nn.Module):
         self.n_expert, self.out_features, self.in_features = dense.n_expert, dense.out_features, dense.in_features
         shape = nn.Linear(dense.in_features, dense.out_features, bias=False, device="meta")
         self.layers = nn.ModuleList(make_quantized_linear(shape, mode, compute_dtype) for _ in range(dense.n_expert))
+        self.bias = dense.bias  # [E, out] or None: stays dense, as a quantized Linear's bias does
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self.layers[e](x)
+        y = self.layers[e](x)
+        return y if self.bias is None else y + self.bias[e].to(y.dtype)
 
 
 def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | FileTensor, device: torch.device,
@@ -560,6 +563,8 @@ def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | File
         if isinstance(weight, FileTensor):
             part = FileTensor(weight.path, weight.offset + e * out_f * in_f * weight.itemsize, (out_f, in_f),
                               weight.dtype)
+        elif isinstance(weight, Mxfp4Tensor):  # gpt-oss's stored experts: this expert dequantized (exact in bf16)
+            part = weight.expert(e)
         else:
             part = weight[e]
         quantize_into(layer, part, device, dtype)

@@ -129,6 +129,17 @@ TINY_HF_CONFIGS: dict[str, dict] = {
                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                     rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
+    # gpt-oss: attention sinks and biases, a sliding layer (window 8, shorter than the test sequences) then a full
+    # one, its published YaRN; 4 biased experts of 32 behind a biased router, top 2 (softmax over the top-2 logits);
+    # a SwiGLU clamp low enough (2) that the tiny model's gates and ups reach it, and a gain other than the default
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=320, hidden_size=64,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=131072,
+                    swiglu_limit=2.0, swiglu_alpha=1.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096,
+                                     "rope_theta": 150000.0}),
     # longrope: the short factors (every test sequence is within original_max_position_embeddings; the long ones are
     # tested in test_model)
     "llama_longrope": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,

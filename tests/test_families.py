@@ -67,7 +67,7 @@ def test_phi3_reads_older_rope_type_names_as_longrope(old):
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),
     (dict(architectures=["Qwen3NextForCausalLM"]), "linear-attention"),
     (dict(architectures=["Gemma3nForCausalLM"]), "per-layer input embeddings"),
-    (dict(architectures=["GptOssForCausalLM"]), "gpt-oss is not implemented .attention sinks"),
+    (dict(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "gptq"}), "quant_method='gptq'"),
     (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, output_router_logits=True),
      "output_router_logits=True"),
     (dict(architectures=["MixtralForCausalLM"], num_local_experts=4, router_jitter_noise=0.1),
@@ -88,7 +88,9 @@ def test_unimplemented_config_fields_are_refused_naming_them(change, message):
     ("llama_longrope", "rope_scaling", None), ("qwen3", "qk_norm", None), ("phi3", "rope_scaling", None),
     ("phi3", "sliding_window_size", None),
     ("qwen3_moe", "moe_norm_topk", False), ("qwen3_moe", "moe_top_k", 1), ("mixtral", "moe_norm_topk", False),
-    ("mixtral", "moe_top_k", 3),
+    ("mixtral", "moe_top_k", 3), ("gpt_oss", "attn_sinks", False), ("gpt_oss", "moe_bias", False),
+    ("gpt_oss", "moe_swiglu_limit", 1e6), ("gpt_oss", "moe_swiglu_alpha", 1.0), ("gpt_oss", "moe_norm_topk", False),
+    ("gpt_oss", "layer_types", None),
 ])
 @torch.no_grad()
 def test_each_feature_changes_the_logits(tmp_path, kind, field, value):

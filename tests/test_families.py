@@ -227,7 +227,8 @@ def _hf_4bit(folder, mode: str):
 # transformers' BitsAndBytesConfig leaves a mixture's stacked experts dense (tests/test_moe.py compares experts with
 # bitsandbytes' layer per expert instead), and Falcon's FalconLinear layers too (5.24: the model stays dense)
 _HF_QUANTIZES = [k for k, v in TINY_HF_CONFIGS.items()
-                 if v["architectures"][0] not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "FalconForCausalLM")]
+                 if v["architectures"][0] not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
+                                                  "FalconForCausalLM")]
 # HF stores gate and up as one tensor (gate_up_proj) that bitsandbytes quantizes whole; we quantize the two layers we
 # compute, each on its own: not the same bytes, as close to the unquantized model (measured: 0.03% farther on phi3,
 # 0.02% nearer on phi4_mini, nf4-dq; the same without double quantization, where the blocks are the same)

@@ -429,7 +429,7 @@ def test_residual_bases_are_bitsandbytes_quantizations_of_the_residual(mode, lor
     from safetensors.torch import load_file
 
     from lit_qlora.lora import lora_delta
-    from lit_qlora.quantize import dequantize_weight
+    from lit_qlora.quantize import dequantize_weight, quantized_parts
 
     stored = load_file(lora_llama.folder / "lit_model.safetensors")
     for init in ["pissa", "olora"] + (["loftq"] if mode != "bnb.int8" else []):
@@ -437,10 +437,12 @@ def test_residual_bases_are_bitsandbytes_quantizations_of_the_residual(mode, lor
         model = load_model(lora_llama.folder, precision="32-true", quantize=mode, lora=lora, seed=0)
         for name in ("transformer.h.0.attn.qkv", "transformer.h.1.mlp.fc_2"):
             m, w = lora_modules(model)[name], stored[name + ".weight"].float()
+            parts = quantized_parts(lora_llama.config, name)  # q, k, v quantized apart, as transformers does
             residual = w - lora_delta(m.lora_A0, m.lora_B0, m.parts, m.r, m.scaling, m.out_features)
-            assert_same_stored(m.base, reference_layer(mode, residual, torch.float32))
+            assert_same_stored(m.base, reference_layer(mode, residual, torch.float32, parts))
             if init != "olora" and mode != "bnb.int8":
-                plain = dequantize_weight(reference_layer(mode, w, torch.float32)).float()
+                ref = reference_layer(mode, w, torch.float32, parts)
+                plain = torch.cat([dequantize_weight(r).float() for r in (ref if parts else [ref])])
                 start = dequantize_weight(m.base).float() + m.delta_weight()
                 assert (start - w).norm() < (plain - w).norm(), (init, name)
 

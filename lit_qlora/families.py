@@ -28,12 +28,19 @@ _SEPARATE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None,
-           experts: Optional[dict] = None) -> dict:
+           experts: Optional[dict] = None, moe_params: Optional[dict] = None) -> dict:
     # gate_up: the HF module holding mlp.fc_1's rows then mlp.fc_2's in one tensor (Phi-3), else None
     # experts: our stacked expert weight [E, out, in] -> the HF module of expert {e} (one tensor per expert, as HF
     # checkpoints store them; transformers 5 stacks them itself when it loads and splits them when it saves)
+    # moe_params: the parameters of transformers' in-memory MoE layer that PEFT's target_parameters name (under the
+    # layer prefix): gate_up [E, 2 * inner, C] (fc_1's rows then fc_2's), down [E, C, inner] and the router's
+    # [E, C]; gate_up is defined before down in the experts module (PEFT nests the first one innermost). None: a
+    # layout our PEFT interop does not map
     return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up,
-                experts=experts or {})
+                experts=experts or {}, moe_params=moe_params)
+
+
+_MOE_PARAMS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj", "router": "mlp.gate.weight"}
 
 
 _LLAMA_NAMES = _names("model.layers.{i}.", _LLAMA_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
@@ -52,13 +59,14 @@ _QWEN3_MOE_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, **_QK_NORM, "mlp
                           "separate", _SEPARATE_QKV,
                           experts={"mlp.experts.fc_1": "mlp.experts.{e}.gate_proj",
                                    "mlp.experts.fc_2": "mlp.experts.{e}.up_proj",
-                                   "mlp.experts.proj": "mlp.experts.{e}.down_proj"})
+                                   "mlp.experts.proj": "mlp.experts.{e}.down_proj"}, moe_params=_MOE_PARAMS)
 # (its map keeps Llama's dense MLP names, which no Mixtral layer has: PEFT interop lists them for every layer)
 _MIXTRAL_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, "mlp.router": "block_sparse_moe.gate"}, _LLAMA_GLOBAL,
                         "separate", _SEPARATE_QKV,
                         experts={"mlp.experts.fc_1": "block_sparse_moe.experts.{e}.w1",
                                  "mlp.experts.fc_2": "block_sparse_moe.experts.{e}.w3",
-                                 "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"})
+                                 "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"},
+                        moe_params=_MOE_PARAMS)  # (transformers 5 names block_sparse_moe mlp in memory)
 _NEOX_NAMES = _names("gpt_neox.layers.{i}.",
                      {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
                       "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
@@ -221,7 +229,7 @@ def _map_qwen3(hf: dict, arch: str) -> dict:
 def _map_qwen3_moe(hf: dict, arch: str) -> dict:
     """Qwen3's attention; the MLP of layer i is a mixture of experts unless i is in mlp_only_layers or (i + 1) is
     not a multiple of decoder_sparse_step (then a dense MLP of intermediate_size)."""
-    _refuse(hf, arch, {"attention_bias": False, "output_router_logits": False})
+    _refuse(hf, arch, {"attention_bias": False})
     kw = _llama_like(hf, arch)
     kw["sliding_window_size"] = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # every layer
     n_expert = hf.get("num_experts", hf.get("num_local_experts", 128))
@@ -231,18 +239,25 @@ def _map_qwen3_moe(hf: dict, arch: str) -> dict:
         kw.update(moe_n_expert=n_expert, moe_top_k=hf.get("num_experts_per_tok", 8),
                   moe_intermediate_size=hf.get("moe_intermediate_size", 768),
                   moe_norm_topk=bool(hf.get("norm_topk_prob", False)), moe_dense_layers=dense or None)
-    kw.update(qk_norm="head", hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+    kw.update(qk_norm="head", hf_extra=_router_extra(hf))
     return kw
 
 
 def _map_mixtral(hf: dict, arch: str) -> dict:
     """Mistral's attention; every MLP a mixture of experts of intermediate_size, the top-k scores renormalized."""
-    _refuse(hf, arch, {"router_jitter_noise": 0.0, "output_router_logits": False})
+    _refuse(hf, arch, {"router_jitter_noise": 0.0})
     kw = _llama_like(hf, arch)
     kw.update(moe_n_expert=hf.get("num_local_experts", hf.get("num_experts", 8)),
               moe_top_k=hf.get("num_experts_per_tok", 2), moe_norm_topk=True,
-              hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+              hf_extra=_router_extra(hf))
     return kw
+
+
+def _router_extra(hf: dict) -> dict:
+    """The training-only router fields of a Qwen3-MoE / Mixtral config, kept for the export: the load-balancing loss'
+    weight (finetune's --router_aux_loss_coef defaults to it) and whether transformers adds that loss."""
+    return {"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+            "output_router_logits": bool(hf.get("output_router_logits", False))}
 
 
 def _map_smollm3(hf: dict, arch: str) -> dict:

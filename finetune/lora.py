@@ -247,14 +247,14 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
 
 
 def router_aux_coef(flag: Optional[float], config) -> float:
-    """--router_aux_loss_coef resolved: the flag, else the model config's router_aux_loss_coef (0 for a dense
-    model, which refuses the flag)."""
+    """--router_aux_loss_coef resolved: the flag, else the model config's router_aux_loss_coef (transformers' default,
+    0.001, where config.json has none; 0 for a dense model, which refuses the flag)."""
     if not config.moe_n_expert:
         if flag:
             raise UserError(f"--router_aux_loss_coef weights the routers' loss of a mixture of experts, which "
                             f"{config.name or config.hf_architecture} is not; leave it out")
         return 0.0
-    return float(flag if flag is not None else config.hf_extra.get("router_aux_loss_coef", 0.0))
+    return float(flag if flag is not None else config.hf_extra.get("router_aux_loss_coef", 0.001))
 
 
 def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:

@@ -75,7 +75,7 @@ def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]
         if fam["gate_up"]:
             out.append((pre + fam["gate_up"], ours + _GATE_UP[0], "gate_up", i))
             mlp = tuple(m for m in mlp if m not in _GATE_UP)
-        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in mlp]
+        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in mlp if sub in fam["map"]]  # (gpt-oss: none)
     out.append((fam["globals"]["lm_head"], "lm_head", "head", None))
     return out
 
@@ -199,6 +199,8 @@ def _export_moe(sd: dict, lora: LoRAConfig, config: Config, tensors: dict, rank_
                                              _get(sd, f"{ours}experts.{n}.lora_B")) for n in EXPERT_PROJECTIONS)
             zero = torch.zeros_like(B1)  # [E, inner, r]; per expert B = [[B_1, 0], [0, B_2]]
             gate_up_B = torch.cat([torch.cat([B1, zero], 2), torch.cat([zero, B2], 2)], 1)
+            if names.get("interleaved"):  # HF row 2j is the gate's row j, 2j + 1 the up's
+                gate_up_B = torch.stack(gate_up_B.chunk(2, 1), 2).flatten(1, 2)
             pairs["gate_up"] = _peft_experts(torch.cat([A1, A2], 1), gate_up_B)
             pairs["down"] = _peft_experts(A3, B3)
         for role, (A, B) in pairs.items():
@@ -271,23 +273,29 @@ def _convert_moe(peft: PeftFolder, config: Config, lit_meta: Optional[dict], lor
     gate_up_proj LoRA of rank R gives fc_1 and fc_2 each rank R with the same A (its first and second halves of
     rows of B), or back the two LoRAs of rank r our own export made of them (block-diagonal)."""
     E, inner, r = config.moe_n_expert, config.moe_intermediate_size, int((lit_meta or {}).get("r", 0))
-    restored = {}  # layer -> the gate_up halves of our own export, if every layer still has them
-    for (i, role), (A, B, _) in peft.moe.items():
+    interleaved = family(config)["moe_params"].get("interleaved")
+    moe = {}  # gate_up in our layout: A [E, R, C], B [E, 2 x inner, R] with the gate's rows first
+    for (i, role), (A, B, s) in peft.moe.items():
         if role == "gate_up":
             A, B = _our_experts(A, B, E)
+            if interleaved:
+                B = torch.cat([B[:, 0::2], B[:, 1::2]], 1)
+        moe[(i, role)] = A, B, s
+    restored = {}  # layer -> the gate_up halves of our own export, if every layer still has them
+    for (i, role), (A, B, _) in moe.items():
+        if role == "gate_up":
             blocks = r > 0 and A.shape[1] == 2 * r and not (B[:, :inner, r:].count_nonzero().item()
                                                               or B[:, inner:, :r].count_nonzero().item())
             restored[i] = ((A[:, :r], B[:, :inner, :r]), (A[:, r:], B[:, inner:, r:])) if blocks else None
     if not all(restored.values()):
         restored = {}
-    for (i, role), (A, B, s) in peft.moe.items():
+    for (i, role), (A, B, s) in moe.items():
         ours = f"transformer.h.{i}.mlp."
         if role == "router":
             pairs = {ours + "router": (A, B)}
         elif role == "down":
             pairs = {ours + "experts.proj": _our_experts(A, B, E)}
         else:
-            A, B = _our_experts(A, B, E)
             halves = restored.get(i) or ((A, B[:, :inner]), (A, B[:, inner:]))
             pairs = {ours + "experts.fc_1": halves[0], ours + "experts.fc_2": halves[1]}
         for name, (a, b) in pairs.items():

@@ -1,8 +1,9 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) beyond the per-family parity tests that their rows in
-tests/helpers.py TINY_HF_CONFIGS run (logits, gradients, KV cache, greedy tokens, conversion both ways): experts
-quantized under every --quantize mode as bitsandbytes quantizes each expert's weight, only the experts that receive
-tokens computed, LoRA on attention, experts and router (against transformers + PEFT's target_parameters, merged,
-quantized, packed), the routers' load-balancing loss against transformers' aux_loss, and a QLoRA run from the CLI."""
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss as transformers saves it; its MXFP4 files: test_gptoss.py)
+beyond the per-family parity tests that their rows in tests/helpers.py TINY_HF_CONFIGS run (logits, gradients, KV
+cache, greedy tokens, conversion both ways): experts quantized under every --quantize mode as bitsandbytes quantizes
+each expert's weight, only the experts that receive tokens computed, LoRA on attention, experts and router (against
+transformers + PEFT's target_parameters, merged, quantized, packed), the routers' load-balancing loss against
+transformers' aux_loss, and a QLoRA run from the CLI."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ from lit_qlora.quantize import QuantizedExpertWeights, dequantize_weight, valida
 MODES = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def moe_ckpt(request, tmp_path_factory):
     return converted_tiny(tmp_path_factory, request.param, f"tiny-{request.param}")
 
@@ -101,7 +102,13 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_hf_folder(moe_ckpt, t
 
 
 EXPERTS_AND_ROUTER = dict(query=True, value=True, experts=True, router=True)
-PEFT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+
+
+def _peft_params(config, roles=("gate_up", "down", "router")) -> list[str]:
+    """transformers' names of the family's stacked experts / router (PEFT's target_parameters)."""
+    from lit_qlora.convert import family
+
+    return [family(config)["moe_params"][r] for r in roles]
 
 
 def _trained_like(folder, lora, seed: int = 5, **kw):
@@ -135,7 +142,7 @@ def test_expert_and_router_lora_export_to_peft_and_come_back(moe_ckpt, tmp_path)
     adapter = adapter_of(model, lora)
     adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(moe_ckpt.folder))
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert cfg["target_parameters"] == PEFT_PARAMS and cfg["lora_dropout"] == 0.0
+    assert cfg["target_parameters"] == _peft_params(moe_ckpt.config) and cfg["lora_dropout"] == 0.0
     peft_model = PeftModel.from_pretrained(hf_model(moe_ckpt.folder), tmp_path / "peft").eval()
     wrapped = [m.parameter_name for m in peft_model.modules() if isinstance(m, ParamWrapper)]
     moe_layers = sum(map(moe_ckpt.config.is_moe_layer, range(moe_ckpt.config.n_layer)))
@@ -151,9 +158,9 @@ def test_expert_and_router_lora_export_to_peft_and_come_back(moe_ckpt, tmp_path)
     assert (merged(idx).logits - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("params", [PEFT_PARAMS, ["down_proj"]])
+@pytest.mark.parametrize("roles", [("gate_up", "down", "router"), ("down",)])
 @torch.no_grad()
-def test_a_peft_expert_lora_loads_with_peft_s_logits(moe_ckpt, tmp_path, params):
+def test_a_peft_expert_lora_loads_with_peft_s_logits(moe_ckpt, tmp_path, roles):
     """A LoRA made by PEFT itself (get_peft_model with target_parameters, rank 3 with random A and B; gate_up_proj
     one pair per expert shared by gate and up) gives our model transformers + PEFT's logits within 1e-5 in fp32; with
     only down_proj targeted, our fc_1 and fc_2 pairs stay inert."""
@@ -162,6 +169,9 @@ def test_a_peft_expert_lora_loads_with_peft_s_logits(moe_ckpt, tmp_path, params)
 
     from lit_qlora.adapter import Adapter
 
+    params = _peft_params(moe_ckpt.config, roles)
+    if roles == ("down",):
+        params = [params[0].rpartition(".")[2]]  # as PEFT matches it: a suffix of the parameter's name
     cfg = LoraConfig(r=3, lora_alpha=5, lora_dropout=0.0, target_modules=["q_proj", "o_proj"],
                      target_parameters=params, init_lora_weights=False)
     torch.manual_seed(0)
@@ -170,29 +180,35 @@ def test_a_peft_expert_lora_loads_with_peft_s_logits(moe_ckpt, tmp_path, params)
     idx = random_tokens(2, 12, seed=4)
     expected = peft_model(idx).logits
     adapter = Adapter.load(tmp_path / "made", moe_ckpt.config)
-    assert adapter.config.experts and adapter.config.router == ("mlp.gate.weight" in params)
+    assert adapter.config.experts and adapter.config.router == ("router" in roles)
     model = load_model(moe_ckpt.folder, precision="32-true", lora=adapter.config).eval()
     adapter.load_into(model)
     assert (model(idx) - expected).abs().max().item() <= 1e-5
-    if params == ["down_proj"]:
+    if roles == ("down",):
         assert all(not v.any() for k, v in adapter.lora.items() if ".fc_1." in k or ".fc_2." in k)
 
 
 def _peft_grads_as_ours(peft_model, config) -> dict[str, torch.Tensor]:
     """The gradients of PEFT's expert and router LoRAs in our layout (gate_up's block-diagonal pairs split into fc_1
     and fc_2: the blocks our LoRAs have)."""
+    from lit_qlora.convert import family
     from lit_qlora.peft_interop import _our_experts
 
     grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     E, inner, r = config.moe_n_expert, config.moe_intermediate_size, 4
+    names = family(config)["moe_params"]
+    router = names["router"].rpartition(".")[0]  # mlp.gate (Qwen3-MoE, Mixtral), mlp.router (gpt-oss)
     out = {}
     for i in filter(config.is_moe_layer, range(config.n_layer)):
-        pre, ours = f"base_model.model.model.layers.{i}.mlp.", f"transformer.h.{i}.mlp."
-        out[ours + "router.lora_A"], out[ours + "router.lora_B"] = (grads[f"{pre}gate.lora_{ab}.weight"] for ab in "AB")
-        A, B = _our_experts(grads[pre + "experts.lora_A.weight"], grads[pre + "experts.lora_B.weight"], E)
+        pre, ours = f"base_model.model.model.layers.{i}.", f"transformer.h.{i}.mlp."
+        out[ours + "router.lora_A"], out[ours + "router.lora_B"] = (grads[f"{pre}{router}.lora_{ab}.weight"]
+                                                                    for ab in "AB")
+        A, B = _our_experts(grads[pre + "mlp.experts.lora_A.weight"], grads[pre + "mlp.experts.lora_B.weight"], E)
         out[ours + "experts.proj.lora_A"], out[ours + "experts.proj.lora_B"] = A, B
-        A, B = _our_experts(grads[pre + "experts.base_layer.lora_A.weight"],
-                            grads[pre + "experts.base_layer.lora_B.weight"], E)
+        A, B = _our_experts(grads[pre + "mlp.experts.base_layer.lora_A.weight"],
+                            grads[pre + "mlp.experts.base_layer.lora_B.weight"], E)
+        if names.get("interleaved"):  # gpt-oss: gate and up rows alternate
+            B = torch.cat([B[:, 0::2], B[:, 1::2]], 1)
         out[ours + "experts.fc_1.lora_A"], out[ours + "experts.fc_1.lora_B"] = A[:, :r], B[:, :inner, :r]
         out[ours + "experts.fc_2.lora_A"], out[ours + "experts.fc_2.lora_B"] = A[:, r:], B[:, inner:, r:]
     return out
@@ -292,8 +308,9 @@ def test_router_aux_loss_and_its_gradients_equal_transformers(moe_ckpt, layout):
     mask = (torch.arange(14)[None] < batch["lengths"][:, None]).long()
     for p in [*hf.parameters(), *ours.parameters()]:
         p.requires_grad_(False)
-    routers = {i: (hf.model.layers[i].mlp.gate.weight, ours.transformer.h[i].mlp.router.weight)
-               for i in range(moe_ckpt.config.n_layer) if moe_ckpt.config.is_moe_layer(i)}
+    routers = {i: (getattr(hf.model.layers[i].mlp, "gate", None) or hf.model.layers[i].mlp.router).weight
+               for i in range(moe_ckpt.config.n_layer) if moe_ckpt.config.is_moe_layer(i)}  # (gpt-oss: router)
+    routers = {i: (w, ours.transformer.h[i].mlp.router.weight) for i, w in routers.items()}
     for a, b in routers.values():
         a.requires_grad_(True)
         b.requires_grad_(True)
@@ -511,16 +528,17 @@ def test_what_lora_on_a_mixture_does_not_implement_is_refused_in_one_line(moe_ck
     adapter.export_peft(moe_ckpt.config, tmp_path / "peft")
     cfg_path = tmp_path / "peft" / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg_path.write_text(json.dumps({**cfg, "target_parameters": [*PEFT_PARAMS, "mlp.experts.gate_up_proj_bias"]}))
+    params = _peft_params(moe_ckpt.config)
+    cfg_path.write_text(json.dumps({**cfg, "target_parameters": [*params, "mlp.experts.gate_up_proj_bias"]}))
     with pytest.raises(UserError, match="targets the parameter 'mlp.experts.gate_up_proj_bias'; lit-qlora maps only"):
         Adapter.load(tmp_path / "peft", moe_ckpt.config)
     cfg_path.write_text(json.dumps(cfg))
     weights = tmp_path / "peft" / "adapter_model.safetensors"
     from safetensors.torch import load_file
 
-    kept = {k: v for k, v in load_file(weights).items() if ".mlp.gate." not in k}
-    save_file(kept, weights)
-    with pytest.raises(UserError, match="lists mlp.gate.weight in target_parameters but holds no LoRA weights"):
+    router = params[2].rpartition(".")[0]
+    save_file({k: v for k, v in load_file(weights).items() if f".{router}." not in k}, weights)
+    with pytest.raises(UserError, match=f"lists {params[2]} in target_parameters but holds no LoRA weights"):
         Adapter.load(tmp_path / "peft", moe_ckpt.config)
 
 

@@ -270,8 +270,8 @@ def test_expert_and_router_lora_over_mxfp4_experts_export_to_peft_and_merge_dens
 
 def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path):
     """The user's path on a published-layout gpt-oss: finetune/lora.py --quantize bnb.nf4 (the MXFP4 experts
-    re-quantized to nf4, LoRA on attention and head) learns (the loss falls), and generate/lora.py answers with the
-    adapter merged and with --merge false."""
+    re-quantized to nf4, LoRA on attention, head, experts and router) learns (the loss falls) and records the expert
+    load, and generate/lora.py answers with the adapter merged and with --merge false."""
     import math
 
     from helpers_tokenizer import make_hf_bpe_tokenizer
@@ -285,9 +285,11 @@ def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path
     (data / "tasks.json").write_text(json.dumps(make_records()))
     out = tmp_path / "out"
     train({"ckpt": ckpt, "data": data}, out, max_iters=8, quantize="bnb.nf4", lora_projection="true",
-          lora_head="true", learning_rate=1e-2)
+          lora_head="true", lora_experts="true", lora_router="true", learning_rate=1e-2)
     losses = [float(r["loss"]) for r in read_metrics(out)]
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and sum(losses[-4:]) / 4 < 0.9 * losses[0]
+    load = json.loads((out / "metrics.json").read_text())["expert_load"]  # top 2 of E = 4 in both layers
+    assert load["layers"] == [0, 1] and all(math.isclose(sum(row), 2, rel_tol=1e-4) for row in load["all_steps"])
     for merge in ("true", "false"):
         r = run_script(GENERATE_LORA, ["--checkpoint_dir", ckpt, "--lora_path", out / "lit_model_lora_finetuned.pth",
                                        "--quantize", "bnb.nf4", "--precision", "32-true", "--prompt", "kind",

@@ -629,3 +629,33 @@ def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="stores its experts stacked .'model.layers.0.mlp.experts"):
         convert_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("family_module", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_router_aux_loss_is_transformers_load_balancing_loss_func_on_the_same_logits(family_module):
+    """model.router_aux_loss on the softmax / top-k of given router logits (3 layers, E 6, k 2, skewed so the loss is
+    far from its even value k) equals the family's transformers load_balancing_loss_func on those logits within 1e-6,
+    without and with an attention mask (padding not counted); so does the gradient in the logits."""
+    import importlib
+
+    from lit_qlora.model import router_aux_loss
+
+    hf_loss = importlib.import_module(f"transformers.models.{family_module}.modeling_{family_module}"
+                                      ).load_balancing_loss_func
+    E, k, B, T = 6, 2, 2, 7
+    gen = torch.Generator().manual_seed(11)
+    skew = torch.linspace(2.0, -2.0, E)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 4:] = 0
+    for attention_mask in (None, mask):
+        logits = [(torch.randn(B * T, E, generator=gen) + skew).requires_grad_() for _ in range(3)]
+        want = hf_loss(tuple(logits), E, k, attention_mask)
+        want_grads = torch.autograd.grad(want, logits)
+        routing = [(torch.softmax(x, -1, dtype=torch.float32), x.topk(k, -1).indices) for x in logits]
+        keep = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        got, load = router_aux_loss(routing, E, keep)
+        assert abs(want.item() - k) > 0.1
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for g, w in zip(torch.autograd.grad(got, logits), want_grads):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+        assert load.sum().item() == 3 * k * (B * T if keep is None else int(keep.sum()))

@@ -32,7 +32,7 @@ from lit_qlora.chat_template import encode_chat, stop_ids, template_of
 from lit_qlora.decode4bit import DecodeLinear4bit, DecodeLoRALinear
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
-from lit_qlora.lora import LoRALinear
+from lit_qlora.lora import LoRAExperts, LoRALinear, is_expert_target
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import dequantize_weight, is_quantized
@@ -97,7 +97,7 @@ class AdapterBank:
         self.dtype = parse_precision(precision).trainable_dtype
         self.quantize = QuantMode.parse(quantize)
         self.base_layers: dict[str, nn.Module] = {}  # module name -> the model's own layer
-        self.wrappers: dict[str, dict[str, LoRALinear]] = {}  # adapter -> module name -> wrapper
+        self.wrappers: dict[str, dict[str, LoRALinear | LoRAExperts]] = {}  # adapter -> module name -> wrapper
         self.adapters: dict[str, Adapter] = {}  # their settings and training record (tensors dropped)
         self.active: Optional[str] = None  # None: the bare base
         self._no_dropout = nn.Identity()  # one for every wrapper (a module each is ~2 KB of Python dicts)
@@ -127,8 +127,11 @@ class AdapterBank:
             if module_name not in self.base_layers:
                 self.base_layers[module_name] = self.model.get_submodule(module_name)
             base = self.base_layers[module_name]
-            w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
-                           rslora=cfg.rslora, dora=cfg.dora)
+            if is_expert_target(module_name):  # a stacked projection of experts: one pair per expert (never DoRA)
+                w = LoRAExperts(base, cfg.r, cfg.alpha, cfg.dropout, rslora=cfg.rslora)
+            else:
+                w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
+                               rslora=cfg.rslora, dora=cfg.dora)
             device = w.lora_A.device
             names = ("lora_A", "lora_B", "lora_magnitude") if cfg.dora else ("lora_A", "lora_B")
             try:

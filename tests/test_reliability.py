@@ -301,7 +301,7 @@ def _pissa_rank_above_a_part(t, p):  # the tiny Llama's k and v parts of the fus
         "--lora_r 32 or less"]
 
 
-def _dora_on_moe_experts(t, p):  # the one layer kind LoRA (DoRA included) does not cover: a mixture's experts
+def _dora_on_moe_experts(t, p):  # the one layer kind DoRA does not cover: a mixture's experts (LoRA does)
     from helpers import make_tiny_hf_model
 
     from lit_qlora.convert import convert_hf_checkpoint
@@ -311,8 +311,8 @@ def _dora_on_moe_experts(t, p):  # the one layer kind LoRA (DoRA included) does 
     convert_hf_checkpoint(d)
     for f in t["ckpt"].glob("tokenizer*"):
         shutil.copy(f, d / f.name)
-    return dict(checkpoint_dir=d, lora_dora="true", out_dir=p / "new"), [
-        "--lora_mlp on a mixture of experts", "not implemented", "leave --lora_mlp off"]
+    return dict(checkpoint_dir=d, lora_dora="true", lora_mlp="false", lora_experts="true", out_dir=p / "new"), [
+        "--lora_dora on the experts", "not implemented", "leave --lora_dora off"]
 
 
 CASES = {f.__name__[1:]: f for f in (

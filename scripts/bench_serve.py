@@ -3,6 +3,7 @@ concurrent streaming clients over two adapters, and the server's memory with 1 a
 
     python scripts/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
     python scripts/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
+    python scripts/bench_serve.py --clients ""          # memory with 0 / 1 / 8 adapters only
 
 A random-weight checkpoint of the model's shape is written once (with a made-up byte-level tokenizer of the model's
 vocabulary size and a ChatML template), and 8 random adapters on every target (r 8). Each server is a subprocess of
@@ -15,6 +16,7 @@ allocator: tests/test_serve.py checks the bytes an adapter holds exactly, from t
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import socket
@@ -115,7 +117,9 @@ def start_server(folder: Path, adapters: list[Path], quantize: str, precision: s
     for i, path in enumerate(adapters):
         args += ["--lora_path", f"a{i}={path}"]
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # this checkout's lit_qlora in the server too (an installed one elsewhere would otherwise win there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     proc.log = log
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -207,14 +211,17 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
           f"of {max_tokens} new tokens (greedy), alternating over 2 adapters (r 8 on every target), served in turn\n"
           f"CPU: {cpu_description()} (shared machine: figures are noisy)")
 
-    proc, url = start_server(folder, adapters[:2], quantize, precision)
-    try:
-        level(url, 1, 2, 4)  # warm-up: the kernel, the first shapes
-        rows = [level(url, int(c), requests_per_level, max_tokens) for c in clients.split(",")]
-    finally:
-        log = stop_server(proc)
-    print("\n| clients | requests | requests/s | tokens/s | TTFT median s | TTFT max s | latency median s |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
+    if clients:  # --clients "": memory only (the figures that are worth taking on a busy machine)
+        proc, url = start_server(folder, adapters[:2], quantize, precision)
+        try:
+            level(url, 1, 2, 4)  # warm-up: the kernel, the first shapes
+            rows = [level(url, int(c), requests_per_level, max_tokens) for c in clients.split(",")]
+        finally:
+            log = stop_server(proc)
+    if rows:
+        print("\n| clients | requests | requests/s | tokens/s | TTFT median s | TTFT max s | latency median s |")
+        print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tokens_per_s']:.1f} | "
               f"{r['ttft_median']:.2f} | {r['ttft_max']:.2f} | {r['latency_median']:.2f} |")

@@ -68,10 +68,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
                 output_mask: Optional[torch.Tensor] = None,
-                targets: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
+                targets: Optional[torch.Tensor] = None, reduction: str = "sum") -> torch.Tensor | list[torch.Tensor]:
         """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode). With
         `targets` (of the positions that reach the output layer: [B, T], or [N] under `output_mask`) the summed
-        cross entropy instead of the logits (`output_loss`).
+        cross entropy instead of the logits, or with reduction "none" each position's, -log p(target) in fp32
+        (`output_loss`).
 
         Packed samples (training): `segments` [B, T] numbers the sample each token belongs to (-1: padding) and
         `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `output_mask` [B, T]:
@@ -128,23 +129,25 @@ class GPT(nn.Module):
         else:
             dim = 1
         if targets is not None:
-            return self.output_loss(x, targets, lm_head_chunk)
+            return self.output_loss(x, targets, lm_head_chunk, reduction=reduction)
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (losses.chunked_cross_entropy)
             return [self.output(xc) for xc in x.split(lm_head_chunk, dim=dim)]
         return self.output(x)  # [B, T, V] (or [N, V])
 
     def output_loss(self, x: torch.Tensor, targets: torch.Tensor, lm_head_chunk: int = 0,
-                    ignore_index: int = -100) -> torch.Tensor:
-        """Summed cross entropy of the output layer at the final hidden states x ([B, T, C] or [N, C]). A frozen dense
-        head (the default) never holds more than one chunk of logits (losses.head_cross_entropy); a quantized head or
-        one with a LoRA computes its logits `lm_head_chunk` rows at a time and keeps them for backward."""
+                    ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+        """Cross entropy of the output layer at the final hidden states x ([B, T, C] or [N, C]): summed, or per
+        position (reduction "none", flattened [N]). A frozen dense head (the default) never holds more than one chunk
+        of logits (losses.head_cross_entropy); a quantized head or one with a LoRA computes its logits
+        `lm_head_chunk` rows at a time and keeps them for backward."""
         x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
         head = self.lm_head
         if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad:
-            return head_cross_entropy(x, head.weight, targets, self.config.final_softcap, ignore_index)
+            return head_cross_entropy(x, head.weight, targets, self.config.final_softcap, ignore_index,
+                                      reduction=reduction)
         chunks = x.split(lm_head_chunk) if lm_head_chunk else [x]
-        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index)
+        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index, reduction)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, with Gemma 2's final soft-capping."""

@@ -93,37 +93,6 @@ def reward_stats(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, 
 
 
 # ---- log-probabilities --------------------------------------------------------------------------------
-def token_logps(logits: Tensor | list[Tensor], targets: Tensor) -> Tensor:
-    """log p(target) of each position: logits [N, V] (or position chunks of them, `GPT(lm_head_chunk=...)`) and
-    targets [N] -> [N] in fp32."""
-    chunks = [logits] if isinstance(logits, Tensor) else logits
-    out, start = [], 0
-    for chunk in chunks:
-        chunk = chunk.reshape(-1, chunk.size(-1))
-        out.append(_TokenLogps.apply(chunk, targets[start:start + chunk.size(0)]))
-        start += chunk.size(0)
-    return torch.cat(out)
-
-
-class _TokenLogps(torch.autograd.Function):
-    """logits[i, t_i] - logsumexp(logits[i]) in fp32, saving only the logits (held anyway) and one fp32 log-sum-exp
-    per row: autograd's log_softmax would keep an fp32 [N, V] copy for backward. Backward: g * (one_hot - softmax)."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
-        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        ctx.save_for_backward(logits, targets, lse)
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        g = -(logits.float() - lse[:, None]).exp_().mul_(grad[:, None])
-        g.scatter_add_(1, targets[:, None], grad[:, None].float())
-        return g.to(logits.dtype), None
-
-
 def sequence_logps(tok_logps: Tensor, seq_ids: Tensor, n_seq: int) -> tuple[Tensor, Tensor]:
     """Sums of token log-probabilities per sequence and the tokens counted: (logps [n_seq], tokens [n_seq])."""
     sums = tok_logps.new_zeros(n_seq).index_add(0, seq_ids, tok_logps)
@@ -158,7 +127,8 @@ def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.
                 lm_head_chunk: int = 0, ignore_index: int = -100) -> PairLogps:
     """The policy's (or, under no_grad before training, the reference's) PairLogps of a `collate_pairs` batch: its
     2B rows without their padding in one forward (`unpad`: each row attends to itself alone), the output layer only
-    at the positions that have a target."""
+    at the positions that have a target, as the training loss computes it (with a frozen dense head, one chunk of
+    logits at a time and none kept for backward, `GPT.output_loss`)."""
     n_seq = batch["input_ids"].size(0)
     tgt = shift_labels(batch["labels"], ignore_index)
     flat, tgt = unpad(batch, tgt)
@@ -168,8 +138,10 @@ def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.
     width = batch["input_ids"].size(1)
     seq_ids = (rows.to(device)[has_target] // width) if "segments" in flat else rows.to(device)[has_target]
     packed = {k: flat[k].to(device) for k in ("positions", "segments") if k in flat}
-    logits = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target, **packed)
-    sums, counts = sequence_logps(token_logps(logits, tgt[has_target]), seq_ids, n_seq)
+    # -log p(target) of each position, by the model's output layer (losses.head_cross_entropy: no logits kept)
+    nll = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target,
+                targets=tgt[has_target], reduction="none", **packed)
+    sums, counts = sequence_logps(-nll, seq_ids, n_seq)
     return split_pairs(sums, counts)
 
 

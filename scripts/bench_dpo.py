@@ -91,10 +91,10 @@ def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwar
             tgt = shift_labels(batch["labels"])
             flat, tgt = unpad(batch, tgt)
             has = tgt != -100
-            logits = model(flat["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=flat["positions"],
-                           segments=flat["segments"])
+            nll = model(flat["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=flat["positions"],
+                        segments=flat["segments"], targets=tgt[has], reduction="none")
             seq = flat["segments"][has] // batch["input_ids"].size(1)
-            sides.append(pf.sequence_logps(pf.token_logps(logits, tgt[has]), seq, len(pairs)))
+            sides.append(pf.sequence_logps(-nll, seq, len(pairs)))
         lp = pf.PairLogps(sides[0][0], sides[1][0], sides[0][1], sides[1][1])
     else:
         lp = pf.batch_logps(model, pf.collate_pairs(pairs), lm_head_chunk=chunk)

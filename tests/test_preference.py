@@ -31,9 +31,12 @@ def tiny(tmp_path_factory):
     return converted_tiny(tmp_path_factory, "llama", "pref-llama")
 
 
-@pytest.fixture(scope="module")
-def policy(tiny):
-    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(), seed=0)
+@pytest.fixture(scope="module", params=["frozen_head", "head_lora"])
+def policy(tiny, request):
+    """The frozen dense head (the default: per-position log-probabilities made in forward, no logits kept,
+    losses.head_cross_entropy) and a head with a LoRA (its logits kept for backward)."""
+    targets = dict(query=True, key=True, value=True, projection=True, mlp=True, head=request.param == "head_lora")
+    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(**targets), seed=0)
     randomize_lora(model, seed=3)  # policy != base
     return model.train()
 

@@ -263,6 +263,10 @@ def _pair(row: int, rec: dict, path: Path, tokenizer: Any, template: str, s: Dat
             raise UserError(f"{where}: the {k} answer renders to no tokens; fill it in or drop the row")
         out[f"{k}_ids"] = torch.tensor(ids, dtype=torch.long)
         out[f"{k}_labels"] = torch.tensor(labels, dtype=torch.long)
+    if torch.equal(out["chosen_ids"], out["rejected_ids"]):  # texts that differ, the same tokens once cut / rendered
+        raise UserError(f"{where}: chosen and rejected are the same {len(out['chosen_ids'])} tokens within "
+                        f"--max_seq_length {s.max_seq_length}, so there is no preference to learn; raise "
+                        "--max_seq_length, or fix or drop the row")
     return out
 
 

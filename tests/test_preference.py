@@ -274,6 +274,8 @@ def test_string_pairs_mask_the_prompt(tmp_path):
 @pytest.mark.parametrize("row,expect", [
     ({"prompt": "p", "chosen": "a"}, "row 2 of {f} has no 'rejected' field"),
     ({"prompt": "p", "chosen": "a", "rejected": "a"}, "row 2 of {f}: chosen and rejected are the same"),
+    ({"prompt": "p", "chosen": "word " * 80 + "yes", "rejected": "word " * 80 + "no"},
+     "row 2 of {f}: chosen and rejected are the same 64 tokens within --max_seq_length 64"),  # cut: the same tokens
     ({"prompt": "p " * 300, "chosen": "a", "rejected": "b"}, "row 2 of {f}: the prompt is"),
     ({"prompt": "p", "chosen": "", "rejected": "b"}, "row 2 of {f} has an empty 'chosen' field"),
     ({"prompt": "p", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}, "row 2 of {f}: turn 2"),

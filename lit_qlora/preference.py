@@ -123,25 +123,73 @@ def collate_pairs(pairs: list[dict], pad_id: int = 0, ignore_index: int = -100) 
     return {"input_ids": input_ids, "labels": labels, "lengths": lengths, "index": index}
 
 
+def share_prefixes(batch: dict[str, Tensor], ignore_index: int = -100) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """A `collate_pairs` batch as one row of tokens in which each pair's common beginning (its prompt, and any first
+    answer tokens its two answers share) appears once: [shared, chosen's rest, rejected's rest] per pair, the two
+    rests continuing the shared part (GPT.forward's `prefixes`: they see all of it, their positions go on from it).
+    The shared part's last token stays in each rest (its next token differs). Every position computes what it
+    computes in its own sequence; a target in the shared part counts for both sequences.
+
+    Returns (flat: input_ids, positions, segments, prefixes, targets [1, T]; pick [M] and seq_ids [M]): target k of
+    the positions that have one (`targets != ignore_index`, in order) counts for sequence seq_ids[j] where
+    pick[j] = k (chosen sequences 0..B-1, rejected B..2B-1)."""
+    ids, labels, lengths = batch["input_ids"], batch["labels"], batch["lengths"].tolist()
+    n_pairs = ids.size(0) // 2
+    tgt = shift_labels(labels, ignore_index)
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "positions", "segments", "prefixes", "targets",
+                                                      "first", "second")}
+
+    def add(row: int, start: int, end: int, segment: int, prefix: int, first: int, second: int) -> None:
+        n = end - start
+        for k, v in (("input_ids", ids[row, start:end]), ("positions", torch.arange(start, end)),
+                     ("segments", torch.full((n,), segment)), ("prefixes", torch.full((n,), prefix)),
+                     ("targets", tgt[row, start:end]), ("first", torch.full((n,), first)),
+                     ("second", torch.full((n,), second))):
+            parts[k].append(v)
+
+    for i in range(n_pairs):
+        c, r = i, n_pairs + i
+        n = min(lengths[c], lengths[r])
+        same = (ids[c, :n] == ids[r, :n]) & (labels[c, :n] == labels[r, :n])
+        common = n if bool(same.all()) else int((~same).nonzero()[0, 0])
+        shared = max(common - 1, 0)  # token `common - 1` predicts different next tokens in the two sequences
+        if shared:
+            add(c, 0, shared, 3 * i, -1, c, r)
+        add(c, shared, lengths[c], 3 * i + 1, 3 * i if shared else -1, c, -1)
+        add(r, shared, lengths[r], 3 * i + 2, 3 * i if shared else -1, r, -1)
+    flat = {k: torch.cat(v)[None] for k, v in parts.items()}
+    first, second = flat.pop("first")[0], flat.pop("second")[0]
+    has = flat["targets"][0] != ignore_index
+    first, second = first[has], second[has]
+    k = torch.arange(len(first))
+    both = second >= 0
+    return flat, torch.cat([k, k[both]]), torch.cat([first, second[both]])
+
+
 def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.device | str = "cpu",
-                lm_head_chunk: int = 0, ignore_index: int = -100) -> PairLogps:
-    """The policy's (or, under no_grad before training, the reference's) PairLogps of a `collate_pairs` batch: its
-    2B rows without their padding in one forward (`unpad`: each row attends to itself alone), the output layer only
-    at the positions that have a target, as the training loss computes it (with a frozen dense head, one chunk of
-    logits at a time and none kept for backward, `GPT.output_loss`)."""
+                lm_head_chunk: int = 0, ignore_index: int = -100, share: bool = True) -> PairLogps:
+    """The policy's (or, under no_grad before training, the reference's) PairLogps of a `collate_pairs` batch in one
+    forward without padding, each pair's common prompt computed once (`share_prefixes`; `share=False`: the 2B rows
+    whole, each attending to itself alone, `unpad`), the output layer only at the positions that have a target, as
+    the training loss computes it (with a frozen dense head, one chunk of logits at a time and none kept for
+    backward, `GPT.output_loss`)."""
     n_seq = batch["input_ids"].size(0)
-    tgt = shift_labels(batch["labels"], ignore_index)
-    flat, tgt = unpad(batch, tgt)
-    tgt = tgt.to(device)
+    if share:
+        flat, pick, seq_ids = share_prefixes(batch, ignore_index)
+        tgt, pick, seq_ids = flat.pop("targets").to(device), pick.to(device), seq_ids.to(device)
+    else:
+        flat, tgt = unpad(batch, shift_labels(batch["labels"], ignore_index))
+        tgt = tgt.to(device)
+        width = batch["input_ids"].size(1)
+        rows = flat["segments"] // width if "segments" in flat else torch.zeros_like(flat["input_ids"])
+        seq_ids = rows.to(device)[tgt != ignore_index]
+        pick = torch.arange(len(seq_ids), device=device)
     has_target = tgt != ignore_index
-    rows = flat["segments"] if "segments" in flat else torch.zeros_like(flat["input_ids"])
-    width = batch["input_ids"].size(1)
-    seq_ids = (rows.to(device)[has_target] // width) if "segments" in flat else rows.to(device)[has_target]
-    packed = {k: flat[k].to(device) for k in ("positions", "segments") if k in flat}
+    packed = {k: flat[k].to(device) for k in ("positions", "segments", "prefixes") if k in flat}
     # -log p(target) of each position, by the model's output layer (losses.head_cross_entropy: no logits kept)
     nll = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target,
                 targets=tgt[has_target], reduction="none", **packed)
-    sums, counts = sequence_logps(-nll, seq_ids, n_seq)
+    sums, counts = sequence_logps(-nll[pick], seq_ids, n_seq)
     return split_pairs(sums, counts)
 
 

@@ -177,6 +177,83 @@ def test_loss_and_gradients_equal_trl(policy, loss):
         torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+def sharing_pairs(vocab: int = 320, seed: int = 4) -> list[dict]:
+    """Pairs whose shared beginnings differ in kind: a prompt of one token (nothing to share), answers that begin
+    with the same two tokens (shared past the prompt), a chosen answer that is the start of the rejected one."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i, (n_prompt, n_c, n_r) in enumerate([(5, 4, 6), (1, 3, 2), (7, 5, 5), (3, 2, 4)]):
+        prompt = torch.randint(0, vocab, (n_prompt,), generator=g)
+        c, r = torch.randint(0, vocab, (n_c,), generator=g), torch.randint(0, vocab, (n_r,), generator=g)
+        if i == 2:
+            r[:2] = c[:2]
+        if i == 3:
+            r[:2] = c
+        pair = {"index": i}
+        for side, answer in (("chosen", c), ("rejected", r)):
+            ids = torch.cat([prompt, answer])
+            labels = ids.clone()
+            labels[:n_prompt] = -100
+            pair[f"{side}_ids"], pair[f"{side}_labels"] = ids, labels
+        pairs.append(pair)
+    return pairs
+
+
+def shared_vs_separate(model, pairs: list[dict]) -> None:
+    """batch_logps with each pair's common beginning computed once equals the rows computed whole: the sequences'
+    log-probabilities and token counts, and the trainable weights' gradients of a weighted sum of them."""
+    batch = pf.collate_pairs(pairs)
+    weights = torch.randn(2, len(pairs), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for share in (True, False):
+        model.zero_grad()
+        lp = pf.batch_logps(model, batch, share=share)
+        ((lp.chosen * weights[0]).sum() + (lp.rejected * weights[1]).sum()).backward()
+        out[share] = (lp, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    (a, ga), (b, gb) = out[True], out[False]
+    for k in ("chosen", "rejected"):
+        torch.testing.assert_close(getattr(a, k), getattr(b, k), atol=1e-5, rtol=1e-6)
+        assert torch.equal(getattr(a, k + "_tokens"), getattr(b, k + "_tokens"))
+    assert max(float(g.abs().max()) for g in gb.values()) > 1e-4
+    for n in gb:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
+    # what was shared: the prompt but its last token (2 pairs), plus the two common answer tokens (pair 2), plus the
+    # chosen answer inside the rejected one (pair 3); the one-token prompt shares nothing
+    flat, _, _ = pf.share_prefixes(batch)
+    assert flat["input_ids"].size(1) == int(batch["lengths"].sum()) - (4 + 0 + 8 + 4)
+
+
+def test_shared_prompts_equal_separate_rows(policy):
+    """The training forward (chosen and rejected after one copy of their prompt) against the rows computed whole,
+    on the tiny Llama with LoRA (frozen head and head LoRA)."""
+    shared_vs_separate(policy, sharing_pairs())
+
+
+@pytest.mark.parametrize("kind", ["window", "softcap"])
+def test_shared_prompts_under_masks(kind):
+    """The same where attention takes a mask: a sliding window shorter than the pairs (one [T, T] mask for the row,
+    packed_attention_mask with the prefixes) and Gemma 2's soft-capped attention (its own kernel, the branch's mask)."""
+    from lit_qlora.config import Config
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.model import GPT
+
+    config = Config(name="t", block_size=64, vocab_size=320, n_layer=2, n_head=4, n_embd=32, n_query_groups=2,
+                    intermediate_size=48, mlp_class="LLaMAMLP", norm_class="RMSNorm", bias=False,
+                    rotary_percentage=1.0, parallel_residual=False,
+                    sliding_window_size=5 if kind == "window" else None,
+                    attn_softcap=2.0 if kind == "softcap" else None)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    apply_lora(model, lora_cfg(query=True, value=True, mlp=True))
+    randomize_lora(model, seed=1)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    shared_vs_separate(model.train(), sharing_pairs())
+
+
 def test_reference_logps_equal_the_base_model(tiny):
     """A fresh adapter (B = 0), as training starts: its log-probabilities are transformers' base model's, through
     TRL's get_batch_logps; and so the first DPO loss is ln 2."""

@@ -16,6 +16,7 @@ from helpers import converted_tiny, hf_model, lora_cfg, randomize_lora
 from lit_qlora import preference as pf
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
+from lit_qlora.quant_mode import QuantMode
 
 trl = pytest.importorskip("trl")
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
@@ -39,6 +40,12 @@ def policy(tiny, request):
     model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(**targets), seed=0)
     randomize_lora(model, seed=3)  # policy != base
     return model.train()
+
+
+def quantized_layers(model) -> list:
+    import bitsandbytes as bnb
+
+    return [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
 
 
 def make_pairs(seed: int = 0, n: int = 3) -> list[dict]:
@@ -174,6 +181,41 @@ def test_loss_and_gradients_equal_trl(policy, loss):
         assert abs(my_stats[k] - their_stats[k]) <= 1e-5, (k, my_stats[k], their_stats[k])
     assert max(float(g.abs().max()) for g in my_grads.values()) > 1e-4  # the gradients are not all zero
     for k in my_grads:
+        torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("quantize", QuantMode.names())
+def test_every_quantize_mode_reference_is_the_base_and_losses_equal_trl(tiny, quantize):
+    """On each --quantize base: a fresh adapter's log-probabilities (what finetune/dpo.py keeps as the reference) are
+    those of the same quantized base with no LoRA layers at all, so the first DPO loss is ln 2; once the policy
+    moves, the DPO loss, rewards and LoRA gradients on the quantized model equal TRL's DPOTrainer loss code on it
+    (fp32), and every LoRA weight gets a gradient through the quantized layers."""
+    targets = dict(query=True, key=True, value=True, projection=True, mlp=True)
+    pairs = make_pairs(seed=2)
+    batch = pf.collate_pairs(pairs)
+    base = load_model(tiny.folder, precision="32-true", quantize=quantize, seed=0).eval()
+    policy = load_model(tiny.folder, precision="32-true", quantize=quantize, lora=lora_cfg(**targets), seed=0)
+    assert len(quantized_layers(base)) == len(quantized_layers(policy)) > 0
+    with torch.no_grad():
+        want = pf.batch_logps(base, batch, share=False)  # the base alone, whole rows
+        got = pf.batch_logps(policy.eval(), batch)
+    torch.testing.assert_close(got.chosen, want.chosen, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.rejected, want.rejected, atol=1e-5, rtol=0)
+    first, _, _ = pf.pair_losses("dpo", got, want.chosen, want.rejected, beta=BETA)
+    assert abs(float(first.mean()) - math.log(2)) < 1e-6
+    randomize_lora(policy, seed=3)
+    policy.train()
+    ref = (want.chosen, want.rejected)
+    mine, my_stats = ours(policy, "dpo", batch, ref)
+    my_grads = grads(policy)
+    theirs, their_stats = trl_dpo(policy, "sigmoid", batch, ref)
+    their_grads = grads(policy)
+    assert abs(float(mine) - float(theirs)) <= 1e-5, (float(mine), float(theirs))
+    for k in my_stats:
+        assert abs(my_stats[k] - their_stats[k]) <= 1e-5, (k, my_stats[k], their_stats[k])
+    assert len(my_grads) == 2 * len(lora_modules(policy))
+    for k in my_grads:
+        assert float(my_grads[k].abs().max()) > 0, k  # a gradient reaches every LoRA weight
         torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
 
 

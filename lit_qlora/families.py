@@ -667,14 +667,56 @@ MODEL_TYPE_TO_ARCH = {s.model_type: s.architecture for s in SPECS.values()}
 # Architectures that are known and deliberately refused, with why (more helpful than "unsupported")
 REFUSED = {
     "Gemma3nForCausalLM": "per-layer input embeddings (Gemma 3n) are not implemented",
-    "Gemma3ForConditionalGeneration": "this is the multimodal Gemma 3; use a text-only checkpoint "
-                                      "(Gemma3ForCausalLM, model_type gemma3_text)",
     "Gemma4ForCausalLM": "per-layer input embeddings (Gemma 4) are not implemented",
     "Qwen3NextForCausalLM": "linear-attention hybrid layers (Qwen3-Next) are not implemented",
     "Qwen3_5ForCausalLM": "linear-attention hybrid layers (Qwen3.5) are not implemented",
     "Qwen2MoeForCausalLM": "mixtures of experts are not implemented yet",
     "OlmoeForCausalLM": "mixtures of experts are not implemented yet",
 }
+
+
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """A multimodal architecture whose language model is one of the families above: its config.json holds that model
+    under `text_config`, naming only what differs from the text config class's `defaults`, and its weight files name
+    the text model's tensors with a prefix of their own (`renames`: (prefix there, prefix in the text model), first
+    match wins; tensors matching none, the vision tower and projector, are not read)."""
+    architecture: str
+    model_type: str
+    defaults: dict
+    renames: tuple[tuple[str, str], ...]
+
+
+# Only the text model is fine-tuned: the vision tower and projector are left out (images are not an input here)
+TEXT_PARTS = {
+    # Gemma3TextConfig's defaults (transformers 5.24) for the fields the mapping reads; the published 4B / 12B / 27B
+    # files name their tensors language_model.model.* / language_model.lm_head.*, transformers 5 saves
+    # model.language_model.* (the head tied)
+    "Gemma3ForConditionalGeneration": TextPart(
+        "Gemma3ForCausalLM", "gemma3_text",
+        dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+             max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
+             sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+        (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+         ("model.language_model.", "model."))),
+}
+
+
+def text_part(hf: dict) -> dict:
+    """The config.json of the model this tool trains: `hf` itself, or a multimodal one's text model (TEXT_PARTS)."""
+    part = TEXT_PARTS.get(architecture_of(hf))
+    if part is None:
+        return hf
+    text = hf.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise UserError(f"config.json: text_config of {architecture_of(hf)} is not an object; download it again")
+    # the multimodal model ties its head by its own field, whatever text_config says (as transformers does)
+    tie = hf.get("tie_word_embeddings", part.defaults["tie_word_embeddings"])
+    return {**part.defaults, **text, "tie_word_embeddings": tie, "architectures": [part.architecture],
+            "model_type": part.model_type}
 
 
 def spec(architecture: str) -> FamilySpec:

@@ -309,6 +309,10 @@ def assert_same_stored(ours: torch.nn.Module, ref: "torch.nn.Module | list[torch
                                                           quant_state=state))
             assert_same_stored(view, r)
         return
+    if isinstance(getattr(ref.weight, "quant_state", None), PartsQuantState):  # another layer of ours
+        theirs = _packed_parts(ref)
+        return assert_same_stored(ours, [SimpleNamespace(weight=SimpleNamespace(data=d.unsqueeze(1), quant_state=st))
+                                         for d, st in theirs])
     assert not isinstance(getattr(ours.weight, "quant_state", None), PartsQuantState), "quantized part by part"
     assert torch.equal(ours.weight.data, ref.weight.data)
     qs, rs = getattr(ours.weight, "quant_state", None), getattr(ref.weight, "quant_state", None)

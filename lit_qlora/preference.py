@@ -329,8 +329,16 @@ def _chat_parts(rec: dict, row: int, path: Path) -> tuple[list, list, list]:
             raise UserError("chosen and rejected share no prompt (no common leading turns ending with the user's); "
                             "give a \"prompt\" field")
         return chosen[:n], chosen[n:], rejected[n:]
-    return (_as_messages(rec["prompt"], "user", row, path), _as_messages(rec["chosen"], "assistant", row, path),
-            _as_messages(rec["rejected"], "assistant", row, path))
+    prompt = _as_messages(rec["prompt"], "user", row, path)
+    answers = []
+    for k in ("chosen", "rejected"):
+        v = rec[k]
+        if isinstance(v, list) and len(v) > len(prompt) and all(
+                isinstance(m, dict) and (m.get("role"), m.get("content")) == (q["role"], q["content"])
+                for m, q in zip(v, prompt)):
+            v = v[len(prompt):]  # a full conversation that repeats the prompt's turns (UltraFeedback's layout)
+        answers.append(_as_messages(v, "assistant", row, path))
+    return prompt, answers[0], answers[1]
 
 
 def _chat_side(tokenizer: Any, prompt: list, answer: list, prompt_ids: list, where: str) -> tuple[list, list]:

@@ -371,6 +371,43 @@ def test_conversation_pairs_are_rendered_as_transformers_does(chat_tok, tmp_path
             assert all(lab == -100 for lab in labels[:len(prompt_ids)])
 
 
+@pytest.mark.parametrize("layout", ["implicit", "ultrafeedback"])
+@pytest.mark.parametrize("store", ["parquet", "datasets_folder"])
+def test_pairs_read_where_hub_datasets_keep_them(chat_tok, tmp_path, store, layout):
+    """Rows as preference sets on the hub store them, in a .parquet file or a `datasets` save_to_disk folder, other
+    columns beside them: chosen and rejected full conversations sharing their leading turns (TRL's implicit-prompt
+    conversational format, Anthropic HH's conversions), or with a prompt field too that they repeat
+    (UltraFeedback-binarized: prompt string, chosen / rejected = [user turn, assistant turn]). The same pairs as
+    the rows {prompt, chosen, rejected} in JSONL."""
+    pytest.importorskip("pyarrow")
+    implicit = {"chosen": CONV["prompt"] + CONV["chosen"], "rejected": CONV["prompt"] + CONV["rejected"]}
+    rows = [{**implicit, "score_chosen": 8.0, "score_rejected": 3.5, "prompt_id": str(i)} for i in range(4)]
+    if layout == "ultrafeedback":
+        implicit = {"prompt": CONV["prompt"][-1]["content"], "chosen": CONV["prompt"][-1:] + CONV["chosen"],
+                    "rejected": CONV["prompt"][-1:] + CONV["rejected"]}
+        rows = [{**implicit, "messages": implicit["chosen"], "score_chosen": 8.0, "prompt_id": str(i)}
+                for i in range(4)]
+        want_rows = [{"prompt": CONV["prompt"][-1:], "chosen": CONV["chosen"], "rejected": CONV["rejected"]}] * 4
+    else:
+        want_rows = [CONV] * 4
+    want, _, _ = pf.load_pairs(write_rows(tmp_path / "jsonl", want_rows), chat_tok, settings(split=0.0))
+    folder = tmp_path / store
+    if store == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows), folder / "train_prefs-00000-of-00001.parquet")
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    got, _, _ = pf.load_pairs(folder, chat_tok, settings(split=0.0))
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        for k in ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"):
+            assert torch.equal(a[k], b[k]), k
+
+
 def test_string_pairs_mask_the_prompt(tmp_path):
     from helpers_tokenizer import make_hf_bpe_tokenizer
 

@@ -170,3 +170,40 @@ def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="stores its experts stacked .'model.layers.0.mlp.experts"):
         convert_hf_checkpoint(tmp_path)
+
+
+class _OutputSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element count of every tensor the ops inside it return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numels += [t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_expert_backward_makes_no_tensor_of_all_routed_rows_per_expert():
+    """The backward of a MoE layer's experts handles the N*k routed rows a few times in all, not once per expert: the
+    rows are split per expert (whose backward concatenates the experts' gradients once), not sliced (whose backward
+    makes a zero tensor of all N*k rows for each expert: with 64 experts most of a training step's time)."""
+    from lit_qlora.config import Config
+    from lit_qlora.model import Experts
+
+    E, k, N, C = 16, 2, 64, 32
+    config = Config(name="moe", n_layer=1, n_embd=C, n_head=2, intermediate_size=64, vocab_size=64, moe_n_expert=E,
+                    moe_top_k=k, moe_intermediate_size=16, hf_architecture="Qwen3MoeForCausalLM")
+    experts = Experts(config)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, C, generator=g, requires_grad=True)
+    chosen = torch.rand(N, E, generator=g).topk(k, dim=-1).indices
+    y = experts(x, chosen, torch.full((N, k), 0.5))
+    with _OutputSizes() as sizes:
+        y.sum().backward()
+    assert len(torch.unique(chosen)) == E and x.grad is not None
+    assert sizes.numels.count(N * k * C) < E // 2, sizes.numels  # 4 (torch 2.13); sliced: 2 per expert and more

@@ -508,13 +508,15 @@ class Experts(nn.Module):
         token = order // k
         counts = torch.bincount(chosen.reshape(-1), minlength=self.fc_1.n_expert).tolist()
         active = [(e, n) for e, n in enumerate(counts) if n]
+        sizes = [n for _, n in active]
         # split, not slices: the backward of a slice makes a zero tensor of all N*k rows for every expert (most of a
-        # step's time with 64 experts), split's concatenates the experts' gradients once
+        # step's time with 64 experts), split's concatenates the experts' gradients once. The routing weight scales
+        # the expert's hidden state before its down projection (the same sum): backward then needs no copy of the
+        # [N*k, C] outputs, only what the gated activation keeps anyway.
         outs = []
-        for (e, _), h in zip(active, x[token].split([n for _, n in active])):  # h: the rows routed to expert e
-            outs.append(self.proj(gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation), e))
-        y = torch.cat(outs) * weights.reshape(-1)[order, None]
-        return x.new_zeros(x.shape).index_add_(0, token, y.to(x.dtype))
+        for (e, _), h, w in zip(active, x[token].split(sizes), weights.reshape(-1, 1)[order].split(sizes)):
+            outs.append(self.proj(gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation, w), e))
+        return x.new_zeros(x.shape).index_add_(0, token, torch.cat(outs).to(x.dtype))
 
 
 class ExpertWeights(nn.Module):
@@ -537,32 +539,38 @@ def activate(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class _GatedActivation(torch.autograd.Function):
-    """act(a) * b that keeps only a and b for backward and recomputes act(a) there. Plain autograd would also keep
-    act(a): a third [B, T, intermediate] tensor per block, the largest thing training saves (a quarter of a small
-    model's activations). The gradients are the same ops autograd runs."""
+    """act(a) * b (times a per-row `scale`, a MoE's routing weights) that keeps only a and b (and the scale) for
+    backward and recomputes act(a) there. Plain autograd would also keep act(a): a third [B, T, intermediate] tensor
+    per block, the largest thing training saves (a quarter of a small model's activations). The gradients are the
+    same ops autograd runs."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ctx.save_for_backward(a, b, scale)
         ctx.kind = kind
-        return activate(a, kind) * b
+        out = activate(a, kind) * b
+        return out if scale is None else out * scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        a, b = ctx.saved_tensors
+        a, b, scale = ctx.saved_tensors
         with torch.enable_grad():
             a_ = a.detach().requires_grad_()
             act = activate(a_, ctx.kind)
-        grad_a = torch.autograd.grad(act, a_, grad * b)[0] if ctx.needs_input_grad[0] else None
-        grad_b = grad * act.detach() if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None
+        g = grad if scale is None else grad * scale
+        grad_a = torch.autograd.grad(act, a_, g * b)[0] if ctx.needs_input_grad[0] else None
+        grad_b = g * act.detach() if ctx.needs_input_grad[1] else None
+        grad_scale = None
+        if scale is not None and ctx.needs_input_grad[3]:
+            grad_scale = (grad * act.detach() * b).sum(-1, keepdim=True)
+        return grad_a, grad_b, None, grad_scale
 
 
-def gated_activation(a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.Tensor:
-    """act(a) * b (LLaMA's gated MLP), saving less for backward when training."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _GatedActivation.apply(a, b, kind)
-    return activate(a, kind) * b
+def gated_activation(a: torch.Tensor, b: torch.Tensor, kind: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(a) * b (LLaMA's gated MLP), times `scale` [rows, 1] if given, saving less for backward when training."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or scale is not None and scale.requires_grad):
+        return _GatedActivation.apply(a, b, kind, scale)
+    return activate(a, kind) * b if scale is None else activate(a, kind) * b * scale
 
 
 class RMSNorm(nn.Module):

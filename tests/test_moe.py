@@ -137,20 +137,6 @@ def test_qlora_on_a_moe_model_trains_from_the_cli_and_generates(tmp_path):
         assert r.returncode == 0, r.stderr
 
 
-def test_what_does_not_know_experts_yet_refuses_in_one_line(moe_ckpt, tmp_path):
-    """The memory estimator (its MLP terms are a dense MLP's) and the GGUF export (no expert tensors) refuse a MoE
-    model in one line naming it, instead of a wrong figure or file."""
-    from lit_qlora.gguf_export import export_gguf
-    from lit_qlora.memory import estimate_training_memory
-    from lit_qlora.utils import UserError
-
-    with pytest.raises(UserError, match="does not know mixtures of experts"):
-        estimate_training_memory(moe_ckpt.config, quantize="bnb.nf4", seq_length=16)
-    with pytest.raises(UserError, match=moe_ckpt.config.hf_architecture):
-        export_gguf(moe_ckpt.folder, tmp_path / "m.gguf")
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
     """Experts saved as transformers holds them in memory (one gate_up_proj / down_proj per layer) are refused
     naming the tensor, not reported as an incomplete download."""

@@ -193,3 +193,34 @@ def test_expert_backward_makes_no_tensor_of_all_routed_rows_per_expert():
         y.sum().backward()
     assert len(torch.unique(chosen)) == E and x.grad is not None
     assert sizes.numels.count(N * k * C) < E // 2, sizes.numels  # 4 (torch 2.13); sliced: 2 per expert and more
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4"])
+@pytest.mark.parametrize("in_features", [128, 96])  # whole blocks per row; blocks straddling rows
+@pytest.mark.parametrize("dtype,fp32_kernels", [(torch.float32, None), (torch.bfloat16, False),
+                                                (torch.bfloat16, True)])
+def test_expert_matmul_equals_the_bitsandbytes_layer(mode, in_features, dtype, fp32_kernels):
+    """A quantized expert's training matmul (quantize._ExpertMatmul: its own allocation order, see there) computes what
+    the expert's bitsandbytes layer computes, forward and the input's gradient, at 32-true and bf16-true (with the CPU's
+    bf16 kernels and with lit_qlora/cpu_half.py's fp32 kernels)."""
+    from lit_qlora import cpu_half
+    from lit_qlora.model import ExpertWeights
+    from lit_qlora.quantize import quantize_experts
+
+    dense = ExpertWeights(3, 48, in_features)
+    nn.init.normal_(dense.weight, std=0.1)
+    experts = QuantizedExpertWeights(dense, mode, dtype)
+    quantize_experts(experts, dense.weight.detach(), torch.device("cpu"), dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, in_features, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(20, 48, generator=g).to(dtype)
+    with cpu_half.forced(fp32_kernels):
+        y = experts(x, 1)
+        assert y.grad_fn is not None and "ExpertMatmul" in type(y.grad_fn).__name__
+        (gx,) = torch.autograd.grad(y, x, grad)
+        x2 = x.detach().clone().requires_grad_()
+        y2 = experts.layers[1](x2)
+        (gx2,) = torch.autograd.grad(y2, x2, grad)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y, y2, **tol)
+    torch.testing.assert_close(gx, gx2, **tol)

@@ -26,7 +26,12 @@ NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_
             intermediate_size=512,
             vocab_size=500, block_size=512, norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP",
             activation="gelu", parallel_residual=True, rotary_percentage=0.25)
+# a mixture of experts (Qwen3-MoE): 8 experts, top 2, the middle layer a dense MLP
+MOE = dict(name="mem-moe", hf_architecture="Qwen3MoeForCausalLM", n_layer=3, n_head=4, n_query_groups=2, n_embd=128,
+           head_size=32, intermediate_size=256, vocab_size=500, block_size=512, qk_norm="head", moe_n_expert=8,
+           moe_top_k=2, moe_intermediate_size=64, moe_norm_topk=True, moe_dense_layers=[1])
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
+ATTN = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, head=True)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
 BIG = Config.from_name("Llama-2-7b-hf")
 
@@ -45,17 +50,20 @@ def _checkpoint(folder: Path, config: Config) -> Path:
 @pytest.fixture(scope="module")
 def memory_ckpts(tmp_path_factory):
     out = {}
-    for name, cfg in (("llama", LLAMA), ("neox", NEOX)):
+    for name, cfg in (("llama", LLAMA), ("neox", NEOX), ("moe", MOE)):
         folder = tmp_path_factory.mktemp(name)
         out[name] = (_checkpoint(folder, Config(**cfg)), Config(**cfg))
     return out
 
 
 @pytest.mark.parametrize("quantize", QuantMode.names())
-def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
+@pytest.mark.parametrize("arch", ["llama", "moe"])
+def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize, arch):
+    """Quantized and dense bytes as the loaded model holds them (a mixture of experts: one bitsandbytes layer per
+    expert, the router dense)."""
     from lit_qlora.loader import load_model
 
-    folder, config = memory_ckpts["llama"]
+    folder, config = memory_ckpts[arch]
     model = load_model(folder, precision="bf16-true", quantize=quantize, lora=QV, config=config, seed=0)
     real = memory_report(model)
     predicted = weight_bytes(config, QV, "bf16-true", quantize)
@@ -63,6 +71,7 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
     # the report counts LoRA as dense
     assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]
     assert sum(predicted["lora_numels"]) == real["trainable_params"]
+    assert predicted["quantized_params"] == real["quantized_params"]
     # the figures the estimator is built on, for a large layer
     bits = 8 * QuantMode(quantize).layer_bytes(4096, 4096) / 4096**2
     assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
@@ -98,6 +107,11 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("llama", ALL, "bf16-mixed", None, False),
     ("neox", ALL, "bf16-true", None, False),
     ("neox", QV, "32-true", None, True),
+    ("moe", ATTN, "32-true", None, False),
+    ("moe", QV, "bf16-true", "bnb.nf4-dq", False),
+    ("moe", ATTN, "32-true", "bnb.nf4", False),
+    ("moe", ATTN, "bf16-mixed", None, False),
+    ("moe", QV, "bf16-true", None, True),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""

@@ -57,7 +57,7 @@ from lit_qlora.losses import head_chunk_rows
 from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import Precision, parse_precision
 from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import CPU_QUANTIZE_CHUNK
+from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, quantized_parts
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -128,8 +128,9 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "st
                 continue
             seen.add(id(p))
             if quantized:
-                n_layers, (out_f, in_f) = (p.shape[0], p.shape[1:]) if is_experts else (1, p.shape)
-                layer = quantize.layer_bytes(out_f, in_f) * n_layers
+                n_layers, (out_f, in_f) = (p.shape[0], tuple(p.shape[1:])) if is_experts else (1, tuple(p.shape))
+                parts = quantized_parts(config, base_name) if quantize.is_4bit else None  # (each its own state)
+                layer = sum(quantize.layer_bytes(n, in_f) for n in (parts or [out_f])) * n_layers
                 packed = -(-out_f * in_f // 2) * n_layers if quantize.is_4bit else p.numel()  # the sharded part
                 quant += layer
                 quant_rank += layer - packed + _shard_rows(packed, shard_world)

@@ -393,6 +393,10 @@ def estimate_training_memory(
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
+    if config.moe_n_expert and (config.moe_bias or config.moe_swiglu_limit is not None):
+        # gpt-oss's clamped SwiGLU and expert biases save other tensors than `_moe_saved` counts: refused, not wrong
+        raise UserError(f"the memory estimate does not know gpt-oss's experts yet ({config.hf_architecture}: biased "
+                        "experts, clamped SwiGLU); pass --micro_batch_size as a number, without --estimate_only")
     lora = lora or LoRAConfig()
     quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)

@@ -18,6 +18,7 @@ from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_siz
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import memory_report
 from lit_qlora.training import head_chunk
+from lit_qlora.utils import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
@@ -299,3 +300,13 @@ def test_estimate_only_with_fsdp_is_per_rank(tmp_path):
                                         seq_length=512, shard_world=2)
     assert re.search(rf"\| Total +\| {expected.total_gb:.3f} \|", res.stdout), res.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_gpt_oss_estimate_is_refused_not_wrong():
+    """gpt-oss's experts (biases, clamped SwiGLU) save tensors the activation model does not count: one line saying
+    so, never a silently low estimate."""
+    config = Config(**{**MOE, "hf_architecture": "GptOssForCausalLM", "qk_norm": None, "moe_bias": True,
+                       "moe_swiglu_limit": 7.0, "moe_swiglu_alpha": 1.702})
+    with pytest.raises(UserError, match="gpt-oss's experts"):
+        estimate_training_memory(config, lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)
+    estimate_training_memory(Config(**MOE), lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)

@@ -577,6 +577,7 @@ def test_qlora_on_a_moe_model_trains_from_the_cli_resumes_and_generates(tmp_path
     for shares in (load["all_steps"], load["last_step"]):
         assert len(shares) == 2 and all(len(row) == 4 and math.isclose(sum(row), 2, rel_tol=1e-4) for row in shares)
     hp = json.loads((out / "hyperparameters.json").read_text())
+    # output_router_logits false in the tiny config: no aux loss added by default (still logged)
     assert hp["resolved"]["router_aux_loss_coef"] == 0.0 and hp["lora"]["experts"] and hp["lora"]["router"]
 
     resumed = tmp_path / "resumed"

@@ -670,8 +670,10 @@ SPECS: dict[str, FamilySpec] = {s.architecture: s for s in (
     FamilySpec("MistralForCausalLM", "mistral", _map_llama, _to_mistral, _fixed(_LLAMA_NAMES), "llama"),
     FamilySpec("Qwen2ForCausalLM", "qwen2", _map_qwen2, _to_qwen2, _fixed(_LLAMA_NAMES), "qwen2"),
     FamilySpec("Qwen3ForCausalLM", "qwen3", _map_qwen3, _to_qwen3, _fixed(_QWEN3_NAMES), "qwen3"),
-    FamilySpec("Qwen3MoeForCausalLM", "qwen3_moe", _map_qwen3_moe, _to_qwen3_moe, _fixed(_QWEN3_MOE_NAMES)),
-    FamilySpec("MixtralForCausalLM", "mixtral", _map_mixtral, _to_mixtral, _fixed(_MIXTRAL_NAMES)),
+    FamilySpec("Qwen3MoeForCausalLM", "qwen3_moe", _map_qwen3_moe, _to_qwen3_moe, _fixed(_QWEN3_MOE_NAMES),
+               "qwen3moe"),
+    # llama.cpp's converter writes Mixtral as "llama" with experts (ffn_*_exps)
+    FamilySpec("MixtralForCausalLM", "mixtral", _map_mixtral, _to_mixtral, _fixed(_MIXTRAL_NAMES), "llama"),
     FamilySpec("GptOssForCausalLM", "gpt_oss", _map_gpt_oss, _to_gpt_oss, _fixed(_GPT_OSS_NAMES)),
     FamilySpec("SmolLM3ForCausalLM", "smollm3", _map_smollm3, _to_smollm3, _fixed(_LLAMA_NAMES)),
     FamilySpec("GemmaForCausalLM", "gemma", _map_gemma, _to_gemma, _fixed(_LLAMA_NAMES)),

@@ -40,19 +40,28 @@ Q = gguf.GGMLQuantizationType
 # llama.cpp architecture of each family whose spec names one (lit_qlora/families.py)
 ARCHITECTURES = {a: s.gguf for a, s in SPECS.items() if s.gguf}
 SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM), "
-             "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Phi-3 / Phi-4 (Phi3ForCausalLM), Gemma 2 "
-             "(Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM)")
+             "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Mixtral "
+             "(MixtralForCausalLM), Phi-3 / Phi-4 (Phi3ForCausalLM), Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text "
+             "(Gemma3ForCausalLM)")
 # llama.cpp architectures whose q|k|v and gate|up are one tensor each (`attn_qkv`, `ffn_up`), as in the HF weights
 _FUSED = ("phi3",)
 # llama.cpp's Gemmas: norms stored as 1 + weight (its converter adds the 1), sliding windows in a fixed pattern
 _GEMMA = ("gemma2", "gemma3")
 _WINDOWED = ("phi3", *_GEMMA)  # llama.cpp architectures that attend within the sliding window written to the file
 ANY = object()  # in `_arch_fields`: whatever the model has (it is written to the file)
+# llama.cpp architectures with mixtures of experts (a router `ffn_gate_inp` and the experts stacked [E, out, in] per
+# projection, `ffn_{gate,up,down}_exps`) -> what their MoE computes besides the counts and sizes written to the file:
+# both renormalize the top-k routing weights, and have experts in every layer
+_MOE = {"qwen3moe": dict(moe_norm_topk=True, moe_dense_layers=None),
+        "llama": dict(moe_norm_topk=True, moe_dense_layers=None)}  # Mixtral
+_EXPERT_FFN_KEY = ("qwen3moe",)  # those whose experts' width is its own key (expert_feed_forward_length)
+# always write the head size (llama.cpp assumes n_embd / n_head otherwise; transformers' qwen3moe reader takes it too)
+_KEY_LENGTH = ("gemma2", "gemma3", "qwen3moe")
 
 
 def _arch_fields(arch: str, config: Config) -> dict:
     """What llama.cpp's `arch` computes differently from its llama baseline (Config field -> the value it needs)."""
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         return dict(qk_norm="head")
     if arch == "phi3":  # rope.dimension_count and longrope's factors and attention factor are written (`rope_tensors`)
         return dict(rope_n_elem=ANY, rope_type=(None, "longrope"))
@@ -84,7 +93,8 @@ DTYPES: dict[str, tuple[Q, gguf.LlamaFileType]] = {
 _LAYER_NAMES = {"norm_1": "attn_norm", "attn.proj": "attn_output", "norm_2": "ffn_norm", "mlp.fc_1": "ffn_gate",
                 "mlp.fc_2": "ffn_up", "mlp.proj": "ffn_down", "attn.q_norm": "attn_q_norm",
                 "attn.k_norm": "attn_k_norm", "post_attention_norm": "post_attention_norm",
-                "post_mlp_norm": "post_ffw_norm"}
+                "post_mlp_norm": "post_ffw_norm", "mlp.router": "ffn_gate_inp", "mlp.experts.fc_1": "ffn_gate_exps",
+                "mlp.experts.fc_2": "ffn_up_exps", "mlp.experts.proj": "ffn_down_exps"}
 _GLOBAL_NAMES = {"transformer.wte": "token_embd", "transformer.ln_f": "output_norm", "lm_head": "output"}
 
 # Pre-tokenizer regexes of tokenizer.json files (a Split before a regex-free ByteLevel) -> llama.cpp's name for them
@@ -109,7 +119,9 @@ def gguf_architecture(config: Config) -> str:
                     parallel_residual=False, scale_embeddings=False, norm_unit_offset=False,
                     rope_n_elem=config.head_size, qk_norm=None, pre_norms=True, post_norms=False, attn_softcap=None,
                     final_softcap=None, attention_scale=None, nope_layers=None, rope_local_base=None,
-                    rope_type=None)
+                    rope_type=None, moe_n_expert=ANY if arch in _MOE else 0)
+    if config.moe_n_expert and arch in _MOE:
+        expected.update(_MOE[arch])
     expected.update(_arch_fields(arch, config))
     for key, want in expected.items():
         have = (config.rope_scaling or {}).get("rope_type") if key == "rope_type" else getattr(config, key)
@@ -181,8 +193,10 @@ def rope_factors(config: Config) -> Optional[torch.Tensor]:
     return inv_freq / llama3_scale_inv_freq(inv_freq, config.rope_scaling)
 
 
-def tensor_type(shape: tuple[int, ...], dtype: str) -> Q:
-    if len(shape) == 1:  # norms, biases, rope factors: small, and llama.cpp keeps them in f32 too
+def tensor_type(shape: tuple[int, ...], dtype: str, name: str = "") -> Q:
+    # norms, biases, rope factors: small, and llama.cpp keeps them in f32 too; so is a mixture's router (its
+    # converter and quantizer never round ffn_gate_inp: a small error there sends tokens to other experts)
+    if len(shape) == 1 or ".ffn_gate_inp." in name:
         return Q.F32
     qtype = DTYPES[dtype][0]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -421,9 +435,14 @@ def _shape_metadata(w: gguf.GGUFWriter, config: Config, arch: str, name: str, fi
     w.add_rope_dimension_count(config.rope_n_elem)
     w.add_rope_freq_base(config.rope_base)
     w.add_layer_norm_rms_eps(config.norm_eps)
-    if config.head_size * config.n_head != config.n_embd or arch in _GEMMA:  # else llama.cpp takes n_embd / n_head
+    if config.head_size * config.n_head != config.n_embd or arch in _KEY_LENGTH:  # else llama.cpp takes n_embd / n_head
         w.add_key_length(config.head_size)
         w.add_value_length(config.head_size)
+    if config.moe_n_expert:
+        w.add_expert_count(config.moe_n_expert)
+        w.add_expert_used_count(config.moe_top_k)
+        if arch in _EXPERT_FFN_KEY:  # (else feed_forward_length is the experts' width, as in Mixtral's config)
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str, adapter: Optional[Adapter],
@@ -439,9 +458,9 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
             if gguf_name in pieces:  # the next rows of a tensor already planned
                 j = next(j for j, (n, _, _) in enumerate(plan) if n == gguf_name)
                 gguf_shape = (plan[j][1][0] + gguf_shape[0], *gguf_shape[1:])
-                plan[j] = (gguf_name, gguf_shape, tensor_type(gguf_shape, dtype))
+                plan[j] = (gguf_name, gguf_shape, tensor_type(gguf_shape, dtype, gguf_name))
             else:
-                plan.append((gguf_name, gguf_shape, tensor_type(gguf_shape, dtype)))
+                plan.append((gguf_name, gguf_shape, tensor_type(gguf_shape, dtype, gguf_name)))
             pieces[gguf_name] = pieces.get(gguf_name, 0) + 1
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:

@@ -336,8 +336,8 @@ class LoRAExperts(nn.Module):
         p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
         lean_dropout = p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(A[0].device.type)
 
-        def run(x: torch.Tensor, e: int) -> torch.Tensor:
-            y = self.base(x, e)
+        def run(x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
+            y = self.base(x, e, bias=bias)
             if lean_dropout:  # (as LoRALinear: a one-byte mask kept for backward)
                 ax = _DropoutMatmul.apply(x, A[e], p)
             else:
@@ -347,8 +347,8 @@ class LoRAExperts(nn.Module):
             return y + cpu_half.linear(ax, B[e]).to(y.dtype)
         return run
 
-    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self.per_expert()(x, e)
+    def forward(self, x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
+        return self.per_expert()(x, e, bias)
 
     def delta_weight(self) -> torch.Tensor:
         """The dense update of every expert's weight: [E, out, in] in fp32."""

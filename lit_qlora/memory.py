@@ -9,15 +9,18 @@ mirrors what actually exists during training:
 
 - quantized weights: the bytes bitsandbytes keeps per layer (4-bit: packed nibbles + one fp32 absmax per
   64-value block, or with double quantization one uint8 absmax per block + fp32 scales per 256 blocks; int8:
-  one byte per value + one fp32 scale per output row), see `QuantMode.layer_bytes`;
+  one byte per value + one fp32 scale per output row), see `QuantMode.layer_bytes`; a mixture of experts stores
+  every expert (one such layer per expert and projection) and keeps its router dense;
 - dense weights in the dtypes of `lit_qlora.quantize.Precision` (under *-mixed frozen Linear weights are in
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
-  `_block_saved`), what the loss keeps (with a frozen dense head, the default: the gradient of the final hidden
-  states, one chunk of logits existing at a time in forward; with a quantized head or a LoRA on it: the logits and a
-  log-sum-exp per position), and the largest temporary alive at the peak (one chunk of logits with its fp32 softmax,
-  a dequantized 4-bit/int8 weight, the gradients inside one block's backward).
+  `_block_saved`; a mixture of experts' layer: the router's probabilities and choices, and the top-k experts'
+  activations of every token, `_moe_saved`), what the loss keeps (with a frozen dense head, the default: the
+  gradient of the final hidden states, one chunk of logits existing at a time in forward; with a quantized head or a
+  LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at the peak (one chunk of
+  logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the gradients inside one
+  block's backward).
 
 The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
 saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
@@ -51,6 +54,7 @@ from lit_qlora.config import Config
 from lit_qlora.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.losses import head_chunk_rows
+from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import Precision, parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, quantized_parts
@@ -114,21 +118,24 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "st
         for pname, p in m._parameters.items():
             if p is None:
                 continue
-            is_linear = type(m) is nn.Linear
-            quantized = (quantize is not None and is_linear and pname == "weight"
+            # a mixture's stacked experts [E, out, in] are Linear weights (one bitsandbytes layer per expert under
+            # --quantize); its router stays a dense Linear (quantize.swap_linears)
+            is_experts = type(m) is ExpertWeights
+            is_linear = type(m) is nn.Linear or is_experts
+            quantized = (quantize is not None and is_linear and pname == "weight" and not name.endswith(".router")
                          and (quantize_lm_head or base_name.split(".")[0] != "lm_head"))
             if id(p) in seen and not quantized:  # a tied head that is quantized is its own tensor (the loader's)
                 continue
             seen.add(id(p))
             if quantized:
-                out_f, in_f = p.shape
+                n_layers, (out_f, in_f) = (p.shape[0], tuple(p.shape[1:])) if is_experts else (1, tuple(p.shape))
                 parts = quantized_parts(config, base_name) if quantize.is_4bit else None  # (each its own state)
-                layer = sum(quantize.layer_bytes(n, in_f) for n in (parts or [out_f]))
-                packed = -(-p.numel() // 2) if quantize.is_4bit else p.numel()  # the sharded part
+                layer = sum(quantize.layer_bytes(n, in_f) for n in (parts or [out_f])) * n_layers
+                packed = -(-out_f * in_f // 2) * n_layers if quantize.is_4bit else p.numel()  # the sharded part
                 quant += layer
                 quant_rank += layer - packed + _shard_rows(packed, shard_world)
                 quant_params += p.numel()
-                quantized_shapes.append((base_name, out_f, in_f))
+                quantized_shapes.append((base_name, out_f, in_f))  # (experts: each one's, dequantized one at a time)
                 unit_bytes[unit] = unit_bytes.get(unit, 0) + packed
             else:
                 size = linear_b if is_linear else other_b
@@ -270,6 +277,10 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
                                  "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
+        if c.qk_norm == "head":
+            # Qwen3 / Gemma 3 normalize q and k per head (RMSNorm of a [B, heads, T, hs] view of the qkv output):
+            # each keeps 1/rms per row, and an fp32 copy of its input where activations are 16-bit
+            s += [N * n * (hs * 4 if d.a != 4 else 0) + N * n * 4 for n in (H, G)]
         # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
         # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
         # path repeats k and v to every head first, so with GQA v is its own tensor there.
@@ -281,7 +292,11 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
             kv = N * (H if repeated else G) * hs * d.a
             s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
             s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
-            seen.add("y")  # the projection's input is a view of the attention output saved here
+            if c.qk_norm != "head":
+                # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
+                # [B, T, H, hs] when q is a view of the qkv output; normalized per head, q is contiguous [B, H, T, hs]
+                # and the projection's input a copy)
+                seen.add("y")
     s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, C, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
     s += s_proj
@@ -293,6 +308,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
         g_mlp_in = grad_in or g_attn
         if g_mlp_in:
             s += _norm_saved(c, d)  # norm_2
+    if c.is_moe_layer(i):  # frozen router and experts: their output needs grad where their input does
+        return s + (_moe_saved(c, d) if g_mlp_in else []), grad_in or g_attn or g_mlp_in
     if c.mlp_class == "LLaMAMLP":
         s1, g1 = _linear_saved(p + "mlp.fc_1", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s2, g2 = _linear_saved(p + "mlp.fc_2", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
@@ -308,10 +325,34 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
     return s + s_p, grad_in or g_attn or g_mlp
 
 
+def _moe_saved(c: Config, d: _Dims) -> list[int]:
+    """What model.MoE saves for backward when its input needs grad (router and experts frozen). The router's matmul
+    keeps only its weight; its fp32 softmax keeps the probabilities, top-k the chosen indices, the renormalization its
+    two operands; the experts keep the sort order and the token of every routed row (int64), the routing weights in
+    sorted order, the gated activation its two inputs (every routed row's gate and up projections, [N*k,
+    moe_intermediate_size] each), and the gather back to token order its indices."""
+    N, E, k, F = d.N, c.moe_n_expert, c.moe_top_k, c.moe_intermediate_size
+    s = [N * E * 4, N * k * 8] + ([N * k * 4, N * 4] if c.moe_norm_topk else [])
+    return s + [N * k * 8, N * k * 8, N * k * d.r, N * k * 8] + [N * k * F * d.a] * 2
+
+
+def _moe_temp(c: Config, d: _Dims) -> list[int]:
+    """Alive inside a MoE layer's backward, at its largest: the gradient of all N*k routed rows twice (the experts'
+    input gradients collected, then concatenated), the gate and up projections' gradients, and the hidden states'
+    gradients."""
+    N, C, k, F = d.N, c.n_embd, c.moe_top_k, c.moe_intermediate_size
+    return [N * k * C * d.a] * 2 + [N * k * F * d.a] * 2 + [N * C * 4] * 2
+
+
 def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
-    """Gradients alive inside one block's backward (the MLP's are the largest) plus one dequantized weight."""
+    """Gradients alive inside one block's backward (the MLP's are the largest; a mixture of experts' layer: see
+    `_moe_temp`) plus one dequantized weight (an expert's one at a time)."""
     N, C, F = d.N, c.n_embd, c.intermediate_size
-    return [N * F * d.a] * 3 + [N * C * 4] * 2 + ([dequant] if dequant else [])
+    dense = [N * F * d.a] * 3 + [N * C * 4] * 2
+    moe = _moe_temp(c, d) if c.moe_n_expert else []
+    if c.moe_n_expert and not c.moe_dense_layers:
+        dense = []
+    return max(dense, moe, key=sum) + ([dequant] if dequant else [])
 
 
 def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int) -> int:
@@ -383,10 +424,15 @@ def estimate_training_memory(
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
-    if config.moe_n_expert:  # its weights and activations would be counted as a dense MLP's: refused, not wrong
-        raise UserError(f"the memory estimate does not know mixtures of experts yet ({config.hf_architecture}); pass "
-                        "--micro_batch_size as a number, without --estimate_only")
+    if config.moe_n_expert and (config.moe_bias or config.moe_swiglu_limit is not None):
+        # gpt-oss's clamped SwiGLU and expert biases save other tensors than `_moe_saved` counts: refused, not wrong
+        raise UserError(f"the memory estimate does not know gpt-oss's experts yet ({config.hf_architecture}: biased "
+                        "experts, clamped SwiGLU); pass --micro_batch_size as a number, without --estimate_only")
     lora = lora or LoRAConfig()
+    if config.moe_n_expert and (lora.experts or lora.router):
+        # the experts' LoRA pairs and what they save are not counted yet: refused, not wrong
+        raise UserError("the memory estimate does not know a LoRA on the experts or router yet; pass "
+                        "--micro_batch_size as a number, without --estimate_only")
     quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)
     c = config

@@ -547,9 +547,52 @@ class QuantizedExpertWeights(nn.Module):
         self.layers = nn.ModuleList(make_quantized_linear(shape, mode, compute_dtype) for _ in range(dense.n_expert))
         self.bias = dense.bias  # [E, out] or None: stays dense, as a quantized Linear's bias does
 
-    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        y = self.layers[e](x)
-        return y if self.bias is None else y + self.bias[e].to(y.dtype)
+    def forward(self, x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
+        """Expert e's x @ W^T (+ its bias unless `bias` is False)."""
+        layer = self.layers[e]
+        bnb = load_bnb()
+        if (not (torch.is_grad_enabled() and x.requires_grad) or x.device.type != "cpu" or x.dim() != 2
+                or not isinstance(layer, bnb.nn.Linear4bit) or torch.is_autocast_enabled("cpu")
+                or x.dtype != layer.compute_dtype):
+            # no gradient (generation: the decode kernel, lit_qlora/decode4bit.py), int8, CUDA, autocast: the layer
+            y = layer(x)
+        else:
+            dtype = torch.float32 if cpu_half.in_fp32(x, layer.out_features) else x.dtype
+            y = _ExpertMatmul.apply(x, layer, dtype)
+        return y if self.bias is None or not bias else y + self.bias[e].to(y.dtype)
+
+
+def dequantize_4bit_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] in `dtype` by bitsandbytes' dequantization: of the 2-D weight where its rows are
+    whole blocks (bitsandbytes' CPU kernel shares the rows between threads), of the flat blocks otherwise (see
+    `needs_flat_dequantize`)."""
+    if module.in_features % module.weight.quant_state.blocksize:
+        return dequantize_flat(module, dtype)
+    state = copy.copy(module.weight.quant_state)
+    state.dtype = dtype
+    return load_bnb().functional.dequantize_4bit(module.weight.data, state)
+
+
+class _ExpertMatmul(torch.autograd.Function):
+    """x @ W^T for one expert's 4-bit layer on CPU, W dequantized into `dtype` in forward and again in backward (what
+    bitsandbytes' 4-bit matmul computes, and keeps: nothing). The product is allocated before W is dequantized, and W
+    freed right after the product, so W is the newest block of the heap when it is freed and the next expert's W takes
+    its place. (With bitsandbytes' matmul, which allocates its output after W, the outputs that stay alive between
+    the freed weights of a layer's 64 experts left holes: peak RSS grew step after step, +25% after 4 steps on
+    scripts/bench_moe.py's shape.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        ctx.layer, ctx.dtype = layer, dtype
+        out = torch.empty(x.size(0), layer.out_features, dtype=dtype)
+        torch.mm(x.to(dtype), dequantize_4bit_weight(layer, dtype).t(), out=out)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty(grad.size(0), ctx.layer.in_features, dtype=ctx.dtype)
+        torch.mm(grad.to(ctx.dtype), dequantize_4bit_weight(ctx.layer, ctx.dtype), out=out)
+        return out.to(grad.dtype), None, None
 
 
 def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | FileTensor, device: torch.device,

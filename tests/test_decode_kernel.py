@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from helpers import bnb_dequantized
+from helpers import bnb_dequantized, hf_model
 
 from lit_qlora.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
 
@@ -578,6 +578,107 @@ def test_greedy_tokens_match_dense_model_of_bnb_weights(family_ckpts, kind, mode
     assert calls, "the kernel was not used"
     got = teacher_forced_logits(model, seq)
     assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all()
+
+
+class _CountDequantize(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts bitsandbytes' dequantizing ops (every path that makes a dense copy of 4-bit or int8 weights goes
+    through one of them: dequantize_4bit, dequantize_blockwise of nested scales, int8's dequantizing matmul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "bitsandbytes":
+            self.calls.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_moe_decoding_reads_only_the_active_experts_through_the_kernel(family_ckpts, kind, mode, monkeypatch):
+    """Batch-1 decoding of a mixture of experts: at every step, in every MoE layer, the kernel runs the three
+    projections of exactly the experts the router picks for the token (its top k), each once, and nothing is
+    dequantized (no expert's weight, active or not, becomes a dense tensor): the only expert bytes read are the
+    active experts' packed 4-bit weights and scales. (The tokens equal the dense model of bitsandbytes' weights:
+    test_greedy_tokens_match_dense_model_of_bnb_weights over the same families.)"""
+    from lit_qlora.model import MoE
+    from lit_qlora.quantize import QuantizedExpertWeights
+
+    folder = family_ckpts(kind)
+    model, _ = quantized_for_generation(folder, mode, "32-true", monkeypatch)
+    owner = {}  # the packed weight of an expert's layer -> (MoE layer, expert)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedExpertWeights):
+            for e, layer in enumerate(m.layers):
+                owner[id(layer.weight)] = (name.rsplit(".", 2)[0], e)
+    ran: list[tuple[str, int]] = []
+    real = d.run_kernel
+
+    def run_kernel(lib, state, *args):
+        if id(state.param) in owner:
+            ran.append(owner[id(state.param)])
+        return real(lib, state, *args)
+
+    monkeypatch.setattr(d, "run_kernel", run_kernel)
+    picked: dict[str, list[int]] = {}  # MoE layer -> the experts its router picks for the token
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            def pick(mod, args, _n=name):  # the router's top k for the token, from its weight
+                scores = args[0].reshape(-1, mod.router.in_features).float() @ mod.router.weight.float().T
+                if mod.router.bias is not None:  # gpt-oss's biased router
+                    scores = scores + mod.router.bias.float()
+                picked[_n] = scores.topk(mod.top_k, dim=-1).indices.flatten().tolist()
+
+            m.register_forward_pre_hook(pick)
+    c = model.config
+    n_moe = sum(map(c.is_moe_layer, range(c.n_layer)))
+    seq = torch.randint(0, c.vocab_size, (PROMPT_LEN + 6,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model.set_kv_cache(1, len(seq))
+        model(seq[None, :PROMPT_LEN], input_pos=torch.arange(PROMPT_LEN))  # prefill (dense path, > 16 rows)
+        for t in range(PROMPT_LEN, len(seq)):
+            ran.clear()
+            picked.clear()
+            with _CountDequantize() as counted:
+                model(seq[None, t:t + 1], input_pos=torch.tensor([t]))
+            assert counted.calls == [], counted.calls
+            assert len(picked) == n_moe
+            want = sorted((layer, e) for layer, experts in picked.items() for e in experts for _ in range(3))
+            assert sorted(ran) == want and len(set(want)) == n_moe * c.moe_top_k
+        model.clear_kv_cache()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_moe_kernel_decoding_logits_equal_transformers(family_ckpts, kind, monkeypatch, tmp_path):
+    """Batch-1 decoding of a 4-bit (nf4-dq) mixture of experts through the kernel, one token per step after a prompt,
+    gives the logits transformers' model computes over the whole sequence when it holds the same weights
+    (bitsandbytes' dequantization of every quantized layer, experts included, written as an HF checkpoint by our
+    converter): within 1e-4 x their std at every step, fp32."""
+    from safetensors.torch import save_file
+
+    from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS
+    from lit_qlora.convert import convert_lit_checkpoint
+    from lit_qlora.readers import safetensors_header
+
+    folder = family_ckpts(kind)
+    model, calls = quantized_for_generation(folder, "bnb.nf4-dq", "32-true", monkeypatch)
+    dense = dense_from_bnb(folder, model, "32-true")
+    keys = safetensors_header(folder / LIT_WEIGHTS)[0].keys()
+    lit = tmp_path / "lit"
+    lit.mkdir()
+    (lit / LIT_CONFIG).write_bytes((folder / LIT_CONFIG).read_bytes())
+    save_file({k: v.detach().contiguous() for k, v in dense.state_dict().items() if k in keys}, lit / LIT_WEIGHTS)
+    hf = hf_model(convert_lit_checkpoint(lit, tmp_path / "hf"))
+
+    seq = torch.randint(0, model.config.vocab_size, (PROMPT_LEN + 8,), generator=torch.Generator().manual_seed(3))
+    got = teacher_forced_logits(model, seq)  # prefill on the dense path, then 7 one-token steps on the kernel
+    assert calls, "the kernel was not used"
+    with torch.inference_mode():
+        want = hf(seq[None]).logits[0, PROMPT_LEN - 1:-1].float()
+    assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all(), (got - want).abs().amax(-1) / want.std(-1)
 
 
 @needs_kernel

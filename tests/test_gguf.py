@@ -5,9 +5,12 @@ Tiny models of every supported family: llama (sentencepiece tokenizer, chat temp
 Llama 3.1 rope scaling, one kv head, Llama 3's pre-tokenizer), mistral (GPT-2's pre-tokenizer), qwen2 (biases,
 tied, Qwen2's pre-tokenizer, a vocabulary smaller than the embedding), qwen3 (QK-norm, head_dim != hidden / heads),
 phi3 (fused attn_qkv and ffn_up, a sliding window), gemma2 (soft-caps that clip, norms of 1 + weight, post norms) and
-gemma3 (QK-norm, 5:1 sliding / full layers with their own RoPE bases).
+gemma3 (QK-norm, 5:1 sliding / full layers with their own RoPE bases), and the mixtures of experts qwen3_moe
+(llama.cpp's qwen3moe, read by transformers' GGUF reader) and mixtral (llama.cpp's llama with experts, which
+transformers' GGUF reader does not read: checked through llama.cpp's tensor name map and transformers' Mixtral).
 """
 import os
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,11 +84,20 @@ def models(tmp_path_factory) -> dict[str, SimpleNamespace]:
         "gemma2": _model(base, "gemma2", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), query_pre_attn_scalar=16,
                          tie_word_embeddings=True),
         # llama.cpp's Gemma 3: 5 sliding layers then a full one, the sliding layers' RoPE base 10000, no scaling
+        # experts in every layer (llama.cpp's qwen3moe has no dense layers), of width 768: transformers' qwen3moe
+        # reader takes no expert width from the file (Qwen3MoeConfig's default, 768, is Qwen3-30B-A3B's)
+        "qwen3_moe": _model(base, "qwen3_moe", lambda f: make_hf_bpe_tokenizer(
+            f, vocab_size=300, split_regex=QWEN2_SPLIT, bos_in_post_processor=False, add_bos_token=None),
+                            mlp_only_layers=[], moe_intermediate_size=768),
+        "mixtral": _model(base, "mixtral", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320)),
         "gemma3": _model(base, "gemma3", lambda f: make_hf_bpe_tokenizer(f, vocab_size=320), query_pre_attn_scalar=32,
                          num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     }
+
+
+ARCH = {"llama3": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # kind -> llama.cpp's architecture
 
 
 def export(model: SimpleNamespace, out_dir: Path, **kw) -> Path:
@@ -156,7 +168,7 @@ def seq_len(model) -> int:  # the GGUF has no sliding window (llama.cpp's llama 
 # the newer families at f32 (their layout) and q8_0 (blocks of their shapes); the dtypes' encoding is the same for all
 @pytest.mark.parametrize("kind, dtype", [(k, d) for k in ("llama", "llama3", "mistral", "qwen2") for d in TOLERANCE] +
                          [(k, d) for k in ("qwen3", "phi3", "phi3_longrope", "phi4_mini", "gemma2", "gemma3")
-                          for d in ("f32", "q8_0")])
+                          for d in ("f32", "q8_0")] + [("qwen3_moe", "f32")])
 @torch.no_grad()
 def test_logits_match(models, kind, dtype, tmp_path):
     model = models[kind]
@@ -172,13 +184,59 @@ def test_logits_match(models, kind, dtype, tmp_path):
     print(f"{kind} {dtype}: max |logit diff| {diff:.2e} (max |logit| {scale:.2f}, bound {bound:.2e})")
     assert diff <= bound, (diff, bound)
 
-    reader = gguf.GGUFReader(path)  # 2-D weights in the asked type, 1-D tensors in f32, as llama.cpp writes them
+    _assert_tensor_types(gguf.GGUFReader(path), dtype)
+
+
+def _assert_tensor_types(reader: gguf.GGUFReader, dtype: str) -> None:
+    """Weights (2-D, and 3-D stacked experts) in the asked type; 1-D tensors and a mixture's router in f32, as
+    llama.cpp writes them."""
     want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[dtype]
-    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {want}
-    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 1} == {"F32"}
+    router = [t for t in reader.tensors if ".ffn_gate_inp." in t.name]
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2 and t not in router} == {want}
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 1 or t in router} == {"F32"}
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+@torch.no_grad()
+def test_mixtral_through_llama_cpps_names(models, dtype, tmp_path):
+    """Mixtral is llama.cpp's "llama" with experts, which transformers' GGUF reader does not read (its llama has no
+    experts). The file's tensors, read and dequantized by the gguf package and named back by llama.cpp's own map of the
+    HF tensor names (each stacked ffn_*_exps split into the HF checkpoint's one tensor per expert; q and k rows back
+    from llama.cpp's rotary order by transformers' GGUF reader's un-permutation), form an HF checkpoint that
+    transformers' Mixtral loads with our logits (q8_0: within its rounding; the router stays f32)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    model, c = models["mixtral"], models["mixtral"].config
+    idx = tokens(c, 2, 12)
+    ours = load_model(model.folder, precision="32-true")(idx)
+    path = export(model, tmp_path / "gguf", dtype=dtype)
+    _assert_tensor_types(gguf.GGUFReader(path), dtype)
+    file = tensors_of(path)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.n_layer)
+    sd, used = {}, set()
+    for hf_key, _, _ in lit_to_hf_plan(c):
+        module, _, param = hf_key.rpartition(".")
+        expert = re.search(r"\.experts\.(\d+)\.", module)
+        stacked = re.sub(r"\.experts\.\d+\.", ".experts.", module)
+        name = names.get_name(stacked) + "." + param
+        t = file[name][int(expert.group(1))] if expert else file[name]
+        if module.endswith(("q_proj", "k_proj")):
+            t = _reverse_permute(t, c.n_head if module.endswith("q_proj") else c.n_query_groups)
+        sd[hf_key] = t.contiguous()
+        used.add(name)
+    assert used == set(file)  # every tensor of the file is an HF tensor of the checkpoint
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    shutil.copy(model.folder / "config.json", hf_dir)
+    save_file(sd, hf_dir / "model.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    diff, scale = (hf(idx).logits - ours).abs().max().item(), ours.abs().max().item()
+    bound = F32_TOLERANCE if TOLERANCE[dtype] is None else TOLERANCE[dtype] * scale
+    assert diff <= bound, (diff, bound)
+
+
 def test_longrope_long_factors_through_the_file(models, tmp_path):
     """Past original_max_position_embeddings (32) longrope's long factors apply: 40 tokens of the Phi-4-mini-like model
     give our logits through the file too (the short factors are what test_logits_match sees)."""
@@ -204,7 +262,7 @@ def test_rope_factors_match_transformers_llama3(models, tmp_path):
     torch.testing.assert_close(factors, default / scaled, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"])
 def test_metadata_and_names(models, kind, tmp_path):
     """The config transformers rebuilds from the file equals the original config.json, and the tensor names are the
     ones llama.cpp's name map gives for the HF tensors (no more, no fewer)."""
@@ -223,17 +281,29 @@ def test_metadata_and_names(models, kind, tmp_path):
     assert rebuilt.bos_token_id == 1 and rebuilt.eos_token_id == 2
 
     reader = gguf.GGUFReader(path)
-    arch = {"llama3": "llama"}.get(kind, kind)
+    arch = ARCH.get(kind, kind)
     assert field(reader, "general.architecture") == arch and field(reader, "general.type") == "model"
     assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
-    assert field(reader, f"{arch}.rope.dimension_count") == model.config.head_size == (128 if kind == "qwen3" else 16)
-    if kind == "qwen3":  # head_dim 128 with hidden 64: written for llama.cpp, which assumes hidden / heads otherwise
-        assert field(reader, "qwen3.attention.key_length") == field(reader, "qwen3.attention.value_length") == 128
+    head = {"qwen3": 128, "qwen3_moe": 24}.get(kind, 16)
+    assert field(reader, f"{arch}.rope.dimension_count") == model.config.head_size == head
+    if kind in ("qwen3", "qwen3_moe"):  # head_dim != hidden / heads: written for llama.cpp, which assumes that else
+        assert field(reader, f"{arch}.attention.key_length") == field(reader, f"{arch}.attention.value_length") == head
+    c = model.config
+    experts = {"qwen3_moe": (4, 2, 768), "mixtral": (4, 2, None)}.get(kind, (None, None, None))
+    assert (field(reader, f"{arch}.expert_count"), field(reader, f"{arch}.expert_used_count"),
+            field(reader, f"{arch}.expert_feed_forward_length")) == experts
+    if kind == "qwen3_moe":  # what transformers reads of them (it reads no expert width: its default, here the same)
+        assert (rebuilt.num_experts, rebuilt.num_experts_per_tok) == (original.num_experts,
+                                                                      original.num_experts_per_tok)
+        assert rebuilt.norm_topk_prob and rebuilt.mlp_only_layers == [] and rebuilt.head_dim == head
+    if kind == "mixtral":  # llama.cpp's llama reads the experts' width from feed_forward_length
+        assert field(reader, "llama.feed_forward_length") == c.moe_intermediate_size == original.intermediate_size
     if kind == "phi3":  # llama.cpp's phi3 attends within the window, as transformers does
         assert field(reader, "phi3.attention.sliding_window") == model.config.sliding_window_size == 8
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
                                      original.num_hidden_layers)
-    hf_keys = [k for k, _, _ in lit_to_hf_plan(model.config)]
+    # the HF files hold one tensor per expert, which llama.cpp's converter stacks: its name map names the stack
+    hf_keys = {re.sub(r"\.experts\.\d+\.", ".experts.", k) for k, _, _ in lit_to_hf_plan(model.config)}
     expected = {names.get_name(k.rpartition(".")[0]) + "." + k.rpartition(".")[2] for k in hf_keys}
     expected |= {"rope_freqs.weight"} if model.config.rope_scaling else set()
     assert {t.name for t in reader.tensors} == expected
@@ -344,16 +414,17 @@ def make_adapter(model, seed: int = 0, **targets) -> Adapter:
     return Adapter.of_model(m, lora)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen3", "phi3", "qwen3_moe"])
 @torch.no_grad()
 def test_merged_adapter_through_the_script(models, kind, tmp_path):
     """--lora_path: merged in full precision (on llama3 and qwen3 the LoRA on the tied head unties it: an output
-    tensor; on phi3 the LoRAs of fc_1 and fc_2 land in the two halves of one ffn_up)."""
+    tensor; on phi3 the LoRAs of fc_1 and fc_2 land in the two halves of one ffn_up; on qwen3_moe attention and head:
+    LoRA on experts is not implemented)."""
     import runpy
     import sys
 
     model = models[kind]
-    adapter = make_adapter(model, **ALL)
+    adapter = make_adapter(model, **(ALL if not model.config.moe_n_expert else {**ALL, "mlp": False}))
     adapter.save(tmp_path / "adapter.pth")
     idx = tokens(model.config, 2, seq_len(model), seed=1)  # phi3: transformers' reader drops its window
     ours = load_model_with_adapter(model.folder, adapter, precision="32-true")(idx)
@@ -385,8 +456,10 @@ def _reverse_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,targets", [("llama", ALL), ("llama3", dict(query=True, key=True, mlp=True)),
                                           ("qwen2", dict(query=True, key=True, value=True, projection=True)),
-                                          ("qwen3", dict(query=True, key=True, value=True, mlp=True))],
-                         ids=["llama-all", "llama3-qk-mlp", "qwen2-qkvo", "qwen3-qkv-mlp"])
+                                          ("qwen3", dict(query=True, key=True, value=True, mlp=True)),
+                                          ("qwen3_moe", dict(query=True, key=True, value=True, projection=True,
+                                                             head=True))],
+                         ids=["llama-all", "llama3-qk-mlp", "qwen2-qkvo", "qwen3-qkv-mlp", "qwen3moe-qkvo-head"])
 @torch.no_grad()
 def test_lora_only(models, kind, targets, tmp_path):
     """--lora_only: llama.cpp's LoRA file. Its tensors (read back by the gguf package) give B @ A * alpha / r equal to
@@ -398,10 +471,10 @@ def test_lora_only(models, kind, targets, tmp_path):
     reader = gguf.GGUFReader(path)
     assert field(reader, "general.type") == "adapter" and field(reader, "adapter.type") == "lora"
     assert field(reader, "adapter.lora.alpha") == 8.0
-    assert field(reader, "general.architecture") == {"llama3": "llama"}.get(kind, kind)
+    assert field(reader, "general.architecture") == ARCH.get(kind, kind)
     file = tensors_of(path)
 
-    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[{"llama3": "llama"}.get(kind, kind)]
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[ARCH.get(kind, kind)]
     names = gguf.get_tensor_name_map(arch, config.n_layer)
     lora = adapter.config
     shapes = lit_param_shapes(config)
@@ -466,11 +539,16 @@ DEFAULT = {"rope_type": "default"}
     ("gemma3", dict(GEMMA3_PATTERN, **_gemma3_rope({"rope_type": "linear", "factor": 4.0}, 1e4)),
      "has rope_type='linear'"),
     ("gemma3", dict(GEMMA3_PATTERN, **_gemma3_rope(DEFAULT, 100.0)), "has rope_local_base=100.0"),
+    # llama.cpp's qwen3moe has experts in every layer and renormalizes the top-k routing weights
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "has moe_dense_layers=.1., which the GGUF export of llama.cpp's "
+                                             "'qwen3moe'"),
+    ("qwen3_moe", dict(mlp_only_layers=[], norm_topk_prob=False), "has moe_norm_topk=False"),
 ])
 def test_features_no_reader_checks_are_refused(kind, overrides, message, tmp_path):
     """What llama.cpp computes otherwise, or transformers' GGUF reader cannot take from the file: an untied Gemma 2 (no
     output tensor there), a query scale other than llama.cpp's, Gemma 3 layer kinds off its fixed 5:1 pattern, RoPE
-    scaling or another sliding-layer base. Refused in one line, before anything is converted or written."""
+    scaling or another sliding-layer base, a Qwen3-MoE with dense layers or without renormalized routing weights.
+    Refused in one line, before anything is converted or written."""
     folder = tmp_path / f"tiny-{kind}"
     make_tiny_hf_model(kind, folder, **overrides)
     make_hf_bpe_tokenizer(folder, vocab_size=320)

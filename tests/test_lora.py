@@ -139,6 +139,12 @@ def test_gated_activation_function_equals_autograd(kind):
     a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     y, y2 = gated_activation(a, b, kind), activate(a2, kind) * b2
     assert_same_output_and_grads(y, y2, [(a, a2), (b, b2)])
+    # with a per-row scale (a mixture of experts' routing weights), which gets its gradient too
+    s = torch.rand(3, 5, 1, requires_grad=True)
+    a2, b2, s2 = (t.detach().clone().requires_grad_() for t in (a, b, s))
+    y, y2 = gated_activation(a, b, kind, s), activate(a2, kind) * b2 * s2
+    a.grad = b.grad = None
+    assert_same_output_and_grads(y, y2, [(a, a2), (b, b2), (s, s2)])
 
 
 def assert_same_output_and_grads(y, y_ref, inputs: list) -> None:

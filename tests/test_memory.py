@@ -18,6 +18,7 @@ from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_siz
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.quantize import memory_report
 from lit_qlora.training import head_chunk
+from lit_qlora.utils import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
@@ -26,7 +27,12 @@ NEOX = dict(name="mem-neox", hf_architecture="GPTNeoXForCausalLM", n_layer=2, n_
             intermediate_size=512,
             vocab_size=500, block_size=512, norm_class="LayerNorm", bias=True, mlp_class="GptNeoxMLP",
             activation="gelu", parallel_residual=True, rotary_percentage=0.25)
+# a mixture of experts (Qwen3-MoE): 8 experts, top 2, the middle layer a dense MLP
+MOE = dict(name="mem-moe", hf_architecture="Qwen3MoeForCausalLM", n_layer=3, n_head=4, n_query_groups=2, n_embd=128,
+           head_size=32, intermediate_size=256, vocab_size=500, block_size=512, qk_norm="head", moe_n_expert=8,
+           moe_top_k=2, moe_intermediate_size=64, moe_norm_topk=True, moe_dense_layers=[1])
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
+ATTN = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, head=True)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
 DORA_QV = LoRAConfig(r=8, alpha=16, dropout=0.0, dora=True)
 DORA_ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True, dora=True)
@@ -47,17 +53,20 @@ def _checkpoint(folder: Path, config: Config) -> Path:
 @pytest.fixture(scope="module")
 def memory_ckpts(tmp_path_factory):
     out = {}
-    for name, cfg in (("llama", LLAMA), ("neox", NEOX)):
+    for name, cfg in (("llama", LLAMA), ("neox", NEOX), ("moe", MOE)):
         folder = tmp_path_factory.mktemp(name)
         out[name] = (_checkpoint(folder, Config(**cfg)), Config(**cfg))
     return out
 
 
 @pytest.mark.parametrize("quantize", QuantMode.names())
-def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
+@pytest.mark.parametrize("arch", ["llama", "moe"])
+def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize, arch):
+    """Quantized and dense bytes as the loaded model holds them (a mixture of experts: one bitsandbytes layer per
+    expert, the router dense)."""
     from lit_qlora.loader import load_model
 
-    folder, config = memory_ckpts["llama"]
+    folder, config = memory_ckpts[arch]
     model = load_model(folder, precision="bf16-true", quantize=quantize, lora=QV, config=config, seed=0)
     real = memory_report(model)
     predicted = weight_bytes(config, QV, "bf16-true", quantize)
@@ -65,6 +74,7 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize):
     # the report counts LoRA as dense
     assert predicted["dense"] + 2 * sum(predicted["lora_numels"]) == real["dense_bytes"]
     assert sum(predicted["lora_numels"]) == real["trainable_params"]
+    assert predicted["quantized_params"] == real["quantized_params"]
     # the figures the estimator is built on, for a large layer
     bits = 8 * QuantMode(quantize).layer_bytes(4096, 4096) / 4096**2
     assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
@@ -106,6 +116,11 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("llama", DORA_ALL, "bf16-mixed", None, False),
     ("neox", DORA_ALL, "32-true", None, False),
     ("neox", DORA_QV, "bf16-true", "bnb.nf4-dq", True),
+    ("moe", ATTN, "32-true", None, False),
+    ("moe", QV, "bf16-true", "bnb.nf4-dq", False),
+    ("moe", ATTN, "32-true", "bnb.nf4", False),
+    ("moe", ATTN, "bf16-mixed", None, False),
+    ("moe", QV, "bf16-true", None, True),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""
@@ -293,3 +308,13 @@ def test_estimate_only_with_fsdp_is_per_rank(tmp_path):
                                         seq_length=512, shard_world=2)
     assert re.search(rf"\| Total +\| {expected.total_gb:.3f} \|", res.stdout), res.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_gpt_oss_estimate_is_refused_not_wrong():
+    """gpt-oss's experts (biases, clamped SwiGLU) save tensors the activation model does not count: one line saying
+    so, never a silently low estimate."""
+    config = Config(**{**MOE, "hf_architecture": "GptOssForCausalLM", "qk_norm": None, "moe_bias": True,
+                       "moe_swiglu_limit": 7.0, "moe_swiglu_alpha": 1.702})
+    with pytest.raises(UserError, match="gpt-oss's experts"):
+        estimate_training_memory(config, lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)
+    estimate_training_memory(Config(**MOE), lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)

@@ -597,20 +597,6 @@ def test_qlora_on_a_moe_model_trains_from_the_cli_resumes_and_generates(tmp_path
         assert r.returncode == 0, r.stderr
 
 
-def test_what_does_not_know_experts_yet_refuses_in_one_line(moe_ckpt, tmp_path):
-    """The memory estimator (its MLP terms are a dense MLP's) and the GGUF export (no expert tensors) refuse a MoE
-    model in one line naming it, instead of a wrong figure or file."""
-    from lit_qlora.gguf_export import export_gguf
-    from lit_qlora.memory import estimate_training_memory
-    from lit_qlora.utils import UserError
-
-    with pytest.raises(UserError, match="does not know mixtures of experts"):
-        estimate_training_memory(moe_ckpt.config, quantize="bnb.nf4", seq_length=16)
-    with pytest.raises(UserError, match=moe_ckpt.config.hf_architecture):
-        export_gguf(moe_ckpt.folder, tmp_path / "m.gguf")
-    assert not (tmp_path / "m.gguf").exists()
-
-
 def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
     """Experts saved as transformers holds them in memory (one gate_up_proj / down_proj per layer) are refused
     naming the tensor, not reported as an incomplete download."""
@@ -630,6 +616,74 @@ def test_a_checkpoint_of_stacked_experts_is_refused_in_one_line(tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="stores its experts stacked .'model.layers.0.mlp.experts"):
         convert_hf_checkpoint(tmp_path)
+
+
+class _OutputSizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element count of every tensor the ops inside it return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numels += [t.numel() for t in (out if isinstance(out, (tuple, list)) else [out])
+                        if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_expert_backward_makes_no_tensor_of_all_routed_rows_per_expert():
+    """The backward of a MoE layer's experts handles the N*k routed rows a few times in all, not once per expert: the
+    rows are split per expert (whose backward concatenates the experts' gradients once), not sliced (whose backward
+    makes a zero tensor of all N*k rows for each expert: with 64 experts most of a training step's time)."""
+    from lit_qlora.config import Config
+    from lit_qlora.model import Experts
+
+    E, k, N, C = 16, 2, 64, 32
+    config = Config(name="moe", n_layer=1, n_embd=C, n_head=2, intermediate_size=64, vocab_size=64, moe_n_expert=E,
+                    moe_top_k=k, moe_intermediate_size=16, hf_architecture="Qwen3MoeForCausalLM")
+    experts = Experts(config)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, C, generator=g, requires_grad=True)
+    chosen = torch.rand(N, E, generator=g).topk(k, dim=-1).indices
+    y = experts(x, chosen, torch.full((N, k), 0.5))
+    with _OutputSizes() as sizes:
+        y.sum().backward()
+    assert len(torch.unique(chosen)) == E and x.grad is not None
+    assert sizes.numels.count(N * k * C) < E // 2, sizes.numels  # 4 (torch 2.13); sliced: 2 per expert and more
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4"])
+@pytest.mark.parametrize("in_features", [128, 96])  # whole blocks per row; blocks straddling rows
+@pytest.mark.parametrize("dtype,fp32_kernels", [(torch.float32, None), (torch.bfloat16, False),
+                                                (torch.bfloat16, True)])
+def test_expert_matmul_equals_the_bitsandbytes_layer(mode, in_features, dtype, fp32_kernels):
+    """A quantized expert's training matmul (quantize._ExpertMatmul: its own allocation order, see there) computes what
+    the expert's bitsandbytes layer computes, forward and the input's gradient, at 32-true and bf16-true (with the CPU's
+    bf16 kernels and with lit_qlora/cpu_half.py's fp32 kernels)."""
+    from lit_qlora import cpu_half
+    from lit_qlora.model import ExpertWeights
+    from lit_qlora.quantize import quantize_experts
+
+    dense = ExpertWeights(3, 48, in_features)
+    nn.init.normal_(dense.weight, std=0.1)
+    experts = QuantizedExpertWeights(dense, mode, dtype)
+    quantize_experts(experts, dense.weight.detach(), torch.device("cpu"), dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, in_features, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(20, 48, generator=g).to(dtype)
+    with cpu_half.forced(fp32_kernels):
+        y = experts(x, 1)
+        assert y.grad_fn is not None and "ExpertMatmul" in type(y.grad_fn).__name__
+        (gx,) = torch.autograd.grad(y, x, grad)
+        x2 = x.detach().clone().requires_grad_()
+        y2 = experts.layers[1](x2)
+        (gx2,) = torch.autograd.grad(y2, x2, grad)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y, y2, **tol)
+    torch.testing.assert_close(gx, gx2, **tol)
 
 
 def test_the_aux_loss_weight_defaults_to_what_transformers_training_adds(monkeypatch):

@@ -112,6 +112,12 @@ class DataArgs:
     --data_dir accepts, each prepared as --data_dir would be. The weighted sources share as many samples as they hold
     together, in proportion to the weights; epochs: that many passes over it. Sampled by --seed; the realized mixture
     is in metrics.json; validation: every source's."""
+    streaming: bool = False
+    """Train on the data as it is read instead of tokenizing all of it first (a source larger than memory): samples
+    tokenized ahead in a bounded buffer, in the source's own order (no shuffling: shuffle it beforehand), padded or
+    packed; needs --max_iters. Validation: the source's validation file, else the ~5% of its records a hash of
+    (--seed, file name, row) holds out. --resume enters a JSONL file at its byte offset, a parquet file at its row
+    group. With --data_sources, each sample is drawn from a source by weight (weights only)."""
 
 
 @dataclass

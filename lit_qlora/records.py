@@ -143,13 +143,8 @@ def _jsonl_lines(lines: list[str], path: Path, first: int = 1) -> Iterator[tuple
 def _parquet_rows(path: Path, skip: int = 0) -> Iterator[tuple[int, Any, Place]]:
     """A row group at a time (pyarrow), after the first `skip` rows (whole row groups before them not read): a
     parquet file is never held in memory whole."""
-    pq = optional_module("pyarrow.parquet", f"reading {path.name}")
-    try:
-        pf = pq.ParquetFile(path)
-        n_groups = pf.num_row_groups
-    except Exception as e:  # not parquet, cut short, a torn footer: all the file's fault
-        raise UserError(f"{path} is not a readable parquet file ({_detail(e)}); it may be damaged or cut short: "
-                        "re-copy or re-export it") from None
+    pf = _open_parquet(path)
+    n_groups = pf.num_row_groups
     row = 0
     for g in range(n_groups):
         n = pf.metadata.row_group(g).num_rows
@@ -165,6 +160,24 @@ def _parquet_rows(path: Path, skip: int = 0) -> Iterator[tuple[int, Any, Place]]
             row += 1
             if row > skip:
                 yield row, rec, (row, 0, 0)
+
+
+def _open_parquet(path: Path) -> Any:
+    pq = optional_module("pyarrow.parquet", f"reading {path.name}")
+    try:
+        pf = pq.ParquetFile(path)
+        _ = pf.metadata.num_rows, pf.num_row_groups  # the footer, read now: a damaged one fails here
+        return pf
+    except Exception as e:  # not parquet, cut short, a torn footer: all the file's fault
+        raise UserError(f"{path} is not a readable parquet file ({_detail(e)}); it may be damaged or cut short: "
+                        "re-copy or re-export it") from None
+
+
+def parquet_rows(path: Path | str) -> int:
+    """The rows a parquet file holds, from its footer alone (no row group read): a file cut short, or not parquet,
+    is a one-line UserError naming it."""
+    check_file(Path(path), "data file", "check the path")
+    return int(_open_parquet(Path(path)).metadata.num_rows)
 
 
 def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:

@@ -23,6 +23,7 @@ from lit_qlora.adapter import ADAPTER_FORMAT
 from lit_qlora.lora import LoRAConfig, lora_state_dict
 from lit_qlora.quantize import load_bnb
 from lit_qlora.readers import check_fields, read_csv_rows
+from lit_qlora.streaming import check_stream_state
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -154,7 +155,10 @@ def check_checkpoint_state(state: dict, where: object) -> None:
     fix = "use an earlier checkpoint (or --resume auto)"
     Adapter.from_payload(state, where)
     r = check_fields(state["resume"], f"{where} resume", _RESUME_FIELDS, ("step", "optimizer", "data", "rng"), fix)
-    check_fields(r["data"], f"{where} resume.data", _DATA_FIELDS, ("epoch", "position"), fix)
+    if isinstance(r["data"], dict) and "streaming" in r["data"]:  # --streaming: a place in the source's files
+        check_stream_state(r["data"], f"{where} resume.data", fix)
+    else:
+        check_fields(r["data"], f"{where} resume.data", _DATA_FIELDS, ("epoch", "position"), fix)
     rng = r["rng"]
     try:
         torch.Generator().set_state(rng["torch"])

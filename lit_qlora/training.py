@@ -216,6 +216,52 @@ def check_disk_space(out_dir: Path, needed_bytes: int) -> None:
 
 
 # ---- metrics ------------------------------------------------------------------------------------
+METRICS_JSON = "metrics.json"
+MEMORY_KINDS = ("peak RSS", "cuda max allocated")
+# metrics.json's figures that reports show, as finetune/lora.py's summarize writes them: the kind of each, the most a
+# real run can reach (memory in GB, seconds, tokens/s), and the keys every metrics.json has had
+_METRICS_FIELDS = {"model": "str", "precision": "str", "quantize": "str", "optimizer": "str",
+                   "micro_batch_size": "size", "batch_size": "size", "devices": "size", "num_nodes": "size",
+                   "iterations": "count", "max_seq_length": "size", "activation_checkpointing": "bool",
+                   "compile": "bool", "packing": "bool", "training_time_s": "number", "tokens_per_sec": "number",
+                   "peak_memory_gb": "number", "rss_after_load_gb": "number", "memory_kind": "str",
+                   "first_train_loss": "float", "final_train_loss": "float", "final_val_loss": "float",
+                   "best_val_loss": "float", "skipped_steps": "count", "fp16_overflow_skips": "count",
+                   "real_token_share": "fraction", "row_fill": "fraction", "trainable_params": "count",
+                   "quantized_params": "count", "quantized_bytes": "count", "dense_bytes": "count",
+                   "bits_per_quantized_param": "number", "stopped_early": "bool", "stopped_at_iter": "count",
+                   "early_stopping_patience": "count", "best_iter": "count", "best_adapter": "str"}
+_METRICS_REQUIRED = ("model", "precision", "quantize", "optimizer", "micro_batch_size", "iterations",
+                     "training_time_s", "peak_memory_gb", "memory_kind", "trainable_params")
+_METRICS_BOUNDS = {"training_time_s": 1e9, "tokens_per_sec": 1e12, "peak_memory_gb": 1e6, "rss_after_load_gb": 1e6,
+                   "bits_per_quantized_param": 64}
+
+
+def check_metrics_json(m: dict, where: object, fix: str) -> dict:
+    """A metrics.json object as finetune/lora.py writes it (`m`, read by `readers.read_json`): every figure a report
+    shows of its kind, within what a run can reach (no negative time, no 1e308 GB), the settings among the values
+    they can take, a loss non-negative (or NaN / inf: a diverged run). A UserError naming the field otherwise."""
+    from lit_qlora.precision import PRECISIONS
+    from lit_qlora.quant_mode import QuantMode
+
+    check_fields(m, where, _METRICS_FIELDS, _METRICS_REQUIRED, fix)
+    for key, most in _METRICS_BOUNDS.items():
+        v = m.get(key)
+        if v is not None and not 0 <= v <= most:
+            raise UserError(f"{where}: {key} is {v!r}, expected a number from 0 to {most:g}; {fix}")
+    for key in ("first_train_loss", "final_train_loss", "final_val_loss", "best_val_loss"):
+        v = m.get(key)
+        if v is not None and v < 0:
+            raise UserError(f"{where}: {key} is {v!r}, expected a loss (0 or more, or NaN for a diverged run); {fix}")
+    choices = {"precision": PRECISIONS, "quantize": ("none", *(q.value for q in QuantMode)), "optimizer": OPTIMIZERS,
+               "memory_kind": MEMORY_KINDS}
+    for key, allowed in choices.items():
+        if m.get(key) is not None and m[key] not in allowed:
+            shown = m[key] if len(m[key]) <= 40 else m[key][:37] + "..."
+            raise UserError(f"{where}: {key} is {shown!r}, expected one of {', '.join(allowed)}; {fix}")
+    return m
+
+
 class MetricsLog:
     """Per-iteration metrics in out_dir/metrics.csv (and TensorBoard when it is installed)."""
 

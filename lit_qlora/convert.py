@@ -225,8 +225,17 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
     specs = [(k, shapes[k], dtype or src.dtype(ks[0])) for k, ks, _ in plan]
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for (key, hf_keys, build), (_, _, dt) in zip(plan, specs):
-            t = build([src.get(k) for k in hf_keys])
+        for (key, hf_keys, build), (_, shape, dt) in zip(plan, specs):
+            parts = [src.get(k) for k in hf_keys]
+            try:
+                t = build(parts)
+            except (RuntimeError, ValueError):  # a split or reshape the config's sizes do not fit
+                t = None
+            if t is None or tuple(t.shape) != tuple(shape):
+                got = ", ".join(f"{k} {tuple(p.shape)}" for k, p in zip(hf_keys, parts))
+                raise UserError(f"the weights in {checkpoint_dir} do not fit {cfg_file}: {got} cannot make {key} of "
+                                f"shape {tuple(shape)}, the shape its sizes give; the config and the weights are of "
+                                "different models (or one is damaged): download the model again")
             yield key, t.to(dt)
 
     write_safetensors_stream(checkpoint_dir / LIT_WEIGHTS, specs, stream())

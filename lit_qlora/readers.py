@@ -28,6 +28,7 @@ from lit_qlora.utils import UserError
 # the largest size any one model dimension may have (a vocabulary, a layer width, a context length): larger ones are
 # not models but damaged numbers, and their products would overflow
 MAX_SIZE = 2**31 - 1
+MAX_EPS = 0.01  # the largest norm epsilon a config may give
 # safetensors' own bound on a header (100 MB); a larger one is refused before it is read
 MAX_SAFETENSORS_HEADER = 100_000_000
 # bytes per element of every dtype the safetensors format names
@@ -156,7 +157,8 @@ def parse_csv(text: str, where: str, fix: str) -> list[dict]:
 # number > 0 | "fraction" a finite number in [0, 1] | "str" | "bool" | "object" | "list" | "ids" null, an int >= 0 or a
 # list of them | "str_or_object" a string or an object (a special token of tokenizer_config.json)
 _EXPECTED = {"size": f"an integer from 1 to {MAX_SIZE}", "count": f"an integer from 0 to {MAX_SIZE}",
-             "number": "a finite number", "positive": "a finite number > 0", "fraction": "a number from 0 to 1",
+             "number": "a finite number", "positive": "a finite number > 0",
+             "eps": f"a number in (0, {MAX_EPS:g}] (models use 1e-5 or 1e-6)", "fraction": "a number from 0 to 1",
              "str": "a string", "bool": "true or false", "object": "an object", "list": "a list",
              "ids": "a token id, a list of them or null", "str_or_object": "a string or an object",
              "template": "a string or a list of objects", "int": "an integer", "float": "a number"}
@@ -179,6 +181,8 @@ def _fits(kind: str, v: Any) -> bool:
         return _is_number(v)
     if kind == "positive":
         return _is_number(v) and v > 0
+    if kind == "eps":  # a norm's epsilon: models use 1e-5 or 1e-6 (BERT 1e-12); 2.5 would rescale every activation
+        return _is_number(v) and 0 < v <= MAX_EPS
     if kind == "fraction":
         return _is_number(v) and 0 <= v <= 1
     if kind == "str":
@@ -344,9 +348,8 @@ def check_config_values(cfg: Any, where: str = "the model config") -> None:
     for name in _CONFIG_COUNTS:
         v = getattr(cfg, name)
         check_value(_fits("count", v), where, name, v, _EXPECTED["count"], fix)
-    for name in ("rope_base", "norm_eps"):
-        v = getattr(cfg, name)
-        check_value(_fits("positive", v), where, name, v, _EXPECTED["positive"], fix)
+    check_value(_fits("positive", cfg.rope_base), where, "rope_base", cfg.rope_base, _EXPECTED["positive"], fix)
+    check_value(_fits("eps", cfg.norm_eps), where, "norm_eps", cfg.norm_eps, _EXPECTED["eps"], fix)
     for name in _CONFIG_OPTIONAL_POSITIVE:
         v = getattr(cfg, name)
         check_value(v is None or _fits("positive", v), where, name, v, _EXPECTED["positive"] + " or null", fix)
@@ -388,8 +391,8 @@ HF_CONFIG_FIELDS = {
     "vocab_size": "size", "num_hidden_layers": "size", "num_attention_heads": "size", "hidden_size": "size",
     "intermediate_size": "size", "num_key_value_heads": "size", "head_dim": "size", "max_position_embeddings": "size",
     "ffn_hidden_size": "size", "num_kv_heads": "size", "sliding_window": "size", "num_ln_in_parallel_attn": "size",
-    "rope_theta": "positive", "rms_norm_eps": "positive", "layer_norm_eps": "positive",
-    "layer_norm_epsilon": "positive", "partial_rotary_factor": "fraction", "rotary_pct": "fraction",
+    "rope_theta": "positive", "rms_norm_eps": "eps", "layer_norm_eps": "eps",
+    "layer_norm_epsilon": "eps", "partial_rotary_factor": "fraction", "rotary_pct": "fraction",
     "rope_scaling": "object", "rope_parameters": "object", "hidden_act": "str", "hidden_activation": "str",
     "activation": "str", "tie_word_embeddings": "bool", "use_parallel_residual": "bool", "bias": "bool",
     "attention_bias": "bool", "mlp_bias": "bool", "use_sliding_window": "bool", "new_decoder_architecture": "bool",

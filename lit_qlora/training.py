@@ -233,6 +233,9 @@ _METRICS_FIELDS = {"model": "str", "precision": "str", "quantize": "str", "optim
                    "early_stopping_patience": "count", "best_iter": "count", "best_adapter": "str"}
 _METRICS_REQUIRED = ("model", "precision", "quantize", "optimizer", "micro_batch_size", "iterations",
                      "training_time_s", "peak_memory_gb", "memory_kind", "trainable_params")
+_METRICS_KEYS = (*_METRICS_REQUIRED, "batch_size", "devices", "max_seq_length", "lora", "activation_checkpointing",
+                 "tokens_per_sec", "final_train_loss", "final_val_loss", "first_train_loss", "rss_after_load_gb",
+                 "quantized_bytes", "bits_per_quantized_param", "dense_bytes")  # in every metrics.json (some null)
 _METRICS_BOUNDS = {"training_time_s": 1e9, "tokens_per_sec": 1e12, "peak_memory_gb": 1e6, "rss_after_load_gb": 1e6,
                    "bits_per_quantized_param": 64}
 
@@ -244,7 +247,10 @@ def check_metrics_json(m: dict, where: object, fix: str) -> dict:
     from lit_qlora.precision import PRECISIONS
     from lit_qlora.quant_mode import QuantMode
 
-    check_fields(m, where, _METRICS_FIELDS, _METRICS_REQUIRED, fix)
+    check_fields(m, where, {**_METRICS_FIELDS, "lora": "object"}, _METRICS_REQUIRED, fix)
+    missing = next((k for k in _METRICS_KEYS if k not in m), None)
+    if missing:
+        raise UserError(f"{where} has no {missing!r} (every metrics.json finetune/lora.py writes has it); {fix}")
     for key, most in _METRICS_BOUNDS.items():
         v = m.get(key)
         if v is not None and not 0 <= v <= most:

@@ -244,12 +244,6 @@ def _files(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _read_hf_config(d: Path):
-    from lit_qlora.config import Config
-
-    return Config.from_hf_config(d / "hf_only" / "config.json")
-
-
 def _read_tokenizer(d: Path):
     from lit_qlora.tokenizer import Tokenizer
 
@@ -367,7 +361,7 @@ def _report(d: Path):
 
 # kind -> (file relative to the case folder, reading path)
 KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
-    "hf_config": ("hf_only/config.json", _read_hf_config),
+    "hf_config": ("hf_only/config.json", _convert),  # what reads it: the conversion, with the weights it describes
     "generation_config": ("ckpt/generation_config.json", _read_tokenizer),
     "tokenizer_config": ("ckpt/tokenizer_config.json", _read_tokenizer),
     "safetensors_hf": ("hf_only/model.safetensors", _convert),

@@ -19,7 +19,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 from lit_qlora import demo
 from lit_qlora.lora import LORA_INITS, LoRAConfig
 from lit_qlora.preference import LOSSES
-from lit_qlora.readers import read_yaml
+from lit_qlora.readers import check_path, read_yaml
 from lit_qlora.tracking import parse_loggers
 from lit_qlora.utils import UserError
 
@@ -75,6 +75,8 @@ class RunArgs:
     """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlruns/); default: --out_dir."""
 
     def __post_init__(self) -> None:
+        for flag in ("checkpoint_dir", "out_dir", "logger_dir"):
+            check_path(getattr(self, flag), f"--{flag}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -118,6 +120,10 @@ class DataArgs:
     packed; needs --max_iters. Validation: the source's validation file, else the ~5% of its records a hash of
     (--seed, file name, row) holds out. --resume enters a JSONL file at its byte offset, a parquet file at its row
     group. With --data_sources, each sample is drawn from a source by weight (weights only)."""
+
+    def __post_init__(self) -> None:
+        for flag in ("data_dir", "data_sources"):
+            check_path(getattr(self, flag), f"--{flag}")
 
 
 @dataclass
@@ -274,6 +280,7 @@ class PreferenceArgs:
     settings replace the --lora_* flags."""
 
     def __post_init__(self) -> None:
+        check_path(self.lora_path, "--lora_path")
         if self.loss not in LOSSES:
             raise UserError(f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         if not self.beta > 0:

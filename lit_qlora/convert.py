@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -329,7 +330,22 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = F
     config = Config.from_file(cfg)  # a UserError naming the file and the field when it is damaged
     if verify:
         check_checkpoint(checkpoint_dir, config)
+    if hf:
+        check_matches_hf_config(checkpoint_dir, config)
     return config
+
+
+def check_matches_hf_config(checkpoint_dir: Path, config: Config) -> None:
+    """A converted config must be what the folder's config.json maps to (its name and the export-only `hf_extra`
+    aside): a model_config.json that says otherwise (a softmax scale a Llama has not, a stale conversion by another
+    version) is refused in one line naming the field, never trained or sampled on."""
+    hf_file = Path(checkpoint_dir) / "config.json"
+    theirs = asdict(Config.from_hf_config(hf_file))
+    for key, value in asdict(config).items():
+        if key not in ("name", "hf_extra") and theirs.get(key) != value:
+            raise UserError(f"{Path(checkpoint_dir) / LIT_CONFIG}: {key} is {value!r}, but {hf_file} gives "
+                            f"{theirs.get(key)!r}; the conversion does not belong to its config.json (damaged, or "
+                            f"made by another version): delete {LIT_CONFIG} and {LIT_WEIGHTS} there to convert again")
 
 
 def random_weight(name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02,

@@ -36,6 +36,29 @@ SAFETENSORS_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I
                            "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+MAX_NAME, MAX_PATH = 255, 4096  # bytes: the longest file name and path Linux (and most file systems) look up
+
+
+def check_path(path: Any, what: str) -> None:
+    """That a path a flag or a file names can be looked up at all (None passes): no NUL byte, no name longer than 255
+    bytes, no more than 4096 in all. Otherwise a UserError naming `what` (a damaged --config file can hold megabytes
+    where a folder belongs; the file system would answer with an error that is no user's message)."""
+    if path is None:
+        return
+    text = str(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = b"\0"  # not even bytes: as unusable as a NUL
+    shown = repr(text if len(text) <= 60 else text[:57] + "...")
+    if b"\0" in raw:
+        raise UserError(f"{what} {shown} is not a usable path (it holds a NUL byte or unencodable text); fix the path")
+    longest = max(len(part) for part in raw.split(b"/"))
+    if len(raw) > MAX_PATH or longest > MAX_NAME:
+        raise UserError(f"{what} {shown} is not a usable path ({len(raw)} bytes, its longest name {longest}; file "
+                        f"systems allow {MAX_NAME} per name and {MAX_PATH} in all); fix the path")
+
+
 def check_file(path: Path, what: str = "file", fix: str = "check the path") -> Path:
     """`path` as a Path, once it is known to be a regular file (a missing file, a folder or a symlink loop in its
     place is a UserError)."""

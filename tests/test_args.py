@@ -13,6 +13,7 @@ import yaml
 
 from lit_qlora import demo
 from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
+from lit_qlora.utils import UserError
 
 FLAG_COUNT = 63  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
 # lora_rslora, loraplus_lr_ratio, lora_dora, logger, logger_dir, early_stopping_patience, early_stopping_min_delta,
@@ -130,3 +131,19 @@ def test_a_config_file_without_a_model_never_falls_back_to_the_demo(tmp_path, te
     with pytest.raises(UserError, match="sets no checkpoint_dir") as e:
         parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag, value", [("checkpoint_dir", "/tmp/" + "a" * 5000), ("data_dir", "d/" + "n" * 300),
+                                         ("out_dir", "out\x00x"), ("data_sources", "x" * 4100)])
+def test_a_path_no_file_system_can_look_up_is_one_line(tmp_path, flag, value):
+    """A --config file whose path value became megabytes long (the file fuzzer, seeds 12002-12015: 'File name too
+    long' tracebacks), a 300-byte name, a NUL byte: refused when the arguments are built, naming the flag. A script
+    reading a too-long path elsewhere (generate/base.py's own flags) says so in one line too."""
+    from helpers import run_in_process
+
+    (tmp_path / "run.yaml").write_text(json.dumps({"checkpoint_dir": "ckpt", "data_dir": "data", flag: value}))
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert f"--{flag}" in str(e.value) and "not a usable path" in str(e.value) and "\n" not in str(e.value)
+    r = run_in_process(h.GENERATE_BASE, "--checkpoint_dir", "/tmp/" + "a" * 5000, "--prompt", "x")
+    h.assert_one_line_error(r, "too long a path")

@@ -172,3 +172,24 @@ def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k].bfloat16()) for k in original)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("field, value", [("attention_scale", 2.5), ("rope_base", 20000.0), ("norm_class", "LayerNorm"),
+                                          ("tie_embeddings", True)])
+def test_a_conversion_its_config_json_does_not_give_is_refused(tmp_path, field, value):
+    """model_config.json of a converted folder with a value of the right kind that its config.json does not give (the
+    file fuzzer, seed 12003: attention_scale 2.5 on a Llama loaded and changed every attention): refused in one line
+    naming the field and both files; the pristine conversion loads."""
+    from lit_qlora.convert import ensure_converted
+    from lit_qlora.utils import UserError
+
+    make_tiny_hf_model("llama", tmp_path)
+    ensure_converted(tmp_path, quiet=True, verify=True)
+    data = json.loads((tmp_path / LIT_CONFIG).read_text())
+    data[field] = value
+    (tmp_path / LIT_CONFIG).write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        ensure_converted(tmp_path, quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{tmp_path / LIT_CONFIG}: {field} is {value!r}" in msg
+    assert str(tmp_path / "config.json") in msg and "convert again" in msg

@@ -189,18 +189,20 @@ class Adapter:
             return delta0 * -1 if initial_only else delta - delta0
         return delta
 
-    def _quantized_as_trained(self, w: torch.Tensor) -> torch.Tensor:
-        """`w` [out, in] quantized and dequantized as the training run's loader stored its base (its --quantize and
-        --precision, recorded in `train`): a LoftQ adapter's base."""
+    def _quantized_as_trained(self, w: torch.Tensor, module: str) -> torch.Tensor:
+        """`w` [out, in] (the base's layer `module`) quantized and dequantized as the training run's loader stored
+        its base (its --quantize and --precision, recorded in `train`; a fused qkv part by part): a LoftQ adapter's
+        base."""
         from lit_qlora.precision import parse_precision
-        from lit_qlora.quantize import dequantize_weight, make_quantized_linear, quantize_into
+        from lit_qlora.quantize import dequantize_weight, make_quantized_linear, quantize_into, quantized_parts
 
         mode, precision = self.train.get("quantize"), self.train.get("precision") or "32-true"
         if not mode:
             raise UserError("this LoftQ adapter does not record the --quantize it was trained with; it cannot be "
                             "merged: generate with it unmerged (--merge false)")
         dtype = parse_precision(precision).dtype
-        layer = make_quantized_linear(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), mode, dtype)
+        layer = make_quantized_linear(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), mode, dtype,
+                                      quantized_parts(self.base_config, module))
         quantize_into(layer, w, torch.device("cpu"), dtype)
         return dequantize_weight(layer).float()
 
@@ -214,7 +216,7 @@ class Adapter:
         merged = tensor.float() + self.delta(module, tuple(tensor.shape))
         if self.config.init == "loftq":  # its base was the 4-bit residual: dequantize(quantize(W - s*B0@A0)) + s*B@A
             kept = tensor.float() + self.delta(module, tuple(tensor.shape), initial_only=True)  # W - s*B0@A0
-            merged = self._quantized_as_trained(kept) + (merged - kept)  # (merged - kept = s*B@A)
+            merged = self._quantized_as_trained(kept, module) + (merged - kept)  # (merged - kept = s*B@A)
         if self.config.dora:  # DoRA, as PEFT merges it: each adapted row of W + s*B@A scaled to its magnitude
             parts = self.targets()[module] or [(0, tensor.shape[0])]
             rows = torch.cat([torch.arange(a, a + n) for a, n in parts])

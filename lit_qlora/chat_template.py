@@ -549,8 +549,9 @@ _PROBE = [{"role": "user", "content": "PROBEQUESTION1"}, {"role": "assistant", "
 
 def end_of_turn_ids(tokenizer: Any, template: str | None = None) -> list[int]:
     """Ids of the special token(s) the template ends an assistant turn with (e.g. <|im_end|>, <|eot_id|>,
-    <end_of_turn>, </s>), found by rendering a two-turn probe conversation. Generation should stop at these as well
-    as at the tokenizer's stop_ids (generation_config.json's eos ids). Empty for templates without special tokens.
+    <end_of_turn>, </s>, harmony's <|return|>), found by rendering a two-turn probe conversation: the last turn's.
+    Generation should stop at these as well as at the tokenizer's stop_ids (generation_config.json's eos ids). Empty
+    for templates without special tokens.
     """
     text, spans = assistant_spans(tokenizer, _PROBE, template)
     specials = set(_helpers(tokenizer)["specials"])
@@ -558,9 +559,14 @@ def end_of_turn_ids(tokenizer: Any, template: str | None = None) -> list[int]:
     for start, end in spans:
         match = next((t for t in sorted(specials, key=len, reverse=True) if text.endswith(t, start, end)), None)
         token_id = tokenizer.token_to_id(match) if match else None
-        if token_id is not None and token_id not in found:
-            found.append(token_id)
-    return found
+        found.append(token_id)
+    # The conversation's last turn says how a reply ends; an earlier turn may end otherwise: gpt-oss's harmony ends
+    # every message with <|end|>, the reasoning the model writes before its answer too, and only the last answer with
+    # <|return|> (stopping at <|end|> would cut each reply after its reasoning). The earlier turns' tokens only count
+    # where the last turn has none.
+    if found and found[-1] is not None:
+        return [found[-1]]
+    return list(dict.fromkeys(t for t in found if t is not None))
 
 
 # ----------------------------------------------------------------------------------------------

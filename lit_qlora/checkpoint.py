@@ -16,6 +16,7 @@ import torch
 
 from lit_qlora.config import Config
 from lit_qlora.lora import meta_model
+from lit_qlora.mxfp4 import Mxfp4Tensor, stored_shapes
 from lit_qlora.readers import safetensors_header as check_safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
@@ -99,9 +100,9 @@ class FileTensor:
         return torch.frombuffer(out, dtype=self.dtype).view(len(rows), self.shape[1])
 
 
-def as_tensor(t: "torch.Tensor | FileTensor") -> torch.Tensor:
-    """`t` itself, or a FileTensor read whole."""
-    return t.load() if isinstance(t, FileTensor) else t
+def as_tensor(t: "torch.Tensor | FileTensor | Mxfp4Tensor") -> torch.Tensor:
+    """`t` itself, or a FileTensor read whole, or an MXFP4 expert stack dequantized whole (bf16, exact)."""
+    return t.load() if isinstance(t, (FileTensor, Mxfp4Tensor)) else t
 
 
 def read_safetensors(path: Path, keys: Optional[set[str]] = None,
@@ -159,10 +160,15 @@ def write_safetensors_stream(path: Path, specs: list[TensorSpec], tensors: Itera
 
 # ---- our tensors and the folder check ---------------------------------------------------------------
 def lit_param_shapes(config: Config) -> dict[str, torch.Size]:
-    """Our state-dict keys and shapes as stored in a checkpoint (a tied head is stored once, as the embedding)."""
+    """Our state-dict keys and shapes as stored in a checkpoint (a tied head is stored once, as the embedding; with
+    `moe_mxfp4` each expert stack's weight as its MXFP4 blocks and scales, lit_qlora/mxfp4.py)."""
     sd = {k: v.shape for k, v in meta_model(config).state_dict().items()}
     if config.tie_embeddings:
         sd.pop("lm_head.weight", None)
+    if config.moe_mxfp4:
+        sd = {k2: s2 for k, s in sd.items()
+              for k2, s2 in (stored_shapes(k.removesuffix(".weight"), s).items()
+                             if ".mlp.experts." in k and k.endswith(".weight") else ((k, s),))}
     return sd
 
 

@@ -64,6 +64,15 @@ class Config:
     moe_intermediate_size: Optional[int] = None  # None: intermediate_size
     moe_norm_topk: bool = False  # the top-k routing weights renormalized to sum to 1 (Mixtral; norm_topk_prob)
     moe_dense_layers: Optional[list] = None  # layers with a dense MLP of intermediate_size (Qwen3-MoE mlp_only_layers)
+    moe_bias: bool = False  # biases on the router and on every expert's projections (gpt-oss)
+    # gpt-oss's clamped SwiGLU in the experts: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit), instead of silu(gate) * up. None: the plain gated MLP
+    moe_swiglu_limit: Optional[float] = None
+    moe_swiglu_alpha: Optional[float] = None
+    # The checkpoint file stores each expert stack as MXFP4 (`{stack}.weight_blocks` / `.weight_scales`, gpt-oss's
+    # published weights) instead of a dense `{stack}.weight`; the loader dequantizes it expert by expert
+    moe_mxfp4: bool = False
+    attn_sinks: bool = False  # a learned logit per head in every attention softmax, whose value is zero (gpt-oss)
     hf_extra: dict = field(default_factory=dict)  # HF-only details kept for an exact export
 
     def __post_init__(self) -> None:
@@ -85,6 +94,9 @@ class Config:
             if not 0 < self.moe_top_k <= self.moe_n_expert or self.mlp_class != "LLaMAMLP":
                 raise UserError(f"moe_top_k={self.moe_top_k} of moe_n_expert={self.moe_n_expert} experts (gated "
                                 "LLaMAMLP experts) is not a mixture of experts this model has; fix the model config")
+        if (self.moe_swiglu_limit is None) != (self.moe_swiglu_alpha is None):
+            raise UserError("moe_swiglu_limit and moe_swiglu_alpha go together (gpt-oss's clamped SwiGLU): give both "
+                            "or neither; fix the model config")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
@@ -387,6 +399,24 @@ _HF_CONFIGS: dict[str, dict] = {
                   num_hidden_layers=40, num_key_value_heads=10, original_max_position_embeddings=16384,
                   pad_token_id=100257, rms_norm_eps=1e-05, rope_scaling=None, rope_theta=250000,
                   sliding_window=16384, tie_word_embeddings=False, vocab_size=100352),
+    # EchoCog/gpt-oss-20b: config.json (openai/gpt-oss-20b's; that copy's quantization_config says "gptq", the
+    # published one "mxfp4" with these modules_to_not_convert, as quoted from both gpt-oss configs in a public guide)
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], attention_bias=True, attention_dropout=0.0,
+                        eos_token_id=200002, experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880,
+                        initial_context_length=4096, intermediate_size=2880,
+                        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+                        num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=8,
+                        num_local_experts=32, output_router_logits=False, pad_token_id=199999,
+                        quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                        "model.layers.*.mlp.router",
+                                                                        "model.embed_tokens", "lm_head"],
+                                             "quant_method": "mxfp4"},
+                        rms_norm_eps=1e-05,
+                        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                      "truncate": False},
+                        rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0,
+                        tie_word_embeddings=False, vocab_size=201088),
     # kevinstephano/thunder_model_blocks: thunder_model_blocks/mistral/mistral_config.py
     "Mistral-Nemo-Base-2407": dict(architectures=["MistralForCausalLM"], head_dim=128, hidden_act="silu",
                                    hidden_size=5120, intermediate_size=14336, max_position_embeddings=128000,
@@ -396,6 +426,8 @@ _HF_CONFIGS: dict[str, dict] = {
 }
 for _name, _hf in _HF_CONFIGS.items():
     _arch = _hf["architectures"][0]
-    configs.append(dict(name=_name, hf_architecture=_arch, **SPECS[_arch].from_hf(_hf, _arch)))
+    # (a named config is the model; how a folder stores it, e.g. gpt-oss's MXFP4 experts, is that folder's: random
+    # checkpoints made from a name are dense)
+    configs.append(dict(name=_name, hf_architecture=_arch, **{**SPECS[_arch].from_hf(_hf, _arch), "moe_mxfp4": False}))
 NAME_TO_CONFIG = {c["name"]: c for c in configs}
 NAMES = tuple(NAME_TO_CONFIG)

@@ -75,6 +75,39 @@ def qkv_to_hf(config: Config, layout: str, fused: torch.Tensor) -> list[torch.Te
     return [grouped.reshape(-1, *tail)]
 
 
+# ---- experts stored as two fused tensors per layer (gpt-oss; the family spec's `fused_experts`) -----------------
+# our parameter -> the suffix of the HF tensor it is read from (MXFP4 blocks and scales: lit_qlora/mxfp4.py)
+FUSED_SUFFIX = {"weight": "", "bias": "_bias", "weight_blocks": "_blocks", "weight_scales": "_scales"}
+# our expert stack -> (the HF tensor, which half of its interleaved gate | up columns, or None)
+FUSED_SOURCE = {"mlp.experts.fc_1": ("gate_up", 0), "mlp.experts.fc_2": ("gate_up", 1),
+                "mlp.experts.proj": ("down", None)}
+
+
+def _fused_dim(param: str) -> int:
+    # the HF tensor's output dimension: the columns of a transposed [E, in, out] weight and of a bias [E, out], the
+    # rows of MXFP4 blocks [E, out, G, 16] and scales [E, out, G]
+    return 1 if param in ("weight_blocks", "weight_scales") else -1
+
+
+def fused_experts_from_hf(t: torch.Tensor, param: str, half: Optional[int]) -> torch.Tensor:
+    """One of our expert tensors from HF's fused one: gate (half 0) or up (half 1) of the interleaved gate_up, or
+    down whole (half None); a weight transposed from HF's [E, in, out] to our [E, out, in]."""
+    if half is not None:
+        t = t[:, half::2] if _fused_dim(param) == 1 else t[..., half::2]
+    return t.transpose(1, 2) if param == "weight" else t
+
+
+def fused_experts_to_hf(parts: list[torch.Tensor], param: str) -> torch.Tensor:
+    """The inverse of `fused_experts_from_hf`: [fc_1, fc_2] interleaved into gate_up, or [proj] as down."""
+    if param == "weight":
+        parts = [p.transpose(1, 2) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    if _fused_dim(param) == 1:  # rows: gate row j, then up row j
+        return torch.stack(parts, dim=2).flatten(1, 2)
+    return torch.stack(parts, dim=-1).flatten(-2)  # columns: gate column j, then up column j
+
+
 # ---- the plan: one entry per output tensor ----------------------------------------------------
 def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[torch.Tensor]], torch.Tensor]]]:
     """[(our key, HF keys it needs, how to build it)] in our state-dict order."""
@@ -88,6 +121,11 @@ def hf_to_lit_plan(config: Config) -> list[tuple[str, list[str], Callable[[list[
             if sub == "attn.qkv":
                 hf_keys = [f"{prefix}{n}.{param}" for n in fam["q_names"]]
                 plan.append((key, hf_keys, lambda parts, _l=qkv_layout(config): qkv_from_hf(config, _l, parts)))
+                continue
+            if fam["fused_experts"] and sub in FUSED_SOURCE:  # gpt-oss: two HF tensors per layer hold every expert
+                name, half = FUSED_SOURCE[sub]
+                plan.append((key, [f"{prefix}{fam['fused_experts'][name]}{FUSED_SUFFIX[param]}"],
+                             lambda parts, _p=param, _h=half: fused_experts_from_hf(parts[0], _p, _h)))
                 continue
             if sub in fam["experts"]:  # our [E, out, in] stacks the E tensors of HF's experts
                 hf_keys = [f"{prefix}{fam['experts'][sub].format(e=e)}.{param}" for e in range(config.moe_n_expert)]
@@ -108,8 +146,10 @@ def lit_to_hf_plan(config: Config) -> list[tuple[str, tuple[str, ...], Optional[
     """[(HF key, our keys, index into the split qkv or None)]: one key of ours, but two (fc_1, fc_2) whose rows
     one fused HF tensor stacks (Phi-3's gate_up_proj). For stacked experts the index is the expert's."""
     out: dict[str, tuple[tuple[str, ...], Optional[int]]] = {}
+    fused = bool(family(config)["fused_experts"])  # (gpt-oss: fc_1 and fc_2 share one HF tensor, joined by name)
     for key, hf_keys, _ in hf_to_lit_plan(config):
-        if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")) or is_stacked_experts(key):
+        if len(hf_keys) > 1 or key.endswith(("attn.qkv.weight", "attn.qkv.bias")) or (
+                is_stacked_experts(key) and not fused):
             out.update({hk: ((key,), j) for j, hk in enumerate(hf_keys)})
         else:
             keys, _ = out.get(hf_keys[0], ((), None))
@@ -215,6 +255,11 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
     shapes = lit_param_shapes(config)
     missing = [k for _, ks, _ in plan for k in ks if k not in src.key_to_file]
     fused = next((k for k in src.key_to_file if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))), None)
+    if missing and family(config)["fused_experts"]:
+        stored = "MXFP4 (_blocks / _scales)" if config.moe_mxfp4 else "dense (no quantization_config)"
+        raise UserError(f"tensor {missing[0]!r} ({len(missing)} in all) is missing from the weights in "
+                        f"{checkpoint_dir}, whose config.json says the experts are stored {stored}; the checkpoint "
+                        "is incomplete, or config.json is not the one of these weights: download it again")
     if missing and fused:
         raise UserError(f"{checkpoint_dir} stores its experts stacked ({fused!r}, transformers' in-memory layout), "
                         "which this converter does not read; save the model again with transformers' save_pretrained "
@@ -223,7 +268,9 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
         raise UserError(f"tensor {missing[0]!r} ({len(missing)} in all) is missing from the weights in "
                         f"{checkpoint_dir}; "
                         "the checkpoint is incomplete or not the architecture in config.json: download it again")
-    specs = [(k, shapes[k], dtype or src.dtype(ks[0])) for k, ks, _ in plan]
+    # (MXFP4 bytes are never cast)
+    specs = [(k, shapes[k], src.dtype(ks[0]) if src.dtype(ks[0]) == torch.uint8 else dtype or src.dtype(ks[0]))
+             for k, ks, _ in plan]
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for (key, hf_keys, build), (_, shape, dt) in zip(plan, specs):
@@ -252,6 +299,14 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
     weights = Path(weights or checkpoint_dir / LIT_WEIGHTS)
     header, _, _ = safetensors_header(weights)  # sizes, dtypes, offsets checked before anything is written
     plan = lit_to_hf_plan(config)
+    fused = bool(family(config)["fused_experts"])
+
+    def join(keys: tuple[str, ...], parts: list[torch.Tensor]) -> torch.Tensor:
+        """Our tensors `keys` -> the one HF tensor they make."""
+        if fused and is_stacked_experts(keys[0]):
+            return fused_experts_to_hf(parts, keys[0].rpartition(".")[2])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     missing = [k for _, keys, _ in plan for k in keys if k not in header]
     if missing:
         raise UserError(f"{weights} has no tensor {missing[0]!r} ({len(missing)} missing), which {config.name}'s "
@@ -263,7 +318,9 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
             sl = f.get_slice(keys[0])
             shape = list(sl.get_shape())
             shape[0] = sum(f.get_slice(k).get_shape()[0] for k in keys)
-            if is_stacked_experts(keys[0]):  # one expert's [out, in]
+            if fused and is_stacked_experts(keys[0]):  # the shape of the joined tensor, joined on meta
+                shape = join(keys, [torch.empty(f.get_slice(k).get_shape(), device="meta") for k in keys]).shape
+            elif is_stacked_experts(keys[0]):  # one expert's [out, in]
                 shape = shape[1:]
             elif j is not None and len(family(config)["q_names"]) > 1:
                 shape[0] = config.qkv_sizes[j]
@@ -273,7 +330,7 @@ def convert_lit_checkpoint(checkpoint_dir: Path, out_dir: Path, weights: Optiona
             cache: dict[str, list[torch.Tensor]] = {}
             for hf_key, keys, j in plan:
                 if j is None:
-                    yield hf_key, torch.cat([f.get_tensor(k) for k in keys]) if len(keys) > 1 else f.get_tensor(keys[0])
+                    yield hf_key, join(keys, [f.get_tensor(k) for k in keys])
                     continue
                 (key,) = keys
                 if is_stacked_experts(key):

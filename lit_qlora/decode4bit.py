@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from lit_qlora import cpu_half
 from lit_qlora.lora import LoRALinear
-from lit_qlora.quantize import quiet_bnb_import
+from lit_qlora.quantize import PartsQuantState, has_parts, quiet_bnb_import
 
 bnb = quiet_bnb_import()
 
@@ -192,33 +192,45 @@ def bf16_dot(lib: ctypes.CDLL) -> bool:
     return bool(lib.q4_bf16dot())
 
 
+def parts(module: nn.Module) -> list[tuple[int, int, torch.Tensor, object]]:
+    """(first row, rows, packed bytes, bitsandbytes QuantState) of each separately quantized part of a 4-bit layer:
+    the whole layer, or each HF tensor of a layer quantized part by part (`quantize.PartsQuantState`: our fused qkv),
+    whose packed bytes follow each other."""
+    w = module.weight
+    data, state = w.data.reshape(-1).view(torch.uint8), w.quant_state
+    if not isinstance(state, PartsQuantState):
+        return [(0, module.out_features, data, state)]
+    out, r0, byte = [], 0, 0
+    for rows, part in state.parts:
+        n = (rows * module.in_features + 1) // 2
+        out.append((r0, rows, data[byte:byte + n], part))
+        r0, byte = r0 + rows, byte + n
+    return out
+
+
 def supports(module: nn.Module) -> bool:
     """Whether the kernel can run `module`: a bitsandbytes 4-bit layer on CPU whose rows start on a byte boundary
     (even in_features), in bitsandbytes' standard layout (not repacked for its AVX512-BF16 kernel)."""
     if not isinstance(module, bnb.nn.Linear4bit):
         return False
     w = module.weight
-    qs = getattr(w, "quant_state", None)
-    return (qs is not None and w.device.type == "cpu" and module.in_features % 2 == 0
-            and not getattr(qs, "packing_format_for_cpu", False) and qs.quant_type in ("nf4", "fp4")
-            and (not qs.nested or qs.state2.absmax.dtype == torch.float32))
+    if getattr(w, "quant_state", None) is None or w.device.type != "cpu" or module.in_features % 2:
+        return False
+    return all(not getattr(qs, "packing_format_for_cpu", False) and qs.quant_type in ("nf4", "fp4")
+               and (not qs.nested or qs.state2.absmax.dtype == torch.float32) for _, _, _, qs in parts(module))
 
 
-class _State:
-    """What the kernel reads for one layer: the ctypes struct and the tensors its pointers point into (kept
-    alive here), and the parameters it was made from, so that it is rebuilt when they are replaced."""
+class _Part:
+    """What the kernel reads for one separately quantized part of a layer (`parts`): the ctypes struct and the
+    tensors its pointers point into (kept alive here)."""
 
-    def __init__(self, module: "DecodeLinear4bit", lib: ctypes.CDLL) -> None:
-        w = module.weight
-        qs = w.quant_state
-        self.lib = lib
-        self.w = w.data.reshape(-1).view(torch.uint8)
+    def __init__(self, r0: int, rows: int, packed: torch.Tensor, qs, k: int, bias: Optional[torch.Tensor]) -> None:
+        self.r0, self.rows, self.w = r0, rows, packed
         self.code = qs.code.detach().float().contiguous()
-        self.bias = module.bias.detach().float().contiguous() if module.bias is not None else None
-        self.param, self.qs, self.bias_param = w, qs, module._parameters.get("bias")
-        self.weights = module.out_features * module.in_features
-        layer = _Layer(w=self.w.data_ptr(), code=self.code.data_ptr(), n=module.out_features, k=module.in_features,
-                       blocksize=qs.blocksize, bias=self.bias.data_ptr() if self.bias is not None else None)
+        self.bias = bias[r0:r0 + rows] if bias is not None else None
+        self.weights = rows * k
+        layer = _Layer(w=packed.data_ptr(), code=self.code.data_ptr(), n=rows, k=k, blocksize=qs.blocksize,
+                       bias=self.bias.data_ptr() if self.bias is not None else None)
         if qs.nested:  # decoded per block inside the kernel, exactly as bitsandbytes does (no fp32 copy kept)
             self.absmax_q = qs.absmax.contiguous()
             self.absmax2 = qs.state2.absmax.float().contiguous()
@@ -232,6 +244,18 @@ class _State:
         self.layer = layer
         self.ref = ctypes.byref(layer)
 
+
+class _State:
+    """What the kernel reads for one layer (a `_Part` per separately quantized part), and the parameters it was
+    made from, so that it is rebuilt when they are replaced."""
+
+    def __init__(self, module: "DecodeLinear4bit", lib: ctypes.CDLL) -> None:
+        w = module.weight
+        self.lib = lib
+        self.param, self.qs, self.bias_param = w, w.quant_state, module._parameters.get("bias")
+        bias = module.bias.detach().float().contiguous() if module.bias is not None else None
+        self.parts = [_Part(r0, rows, packed, qs, module.in_features, bias) for r0, rows, packed, qs in parts(module)]
+
     def current(self, module: nn.Module) -> bool:
         """Whether `module` still holds the tensors this state points into. Identity checks, because anything that
         asks a bitsandbytes Params4bit for its storage goes through torch's subclass dispatch (~4 us per call, a
@@ -241,75 +265,96 @@ class _State:
                 and params.get("bias") is self.bias_param)
 
 
+def _run_part(lib: ctypes.CDLL, part: _Part, x: torch.Tensor, y: torch.Tensor, rows: int,
+              lora: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    threads = 1 if part.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
+    if lora is None:
+        failed = lib.q4_linear(part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
+    else:
+        A, B = lora
+        failed = lib.q4_linear_lora(part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
+                                    A.data_ptr(), B.data_ptr(), A.size(0))
+    if failed:
+        raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
+
+
 def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int,
                lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype. With `lora`
     (A [r, in], B [out, r], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before the
-    one rounding to x's dtype."""
+    one rounding to x's dtype. A layer quantized part by part runs a kernel call per part (B's rows of that part)."""
     x = x.contiguous()
-    y = x.new_empty((*x.shape[:-1], out_features))
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    threads = 1 if state.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
-    if not rows:
+    if len(state.parts) == 1 or not rows:
+        y = x.new_empty((*x.shape[:-1], out_features))
+        if rows:
+            _run_part(lib, state.parts[0], x, y, rows, lora)
         return y
-    if lora is None:
-        failed = lib.q4_linear(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
-    else:
-        A, B = lora
-        failed = lib.q4_linear_lora(state.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
-                                    A.data_ptr(), B.data_ptr(), A.size(0))
-    if failed:
-        raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
-    return y
+    outs = []
+    for part in state.parts:
+        y = x.new_empty((*x.shape[:-1], part.rows))
+        _run_part(lib, part, x, y, rows, lora and (lora[0], lora[1][part.r0:part.r0 + part.rows]))
+        outs.append(y)
+    return torch.cat(outs, dim=-1)
 
 
-def block_scales(module: nn.Module) -> torch.Tensor:
-    """The fp32 scale of every block of a 4-bit layer: its absmax, or bitsandbytes' decoding of the double-quantized
+def _scales(qs) -> torch.Tensor:
+    """The fp32 scale of every block of one QuantState: its absmax, or bitsandbytes' decoding of the double-quantized
     one (dequantize_blockwise, then the offset), as bitsandbytes' own matmul computes it."""
-    qs = module.weight.quant_state
     if not qs.nested:
         return qs.absmax.float()
     return bnb.functional.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
 
 
-def dequantize_rows(module: nn.Module, r0: int, r1: int, dtype: torch.dtype,
+def block_scales(module: nn.Module) -> torch.Tensor:
+    """The fp32 scale of every block of a 4-bit layer quantized whole (see `_scales`)."""
+    return _scales(module.weight.quant_state)
+
+
+def dequantize_rows(packed: torch.Tensor, qs, k: int, r0: int, r1: int, dtype: torch.dtype,
                     scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows r0:r1 of a 4-bit layer's weight, dequantized by bitsandbytes' own op. r0 * in_features must fall on a
-    block boundary. Where blocks straddle rows the rows are dequantized as one flat run, the quantizer's layout:
-    bitsandbytes 0.50's CPU dequantize_4bit of a 2-D shape assumes blocks never cross a row, which is wrong when
-    in_features % blocksize != 0 (e.g. 96 or 1376); with whole-block rows the 2-D shape lets it use its threads."""
-    qs = module.weight.quant_state
-    k, bs = module.in_features, qs.blocksize
+    """Rows r0:r1 of a 4-bit weight of `k` columns quantized whole (`packed` bytes, QuantState `qs`: one of `parts`),
+    dequantized by bitsandbytes' own op. r0 * k must fall on a block boundary. Where blocks straddle rows the rows
+    are dequantized as one flat run, the quantizer's layout: bitsandbytes 0.50's CPU dequantize_4bit of a 2-D shape
+    assumes blocks never cross a row, which is wrong when k % blocksize != 0 (e.g. 96 or 1376); with whole-block
+    rows the 2-D shape lets it use its threads."""
+    bs = qs.blocksize
     e0, e1 = r0 * k, r1 * k
-    scales = block_scales(module) if scales is None else scales
-    packed = module.weight.data.reshape(-1).view(torch.uint8)[e0 // 2:(e1 + 1) // 2]
+    scales = _scales(qs) if scales is None else scales
     shape = (r1 - r0, k) if k % bs == 0 else (e1 - e0,)
-    w = torch.ops.bitsandbytes.dequantize_4bit(packed, scales[e0 // bs:-(-e1 // bs)].contiguous(), bs, qs.quant_type,
-                                               shape, dtype)
+    blocks = scales[e0 // bs:-(-e1 // bs)].contiguous()
+    w = torch.ops.bitsandbytes.dequantize_4bit(packed[e0 // 2:(e1 + 1) // 2], blocks, bs, qs.quant_type, shape, dtype)
     return w.view(r1 - r0, k)
 
 
 def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T (+ bias) by dequantizing W and one dense matmul, as bitsandbytes' Linear4bit does (compute dtype,
-    then back to x's dtype), but DENSE_CHUNK_WEIGHTS weights at a time: a whole 49152 x 576 output layer would be a
-    113 MB fp32 temporary in every prefill (and was slower, tutorials/quantize.md)."""
+    then back to x's dtype), but DENSE_CHUNK_WEIGHTS weights at a time (within each part of a layer quantized part
+    by part): a whole 49152 x 576 output layer would be a 113 MB fp32 temporary in every prefill (and was slower,
+    tutorials/quantize.md)."""
     k, n = module.in_features, module.out_features
     dtype = module.compute_dtype or x.dtype
     xin = x.to(dtype)
     if cpu_half.in_fp32(xin, n):  # a 16-bit prefill on a CPU without native 16-bit matmuls
         dtype, xin = torch.float32, xin.float()
     bias = module.bias.to(dtype) if module.bias is not None else None
-    bs = module.weight.quant_state.blocksize
-    align = bs // math.gcd(k, bs)  # chunks start on block boundaries
-    step = max(align, DENSE_CHUNK_WEIGHTS // max(k, 1) // align * align)
-    if step >= n:
-        return F.linear(xin, dequantize_rows(module, 0, n, dtype), bias).to(x.dtype)
-    scales = block_scales(module)
+    layer_parts = parts(module)
+    if len(layer_parts) == 1:
+        _, _, packed, qs = layer_parts[0]
+        bs = qs.blocksize
+        align = bs // math.gcd(k, bs)  # chunks start on block boundaries
+        if max(align, DENSE_CHUNK_WEIGHTS // max(k, 1) // align * align) >= n:
+            return F.linear(xin, dequantize_rows(packed, qs, k, 0, n, dtype), bias).to(x.dtype)
     y = xin.new_empty((*x.shape[:-1], n))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        y[..., r0:r1] = F.linear(xin, dequantize_rows(module, r0, r1, dtype, scales),
-                                 bias[r0:r1] if bias is not None else None)
+    for p0, rows, packed, qs in layer_parts:
+        bs = qs.blocksize
+        align = bs // math.gcd(k, bs)
+        step = max(align, DENSE_CHUNK_WEIGHTS // max(k, 1) // align * align)
+        scales = _scales(qs)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            y[..., p0 + r0:p0 + r1] = F.linear(xin, dequantize_rows(packed, qs, k, r0, r1, dtype, scales),
+                                               bias[p0 + r0:p0 + r1] if bias is not None else None)
     return y.to(x.dtype)
 
 
@@ -346,7 +391,7 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         compute, bitsandbytes' own forward (its autograd function), except where its CPU dequantization is wrong
         (blocks straddling rows, see dequantize_rows); without, the same computation in bounded chunks."""
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)
-        whole_blocks = self.in_features % self.weight.quant_state.blocksize == 0
+        whole_blocks = self.in_features % self.weight.quant_state.blocksize == 0 and not has_parts(self)
         if x.device.type != "cpu" or not supports(self) or needs_grad and whole_blocks:
             return super().forward(x)
         return dequantized_linear(self, x)

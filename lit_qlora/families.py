@@ -28,12 +28,16 @@ _SEPARATE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None,
-           experts: Optional[dict] = None) -> dict:
+           experts: Optional[dict] = None, fused_experts: Optional[dict] = None) -> dict:
     # gate_up: the HF module holding mlp.fc_1's rows then mlp.fc_2's in one tensor (Phi-3), else None
     # experts: our stacked expert weight [E, out, in] -> the HF module of expert {e} (one tensor per expert, as HF
     # checkpoints store them; transformers 5 stacks them itself when it loads and splits them when it saves)
+    # fused_experts (gpt-oss): the layer's experts are two HF tensors, "gate_up" (fc_1 and fc_2) and "down" (proj),
+    # each stacked over experts and transposed, [E, in, out], the gate's and up's columns interleaved (gate first),
+    # with `{name}_bias` [E, out] beside them; published checkpoints store the weights as MXFP4 (`{name}_blocks`,
+    # `{name}_scales`, rows = out). lit_qlora/convert.py's `fused_experts_*` read and write that layout.
     return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up,
-                experts=experts or {})
+                experts=experts or {}, fused_experts=fused_experts or {})
 
 
 _LLAMA_NAMES = _names("model.layers.{i}.", _LLAMA_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
@@ -59,6 +63,12 @@ _MIXTRAL_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, "mlp.router": "blo
                         experts={"mlp.experts.fc_1": "block_sparse_moe.experts.{e}.w1",
                                  "mlp.experts.fc_2": "block_sparse_moe.experts.{e}.w3",
                                  "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"})
+# gpt-oss: Llama's attention names with biases and sinks (our attn.sinks parameter is HF's self_attn.sinks)
+_GPT_OSS_NAMES = _names("model.layers.{i}.",
+                        {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
+                         "attn.proj": "self_attn.o_proj", "attn": "self_attn", "mlp.router": "mlp.router"},
+                        _LLAMA_GLOBAL, "separate", _SEPARATE_QKV,
+                        fused_experts={"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"})
 _NEOX_NAMES = _names("gpt_neox.layers.{i}.",
                      {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
                       "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
@@ -243,6 +253,60 @@ def _map_mixtral(hf: dict, arch: str) -> dict:
               moe_top_k=hf.get("num_experts_per_tok", 2), moe_norm_topk=True,
               hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
     return kw
+
+
+# What the published gpt-oss checkpoints leave unquantized (quantization_config modules_to_not_convert): all but the
+# experts
+_GPT_OSS_MXFP4_UNCONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+
+
+def _map_gpt_oss(hf: dict, arch: str) -> dict:
+    """gpt-oss: attention with biases and learned sinks, sliding-window layers alternating with full ones (by
+    layer_types, default sliding first), YaRN RoPE over head_dim; every MLP a mixture of biased experts behind a
+    biased router, the softmax taken over the top-k logits (the renormalized top-k probabilities), the experts' clamped
+    SwiGLU; RMSNorm scaling in fp32. Published checkpoints store the experts in MXFP4 (quantization_config
+    quant_method "mxfp4"); a dequantized copy as transformers saves it has them in bf16."""
+    # (hidden_act is not read by transformers' gpt-oss: its experts always use the clamped SwiGLU)
+    _refuse(hf, arch, {"output_router_logits": False, "attention_dropout": 0.0})
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "mxfp4":
+            raise UserError(f"{arch}: quantization_config quant_method={method!r} in config.json is not implemented "
+                            "(gpt-oss checkpoints are read as published, MXFP4, or dequantized); use one of those")
+        left = [m for m in _GPT_OSS_MXFP4_UNCONVERTED if m not in (quant.get("modules_to_not_convert") or [])]
+        if left:
+            raise UserError(f"{arch}: quantization_config in config.json quantizes {left[0]!r} (it is not in "
+                            "modules_to_not_convert); only MXFP4 experts are implemented: use the published checkpoint "
+                            "or a dequantized one")
+    rope = dict(_rope_params(hf) or _GPT_OSS_ROPE)
+    rope.setdefault("rope_theta", hf.get("rope_theta", 150000.0))  # GptOssConfig's default_theta
+    hf = {**hf, "rope_parameters": rope}
+    kw = _llama_like(hf, arch)
+    n = kw["n_layer"]
+    kw["layer_types"] = _layer_types(hf, n, arch, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    kw["sliding_window_size"] = hf.get("sliding_window", 128)
+    if "sliding_attention" in kw["layer_types"] and kw["sliding_window_size"] is None:
+        raise UserError(f"{arch}: layer_types has sliding layers but sliding_window is null; fix the model config")
+    kw.update(bias=bool(hf.get("attention_bias", True)), norm_fp32_scale=True, attn_sinks=True, moe_bias=True,
+              moe_norm_topk=True, moe_n_expert=hf.get("num_local_experts", hf.get("num_experts", 128)),
+              moe_top_k=hf.get("num_experts_per_tok", hf.get("experts_per_token", 4)),
+              moe_swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+              moe_swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), moe_mxfp4=quant is not None,
+              hf_extra={k: hf[k] for k in ("router_aux_loss_coef", "pad_token_id", "bos_token_id", "eos_token_id",
+                                            "quantization_config") if hf.get(k) is not None})
+    if quant is not None:
+        odd = [(k, v) for k, v in (("hidden_size", kw["n_embd"]), ("intermediate_size", kw["intermediate_size"]))
+               if v % 32]
+        if odd:
+            raise UserError(f"{arch}: {odd[0][0]}={odd[0][1]} is not a multiple of 32, MXFP4's block; the checkpoint "
+                            "cannot be MXFP4: fix the model config")
+    return kw
+
+
+# GptOssConfig's RoPE where config.json has none
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 
 def _map_smollm3(hf: dict, arch: str) -> dict:
@@ -465,6 +529,22 @@ def _to_mixtral(c: Any) -> dict:
     return d
 
 
+def _to_gpt_oss(c: Any) -> dict:
+    d = _llama_to_hf(c, "gpt_oss")
+    d.pop("rope_scaling", None)
+    d.pop("rope_theta")
+    extra = dict(c.hf_extra)
+    quant = extra.pop("quantization_config", None)
+    d.update(extra, rope_parameters=rope_to_hf(c.rope_base, c.rope_scaling), attention_bias=c.bias,
+             layer_types=list(c.layer_types), sliding_window=c.sliding_window_size,
+             intermediate_size=c.moe_intermediate_size, num_local_experts=c.moe_n_expert,
+             num_experts_per_tok=c.moe_top_k, swiglu_limit=c.moe_swiglu_limit, swiglu_alpha=c.moe_swiglu_alpha)
+    if c.moe_mxfp4:  # the experts are written as stored: MXFP4, which transformers reads by this entry
+        d["quantization_config"] = quant or {"quant_method": "mxfp4",
+                                             "modules_to_not_convert": list(_GPT_OSS_MXFP4_UNCONVERTED)}
+    return d
+
+
 def _to_smollm3(c: Any) -> dict:
     d = _llama_to_hf(c, "smollm3")
     nope = set(c.nope_layers or ())
@@ -571,6 +651,7 @@ SPECS: dict[str, FamilySpec] = {s.architecture: s for s in (
     FamilySpec("Qwen3ForCausalLM", "qwen3", _map_qwen3, _to_qwen3, _fixed(_QWEN3_NAMES), "qwen3"),
     FamilySpec("Qwen3MoeForCausalLM", "qwen3_moe", _map_qwen3_moe, _to_qwen3_moe, _fixed(_QWEN3_MOE_NAMES)),
     FamilySpec("MixtralForCausalLM", "mixtral", _map_mixtral, _to_mixtral, _fixed(_MIXTRAL_NAMES)),
+    FamilySpec("GptOssForCausalLM", "gpt_oss", _map_gpt_oss, _to_gpt_oss, _fixed(_GPT_OSS_NAMES)),
     FamilySpec("SmolLM3ForCausalLM", "smollm3", _map_smollm3, _to_smollm3, _fixed(_LLAMA_NAMES)),
     FamilySpec("GemmaForCausalLM", "gemma", _map_gemma, _to_gemma, _fixed(_LLAMA_NAMES)),
     FamilySpec("Gemma2ForCausalLM", "gemma2", _map_gemma2, _to_gemma2, _fixed(_GEMMA2_NAMES), "gemma2"),
@@ -591,8 +672,6 @@ REFUSED = {
     "Gemma4ForCausalLM": "per-layer input embeddings (Gemma 4) are not implemented",
     "Qwen3NextForCausalLM": "linear-attention hybrid layers (Qwen3-Next) are not implemented",
     "Qwen3_5ForCausalLM": "linear-attention hybrid layers (Qwen3.5) are not implemented",
-    "GptOssForCausalLM": "gpt-oss is not implemented (attention sinks, its biased router and experts, its clamped "
-                         "SwiGLU, MXFP4 expert weights)",
     "Qwen2MoeForCausalLM": "mixtures of experts are not implemented yet",
     "OlmoeForCausalLM": "mixtures of experts are not implemented yet",
 }

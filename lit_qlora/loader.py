@@ -9,7 +9,6 @@ process's resident set once touched, which would make the whole checkpoint count
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -32,6 +31,7 @@ from lit_qlora.lora import (
     residual_init,
 )
 from lit_qlora.model import GPT, ExpertWeights
+from lit_qlora.mxfp4 import Mxfp4Tensor, join_stacks
 from lit_qlora.precision import parse_precision
 from lit_qlora.prequantized import StoredQuantization, open_stored
 from lit_qlora.quantize import (
@@ -40,9 +40,9 @@ from lit_qlora.quantize import (
     StoredEmbedding,
     TiedEmbedding4bit,
     check_quantize,
+    dequantize_packed,
     dequantize_weight,
     is_quantized,
-    load_bnb,
     prepare_4bit_for_sharding,
     quantize_4bit_tensor,
     quantize_experts,
@@ -96,6 +96,8 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     if tensors is None:
         weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
         tensors = read_safetensors(weights, deferred=bool(quantize) and device.type == "cpu")
+        if config.moe_mxfp4:  # each MXFP4 expert stack as one lazy tensor, dequantized an expert at a time
+            tensors = join_stacks(tensors)
     else:
         weights = Path("<the given tensors>")  # only named in error messages
     stored = None
@@ -121,7 +123,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
             quant_error = _quant_error(module, device, prec.dtype) if is_quantized(module) else None
             t, inits[name] = _take_residual(as_tensor(t), name, residual[name], lora, lora_init, quant_error)
             merged = True  # (not the stored quantization of the original weight)
-        if isinstance(module, QuantizedExpertWeights):  # stacked [E, out, in]: one bitsandbytes layer per expert
+        if isinstance(module, QuantizedExpertWeights) and param == "weight":  # [E, out, in]: a layer per expert
             stack = key.removesuffix(".weight")  # expert e is stored as {stack}.layers.{e}.weight
             fill = None if merged or not stored else (
                 lambda e, _m=module, _s=stack: stored.fill(_m.layers[e], f"{_s}.layers.{e}.weight"))
@@ -144,13 +146,15 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
         if as_stored and isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
             model.transformer.wte = FileEmbedding(t, prec.frozen_other_dtype)
             continue
+        if isinstance(t, Mxfp4Tensor):  # dense experts: dequantized into the compute dtype one expert at a time
+            t = t.load(prec.frozen_linear_dtype)
         t = as_tensor(t)  # everything else is kept as it is read (a FileTensor only feeds quantize_into)
         if as_stored and StoredEmbedding.fits(t, prec.frozen_other_dtype):
             model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
             del t
             continue
         # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed
-        linear_like = isinstance(module, (nn.Linear, ExpertWeights)) or is_quantized(module)
+        linear_like = isinstance(module, (nn.Linear, ExpertWeights, QuantizedExpertWeights)) or is_quantized(module)
         dtype = prec.frozen_linear_dtype if linear_like else prec.frozen_other_dtype
         module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
         del t
@@ -228,14 +232,10 @@ def _quant_error(module: nn.Module, device: torch.device, dtype: torch.dtype):
     """w -> w - dequantize(quantize(w)) as the 4-bit layer `module` would store w (None for int8: LoftQ is 4-bit)."""
     if not hasattr(module.weight, "quant_state") and not hasattr(module.weight, "quant_type"):
         return None
-    F = load_bnb().functional
 
     def err(w: torch.Tensor) -> torch.Tensor:
         packed, state = quantize_4bit_tensor(module, w.to(dtype), device)
-        state = copy.copy(state)
-        state.shape, state.dtype = torch.Size([w.numel()]), torch.float32
-        deq = F.dequantize_4bit(packed.view(torch.uint8).reshape(-1), state).reshape(w.shape).cpu()
-        return w.float() - deq
+        return w.float() - dequantize_packed(packed, state, torch.float32).reshape(w.shape).cpu()
     return err
 
 
@@ -314,7 +314,9 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
             copy_into_param(target, t)
         filled.add(names[id(target)])
 
-    for key, t in read_safetensors(weights):
+    tensors = read_safetensors(weights)
+    for key, t in (join_stacks(tensors) if config.moe_mxfp4 else tensors):
+        t = as_tensor(t)
         try:
             module, param = _owner(model, key)
         except AttributeError:

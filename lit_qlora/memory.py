@@ -53,7 +53,7 @@ from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.losses import head_chunk_rows
 from lit_qlora.precision import Precision, parse_precision
 from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import CPU_QUANTIZE_CHUNK
+from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, quantized_parts
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -122,7 +122,8 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "st
             seen.add(id(p))
             if quantized:
                 out_f, in_f = p.shape
-                layer = quantize.layer_bytes(out_f, in_f)
+                parts = quantized_parts(config, base_name) if quantize.is_4bit else None  # (each its own state)
+                layer = sum(quantize.layer_bytes(n, in_f) for n in (parts or [out_f]))
                 packed = -(-p.numel() // 2) if quantize.is_4bit else p.numel()  # the sharded part
                 quant += layer
                 quant_rank += layer - packed + _shard_rows(packed, shard_world)

@@ -1,5 +1,5 @@
 """One readable GPT for every family of lit_qlora/families.py (Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2, SmolLM3,
-GPT-NeoX, Falcon, Phi, StableLM, and the mixtures of experts Qwen3-MoE and Mixtral).
+GPT-NeoX, Falcon, Phi, StableLM, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss).
 
 Every difference between the families is a field of `Config`; there are no subclasses per family.
 Shapes in comments: B batch, T sequence, C n_embd, H heads, G query groups (kv heads), hs head size.
@@ -225,6 +225,8 @@ class CausalSelfAttention(nn.Module):
             per_head = config.qk_norm == "head"
             self.q_norm = make_norm(config, config.head_size if per_head else q_size)
             self.k_norm = make_norm(config, config.head_size if per_head else k_size)
+        if config.attn_sinks:  # gpt-oss: one learned logit per head in each softmax row (`sink_attention`)
+            self.sinks = nn.Parameter(torch.zeros(config.n_head))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
                 cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
@@ -272,6 +274,10 @@ class CausalSelfAttention(nn.Module):
         # GQA/MQA: query head j reads kv head j // (H / G), as in the reference implementations
         gqa = c.n_query_groups != c.n_head
         scale = c.attention_scale or 1.0 / math.sqrt(c.head_size)
+        if c.attn_sinks:
+            if cpu_half.attention_in_fp32(q, decoding=cached):  # as below: fp32 kernels where 16-bit ones are slow
+                return sink_attention(q.float(), k.float(), v.float(), mask, scale, self.sinks.float()).to(q.dtype)
+            return sink_attention(q, k, v, mask, scale, self.sinks)
         if c.attn_softcap is not None:
             return softcapped_attention(q, k, v, mask, scale, c.attn_softcap)
         if cpu_half.attention_in_fp32(q, decoding=cached):
@@ -291,6 +297,29 @@ class CausalSelfAttention(nn.Module):
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap): Gemma 2's soft-capping of attention and output logits."""
     return torch.tanh(x / cap) * cap
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with gpt-oss's sinks: each head's softmax row has one more logit, `sinks[h]`, whose value is zero, so a
+    query can give part of its attention to nothing (HF: cat the sink column to the logits, softmax, drop it).
+    q [B, H, T, hs], k and v [B, G, L, hs]; `mask` boolean [T, L] or [B, 1, T, L], None: causal, aligned to the last
+    key (a prefill from position 0 or one decoding step), as everywhere in this module.
+
+    Computed as one more key: k and v get a zero row (q . 0 = 0), and a float mask gives that key the sink logit (and
+    -inf where the boolean mask says no), so PyTorch's fused attention does the rest, backward included, and keeps
+    only its own softmax statistics for backward instead of a [B, H, T, L] probability matrix."""
+    B, H, T, hs = q.shape
+    G, L = k.size(1), k.size(2)
+    if mask is None:
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+    mask = mask.view(-1, 1, T, L)  # [1 or B, 1, T, L]
+    logits = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(mask.size(0), H, T, 1)
+    logits = torch.cat((logits.expand(-1, H, -1, -1), sink), dim=-1)  # [1 or B, H, T, L + 1]
+    zero = k.new_zeros(B, G, 1, hs)
+    k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=logits, scale=scale, enable_gqa=G != H)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -467,13 +496,14 @@ class LLaMAMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of gated MLPs (Qwen3-MoE, Mixtral). The router scores every expert for each token (softmax in fp32),
-    the token goes through the `moe_top_k` best, and their outputs are summed weighted by those scores (renormalized
-    over the top k where the family does). The router stays a dense Linear under --quantize."""
+    """A mixture of gated MLPs (Qwen3-MoE, Mixtral, gpt-oss). The router scores every expert for each token (softmax
+    in fp32), the token goes through the `moe_top_k` best, and their outputs are summed weighted by those scores
+    (renormalized over the top k where the family does: the same numbers as gpt-oss's softmax over the top k
+    logits). The router stays a dense Linear under --quantize."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.router = nn.Linear(config.n_embd, config.moe_n_expert, bias=False)
+        self.router = nn.Linear(config.n_embd, config.moe_n_expert, bias=config.moe_bias)
         self.experts = Experts(config)
         self.top_k, self.norm_topk = config.moe_top_k, config.moe_norm_topk
 
@@ -497,9 +527,12 @@ class Experts(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         E, C, inner = config.moe_n_expert, config.n_embd, config.moe_intermediate_size
-        self.fc_1, self.fc_2 = ExpertWeights(E, inner, C), ExpertWeights(E, inner, C)
-        self.proj = ExpertWeights(E, C, inner)
+        bias = config.moe_bias
+        self.fc_1, self.fc_2 = ExpertWeights(E, inner, C, bias), ExpertWeights(E, inner, C, bias)
+        self.proj = ExpertWeights(E, C, inner, bias)
         self.activation = config.activation
+        limit = config.moe_swiglu_limit
+        self.swiglu = None if limit is None else (config.moe_swiglu_alpha, limit)  # gpt-oss's clamped SwiGLU
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, C], chosen [N, k] expert indices, weights [N, k] -> [N, C]."""
@@ -512,7 +545,10 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 h = routed[start:start + n]
-                h = gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation)
+                if self.swiglu is None:
+                    h = gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation)
+                else:
+                    h = clamped_swiglu(self.fc_1(h, e), self.fc_2(h, e), *self.swiglu)
                 outs.append(self.proj(h, e))
                 start += n
         y = torch.cat(outs) * weights.reshape(-1)[order, None]
@@ -520,16 +556,24 @@ class Experts(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """One projection of every expert of a layer: `weight` [E, out, in]; expert e computes x @ weight[e]^T.
-    lit_qlora/quantize.py swaps it for bitsandbytes layers, one per expert."""
+    """One projection of every expert of a layer: `weight` [E, out, in] (and `bias` [E, out], gpt-oss); expert e
+    computes x @ weight[e]^T + bias[e]. lit_qlora/quantize.py swaps it for bitsandbytes layers, one per expert."""
 
-    def __init__(self, n_expert: int, out_features: int, in_features: int) -> None:
+    def __init__(self, n_expert: int, out_features: int, in_features: int, bias: bool = False) -> None:
         super().__init__()
         self.n_expert, self.out_features, self.in_features = n_expert, out_features, in_features
         self.weight = nn.Parameter(torch.empty(n_expert, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(n_expert, out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return cpu_half.linear(x, self.weight[e], None)
+        return cpu_half.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: the gate clamped from above and the up projection on both sides at `limit`, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def activate(x: torch.Tensor, kind: str) -> torch.Tensor:

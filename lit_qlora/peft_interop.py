@@ -75,7 +75,7 @@ def hf_lora_modules(config: Config) -> list[tuple[str, str, str, Optional[int]]]
         if fam["gate_up"]:
             out.append((pre + fam["gate_up"], ours + _GATE_UP[0], "gate_up", i))
             mlp = tuple(m for m in mlp if m not in _GATE_UP)
-        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in mlp]
+        out += [(pre + fam["map"][sub], ours + sub, "mlp", i) for sub in mlp if sub in fam["map"]]  # (gpt-oss: none)
     out.append((fam["globals"]["lm_head"], "lm_head", "head", None))
     return out
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from lit_qlora.checkpoint import DTYPES, FileTensor, safetensors_header, safetensors_metadata, write_safetensors_stream
 from lit_qlora.quantize import (
+    PartsQuantState,
     four_bit_settings,
     is_quantized,
     load_bnb,
@@ -40,7 +41,7 @@ from lit_qlora.quantize import (
 )
 from lit_qlora.utils import UserError
 
-FORMAT = "lit-qlora quantized weights 1"
+FORMAT = "lit-qlora quantized weights 2"
 _SAMPLES, _SAMPLE_BYTES = 32, 4096
 
 
@@ -127,8 +128,19 @@ class StoredQuantization:
         qs = {entry[1:]: t.load() for entry, t in entries.items()}  # bitsandbytes' QuantState entries
         if stored.dtype != torch.uint8 or not qs:
             return False
-        state = bnb.functional.QuantState.from_dict(qs, device=torch.device("cpu"))
         settings = four_bit_settings(module)
+        if any(k.startswith("part") for k in qs):  # quantized part by part (PartsQuantState)
+            state = PartsQuantState.from_dict(qs, module.in_features, torch.device("cpu"))
+            if [n for n, _ in state.parts] != list(settings["parts"] or ()):
+                return False
+            first = state.parts[0][1]
+            if any(p.quant_type != first.quant_type or p.nested != first.nested or p.blocksize != first.blocksize
+                   for _, p in state.parts):
+                return False
+        elif settings["parts"]:  # stored whole, but this layer quantizes part by part: quantize it again
+            return False
+        else:
+            state = bnb.functional.QuantState.from_dict(qs, device=torch.device("cpu"))
         if (tuple(state.shape) != (module.out_features, module.in_features)
                 or state.quant_type != settings["quant_type"] or state.blocksize != settings["blocksize"]
                 or state.nested != bool(settings["compress_statistics"])):

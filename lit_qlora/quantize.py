@@ -21,6 +21,7 @@ from lit_qlora import cpu_half
 from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.lora import LoRALinear
 from lit_qlora.model import ExpertWeights
+from lit_qlora.mxfp4 import Mxfp4Tensor
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant_mode import QuantMode
 from lit_qlora.utils import UserError, release_freed_memory
@@ -120,8 +121,11 @@ def load_bnb():
     return sys.modules["bitsandbytes"]
 
 
-def make_quantized_linear(linear: nn.Linear, mode: QuantMode, compute_dtype: torch.dtype) -> nn.Module:
-    """An empty (meta) bitsandbytes layer of the same shape as `linear`; `quantize_into` fills it."""
+def make_quantized_linear(linear: nn.Linear, mode: QuantMode, compute_dtype: torch.dtype,
+                          parts: Optional[tuple[int, ...]] = None) -> nn.Module:
+    """An empty (meta) bitsandbytes layer of the same shape as `linear`; `quantize_into` fills it. `parts`: the rows
+    of each HF tensor its weight stacks (`quantized_parts`), each quantized on its own (4-bit only: int8 scales
+    each row on its own anyway)."""
     bnb, mode = load_bnb(), QuantMode.parse(mode)
     out_f, in_f = linear.weight.shape
     has_bias = linear.bias is not None
@@ -133,8 +137,103 @@ def make_quantized_linear(linear: nn.Linear, mode: QuantMode, compute_dtype: tor
         # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
         # turns it back on where it is valid (`enable_cpu_inference_packing`).
         q.support_avx512bf16_for_cpu = False
+        if parts is not None and len(parts) > 1:
+            if sum(parts) != out_f:
+                raise ValueError(f"parts {parts} do not add up to {out_f} rows")
+            q.part_rows = tuple(parts)
     q.requires_grad_(False)
     return q
+
+
+def quantized_parts(config, name: str) -> Optional[tuple[int, ...]]:
+    """The rows of each HF tensor that the layer `name` of a `config` model stacks, where they are more than one:
+    our fused attn.qkv of a checkpoint that stores q_proj, k_proj and v_proj apart. None: the layer is one HF tensor
+    (Falcon's and Phi-3's fused query_key_value / qkv_proj, every other layer)."""
+    from lit_qlora.convert import qkv_layout  # (same layer; only needed once a model is quantized)
+
+    if name.endswith("attn.qkv") and qkv_layout(config) == "separate":
+        return tuple(config.qkv_sizes)
+    return None
+
+
+class PartsQuantState:
+    """The quantization state of a 4-bit layer whose rows stack several HF tensors (`quantized_parts`: our fused
+    [q | k | v] where the checkpoint has q_proj, k_proj, v_proj): one bitsandbytes QuantState per part, each made by
+    quantizing that tensor alone, exactly as bitsandbytes quantizes it in transformers. The packed bytes of the parts
+    follow each other in the layer's weight.
+
+    Why not one state for the stack: with double quantization bitsandbytes subtracts the mean block scale (`offset`)
+    before quantizing the scales to 8 bits in runs of 256, and one state shares that mean and those runs between q,
+    k and v. Where k and v have other scales than q (real checkpoints), their scales were rounded around q's mean:
+    v's error was ~8% above bitsandbytes' own, and a 135M model's first loss 1% above transformers + bitsandbytes'.
+
+    It answers what every 4-bit layer's state is asked (shape, dtype, blocksize, quant_type, nested, code, `to`,
+    `as_dict`); the block scales are per part (`parts`)."""
+
+    def __init__(self, parts: list[tuple[int, object]], shape: torch.Size, dtype: torch.dtype) -> None:
+        self.parts = parts  # [(rows, bitsandbytes QuantState)] in row order
+        self.shape, self.dtype = torch.Size(shape), dtype
+        first = parts[0][1]
+        self.blocksize, self.quant_type, self.nested, self.code = (first.blocksize, first.quant_type, first.nested,
+                                                                     first.code)
+
+    def to(self, device) -> None:
+        for _, state in self.parts:
+            state.to(device)
+
+    def as_dict(self, packed: bool = False) -> dict[str, torch.Tensor]:
+        """bitsandbytes' serialization of each part's state, its keys prefixed `part<i>.`."""
+        return {f"part{i}.{k}": v for i, (_, state) in enumerate(self.parts) for k, v in state.as_dict(packed).items()}
+
+    @classmethod
+    def from_dict(cls, entries: dict[str, torch.Tensor], in_features: int, device: torch.device) -> "PartsQuantState":
+        """Inverse of `as_dict(packed=True)` (KeyError or ValueError when `entries` is not such a dict)."""
+        QuantState = load_bnb().functional.QuantState
+        by_part: dict[int, dict[str, torch.Tensor]] = {}
+        for k, v in entries.items():
+            head, _, rest = k.partition(".")
+            if not (head.startswith("part") and head[4:].isdigit() and rest):
+                raise KeyError(k)
+            by_part.setdefault(int(head[4:]), {})[rest] = v
+        if sorted(by_part) != list(range(len(by_part))) or not by_part:
+            raise KeyError("part0")
+        states = [QuantState.from_dict(by_part[i], device=device) for i in range(len(by_part))]
+        for st in states:
+            if len(st.shape) != 2 or st.shape[1] != in_features:
+                raise ValueError(f"a part of shape {tuple(st.shape)}")
+        rows = [st.shape[0] for st in states]
+        return cls(list(zip(rows, states)), torch.Size((sum(rows), in_features)), states[0].dtype)
+
+
+def _state_of(module: nn.Module):
+    """A 4-bit layer's QuantState (or PartsQuantState): on its weight, or kept on the module (FSDP's plain weight)."""
+    return getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+
+
+def has_parts(module: nn.Module) -> bool:
+    """Whether `module` is a 4-bit layer quantized part by part (`PartsQuantState`)."""
+    return isinstance(_state_of(module), PartsQuantState) or bool(getattr(module, "part_rows", None))
+
+
+def dequantize_packed(packed: torch.Tensor, state, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The flat dequantized values of `packed` (its bytes, any shape) under `state` (a QuantState or PartsQuantState),
+    each part as the flat blocks it was quantized in, in `dtype` (default: the state's)."""
+    F = load_bnb().functional
+    data = packed.reshape(-1)
+    if data.dtype != torch.uint8:
+        data = data.view(torch.uint8)
+    parts = state.parts if isinstance(state, PartsQuantState) else [(state.shape[0], state)]
+    cols = state.shape[1] if len(state.shape) > 1 else 1
+    out, byte = [], 0
+    for rows, part in parts:
+        n = rows * cols if isinstance(state, PartsQuantState) else state.shape.numel()
+        part = copy.copy(part)
+        part.shape = torch.Size([n])
+        if dtype is not None:
+            part.dtype = dtype
+        out.append(F.dequantize_4bit(data[byte:byte + (n + 1) // 2], part).reshape(-1))
+        byte += (n + 1) // 2
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def needs_flat_dequantize(in_features: int) -> bool:
@@ -150,14 +249,8 @@ def dequantize_flat(module: nn.Module, dtype: Optional[torch.dtype] = None) -> t
     (default: its compute dtype). fp32 comes straight from the 4-bit codes, not through a 16-bit rounding."""
     bnb = load_bnb()
     bnb.nn.modules.fix_4bit_weight_quant_state_from_module(module)  # FSDP's gathered weight comes without it
-    state = copy.copy(module.weight.quant_state)
-    state.shape = torch.Size([module.out_features * module.in_features])
-    if dtype is not None:
-        state.dtype = dtype
-    data = module.weight.data
-    if data.dtype != torch.uint8:  # stored as another dtype for FSDP (prepare_4bit_for_sharding): the same bytes
-        data = data.view(torch.uint8)
-    flat = bnb.functional.dequantize_4bit(data.reshape(-1), state)
+    # (stored as another dtype for FSDP, prepare_4bit_for_sharding: the same bytes)
+    flat = dequantize_packed(module.weight.data, module.weight.quant_state, dtype)
     return flat.reshape(module.out_features, module.in_features)
 
 
@@ -176,6 +269,16 @@ class _DequantMatmul(torch.autograd.Function):
         return (grad.to(ctx.dtype) @ dequantize_flat(ctx.layer, ctx.dtype)).to(grad.dtype), None, None
 
 
+def parts_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A part-by-part quantized layer's forward (`PartsQuantState`): its weight dequantized part by part into the
+    compute dtype (fp32 for a 16-bit input where the CPU has no native 16-bit matmul), one matmul, as bitsandbytes'
+    own 4-bit matmul computes a layer."""
+    dtype = module.compute_dtype or x.dtype
+    if x.device.type == "cpu" and cpu_half.in_fp32(x.to(dtype), module.out_features):
+        dtype = torch.float32
+    return _DequantMatmul.apply(x, module, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu_linear4bit() -> type:
     """`bitsandbytes.nn.Linear4bit` with our CPU forward (made on first use: bitsandbytes is imported lazily). On
@@ -188,6 +291,8 @@ def _cpu_linear4bit() -> type:
         rows bitsandbytes' CPU kernels get wrong (`needs_flat_dequantize`)."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if has_parts(self):  # bitsandbytes' matmul knows one state: our matmul, on any device
+                return parts_matmul(self, x)
             if x.device.type != "cpu":
                 return super().forward(x)
             if cpu_half.in_fp32(x, self.out_features):
@@ -224,6 +329,9 @@ def quantize_into(module: nn.Module, weight: torch.Tensor | FileTensor, device: 
         p = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype), requires_grad=False,
                               has_fp16_weights=False)
         module.weight = p.to(device)
+    elif has_parts(module):
+        packed, state = quantize_4bit_tensor(module, weight, device)
+        set_4bit_weight(module, packed, state)
     else:
         p = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=module.weight.quant_type,
                               compress_statistics=module.weight.compress_statistics, blocksize=module.weight.blocksize,
@@ -283,8 +391,12 @@ def _flat_reader(weight: torch.Tensor | FileTensor) -> Callable[[int, int], torc
 def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict,
                        dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, object]:
     """(packed weight [n/2 bytes, 1] in settings' quant_storage, QuantState) of a full-precision CPU `weight`
-    converted to `dtype` (default: its own), in chunks (see CPU_QUANTIZE_CHUNK)."""
+    converted to `dtype` (default: its own), in chunks (see CPU_QUANTIZE_CHUNK). With settings' `parts` (rows of each
+    stacked HF tensor) each part is quantized on its own: the packed bytes follow each other, the state is a
+    PartsQuantState."""
     dtype = dtype or weight.dtype
+    if settings.get("parts"):
+        return _quantize_parts(weight, settings, lambda part, s: _quantize_4bit_cpu(F, part, s, dtype), dtype)
     read = _flat_reader(weight)
     n, bs, quant_type = weight.numel(), settings["blocksize"], settings["quant_type"]
     step = max(1, CPU_QUANTIZE_CHUNK // bs) * bs
@@ -306,6 +418,33 @@ def _quantize_4bit_cpu(F, weight: torch.Tensor, settings: dict,
     return packed, F.QuantState(absmax=absmax, **kw)
 
 
+def _rows(weight: torch.Tensor | FileTensor, r0: int, n: int) -> torch.Tensor | FileTensor:
+    """Rows r0:r0+n of a weight [out, in]: a view of a tensor, or that range of the file."""
+    if isinstance(weight, FileTensor):
+        cols = weight.shape[1]
+        return FileTensor(weight.path, weight.offset + r0 * cols * weight.itemsize, (n, cols), weight.dtype)
+    return weight[r0:r0 + n]
+
+
+def _quantize_parts(weight: torch.Tensor | FileTensor, settings: dict, quantize_one: Callable,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, PartsQuantState]:
+    """(packed bytes of every part in turn, PartsQuantState) of `weight`, each part of settings' `parts` rows
+    quantized by `quantize_one(rows, settings without parts)`."""
+    one = {**settings, "parts": None}
+    packed, states, r0 = [], [], 0
+    for n in settings["parts"]:
+        p, state = quantize_one(_rows(weight, r0, n), one)
+        packed.append(p.reshape(-1).view(torch.uint8))
+        states.append((n, state))
+        r0 += n
+    if r0 != weight.shape[0]:
+        raise ValueError(f"parts {settings['parts']} do not add up to {weight.shape[0]} rows")
+    data = torch.cat(packed)
+    if settings["quant_storage"] != torch.uint8:
+        data = data.view(settings["quant_storage"])
+    return data.unsqueeze(1), PartsQuantState(states, torch.Size(weight.shape), dtype)
+
+
 def four_bit_settings(module: nn.Module) -> dict:
     """How a bitsandbytes 4-bit layer quantizes: read from its (meta) Params4bit, or kept on the module once the
     weight became a plain sharded parameter (`prepare_4bit_for_sharding`)."""
@@ -314,7 +453,7 @@ def four_bit_settings(module: nn.Module) -> dict:
         return kept
     w = module.weight
     return dict(blocksize=w.blocksize, quant_type=w.quant_type, compress_statistics=w.compress_statistics,
-                quant_storage=w.quant_storage)
+                quant_storage=w.quant_storage, parts=getattr(module, "part_rows", None))
 
 
 def quantize_4bit_tensor(module: nn.Module, weight: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
@@ -326,9 +465,13 @@ def quantize_4bit_tensor(module: nn.Module, weight: torch.Tensor, device: torch.
         packed, state = _quantize_4bit_cpu(F, weight, settings)
         release_freed_memory()
         return packed, state
-    return F.quantize_4bit(weight.to(device), blocksize=settings["blocksize"],
-                           compress_statistics=settings["compress_statistics"], quant_type=settings["quant_type"],
-                           quant_storage=settings["quant_storage"])
+    def on_device(w: torch.Tensor, s: dict) -> tuple[torch.Tensor, object]:
+        return F.quantize_4bit(as_tensor(w).to(device), blocksize=s["blocksize"],
+                               compress_statistics=s["compress_statistics"], quant_type=s["quant_type"],
+                               quant_storage=s["quant_storage"])
+    if settings.get("parts"):
+        return _quantize_parts(weight, settings, on_device, weight.dtype)
+    return on_device(weight, settings)
 
 
 def prepare_4bit_for_sharding(model: nn.Module, storage: torch.dtype = torch.uint8) -> int:
@@ -384,7 +527,9 @@ def swap_linears(model: nn.Module, mode: QuantMode, compute_dtype: torch.dtype,
                 continue
             if not quantize_lm_head and full.split(".")[0] == "lm_head":
                 continue
-            setattr(module, child_name, make_quantized_linear(child, mode, compute_dtype))
+            layer = full.removesuffix(".base")  # (a LoRA layer wraps its base)
+            parts = quantized_parts(model.config, layer) if hasattr(model, "config") else None
+            setattr(module, child_name, make_quantized_linear(child, mode, compute_dtype, parts))
             swapped.append(full)
     return swapped
 
@@ -400,9 +545,11 @@ class QuantizedExpertWeights(nn.Module):
         self.n_expert, self.out_features, self.in_features = dense.n_expert, dense.out_features, dense.in_features
         shape = nn.Linear(dense.in_features, dense.out_features, bias=False, device="meta")
         self.layers = nn.ModuleList(make_quantized_linear(shape, mode, compute_dtype) for _ in range(dense.n_expert))
+        self.bias = dense.bias  # [E, out] or None: stays dense, as a quantized Linear's bias does
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self.layers[e](x)
+        y = self.layers[e](x)
+        return y if self.bias is None else y + self.bias[e].to(y.dtype)
 
 
 def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | FileTensor, device: torch.device,
@@ -416,6 +563,8 @@ def quantize_experts(module: QuantizedExpertWeights, weight: torch.Tensor | File
         if isinstance(weight, FileTensor):
             part = FileTensor(weight.path, weight.offset + e * out_f * in_f * weight.itemsize, (out_f, in_f),
                               weight.dtype)
+        elif isinstance(weight, Mxfp4Tensor):  # gpt-oss's stored experts: this expert dequantized (exact in bf16)
+            part = weight.expert(e)
         else:
             part = weight[e]
         quantize_into(layer, part, device, dtype)
@@ -522,7 +671,9 @@ def enable_cpu_inference_packing(model: nn.Module, enable: bool) -> int:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             # (a head that also serves the embedding rows must keep the layout TiedEmbedding4bit reads)
-            ok = enable and has_avx512bf16() and m.in_features % 64 == 0 and not getattr(m, "feeds_embedding", False)
+            # (bitsandbytes' repacking knows one QuantState per layer: a layer quantized part by part keeps its own)
+            ok = (enable and has_avx512bf16() and m.in_features % 64 == 0 and not getattr(m, "feeds_embedding", False)
+                  and not has_parts(m))
             m.support_avx512bf16_for_cpu = ok
             n += ok
     return n
@@ -610,12 +761,21 @@ def memory_report(model: nn.Module) -> dict:
 
 def _quant_state_bytes(p: torch.Tensor, module: nn.Module) -> int:
     qs = getattr(p, "quant_state", None) or getattr(module, "quant_state", None)
-    if qs is not None:  # 4-bit: absmax per block (+ its own quantization state when nested) and the code table
-        # bitsandbytes gives every layer its own copy of the code tables (16 + 256 fp32), so they count per layer
-        n = _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
-        if qs.nested:
-            n += _tensor_bytes(qs.state2.absmax) + _tensor_bytes(qs.state2.code) + _tensor_bytes(qs.offset)
-        return n
+    if isinstance(qs, PartsQuantState):
+        return sum(_state_bytes(state) for _, state in qs.parts)
+    return _state_bytes(qs) if qs is not None else _int8_scale_bytes(p, module)
+
+
+def _state_bytes(qs) -> int:
+    """4-bit: absmax per block (+ its own quantization state when nested) and the code table. bitsandbytes gives
+    every layer (every part of a PartsQuantState) its own copy of the code tables (16 + 256 fp32): they count each."""
+    n = _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
+    if qs.nested:
+        n += _tensor_bytes(qs.state2.absmax) + _tensor_bytes(qs.state2.code) + _tensor_bytes(qs.offset)
+    return n
+
+
+def _int8_scale_bytes(p: torch.Tensor, module: nn.Module) -> int:
     # int8: one fp32 scale per row. The first forward moves it from the weight to `module.state.SCB`.
     scb = getattr(p, "SCB", None)
     if scb is None:
@@ -649,6 +809,6 @@ def dequantize_weight(module: nn.Module) -> torch.Tensor:
         scb = w.SCB if getattr(w, "SCB", None) is not None else module.state.SCB
         cb = w.data if w.data.dtype == torch.int8 else module.state.CB
         return cb.float() * scb.float()[:, None] / 127.0
-    if needs_flat_dequantize(module.in_features):
+    if needs_flat_dequantize(module.in_features) or has_parts(module):
         return dequantize_flat(module)
     return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)

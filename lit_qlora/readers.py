@@ -343,9 +343,11 @@ _CONFIG_SIZES = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
 _CONFIG_OPTIONAL_SIZES = ("n_query_groups", "head_size", "intermediate_size", "sliding_window_size",
                           "moe_intermediate_size")
 _CONFIG_COUNTS = ("moe_n_expert", "moe_top_k")
-_CONFIG_OPTIONAL_POSITIVE = ("rope_local_base", "attention_scale", "attn_softcap", "final_softcap")
+_CONFIG_OPTIONAL_POSITIVE = ("rope_local_base", "attention_scale", "attn_softcap", "final_softcap", "moe_swiglu_limit",
+                             "moe_swiglu_alpha")
 _CONFIG_BOOLS = ("parallel_residual", "shared_attention_norm", "norm_unit_offset", "bias", "attn_bias", "lm_head_bias",
-                 "tie_embeddings", "scale_embeddings", "pre_norms", "post_norms", "norm_fp32_scale", "moe_norm_topk")
+                 "tie_embeddings", "scale_embeddings", "pre_norms", "post_norms", "norm_fp32_scale", "moe_norm_topk",
+                 "moe_bias", "moe_mxfp4", "attn_sinks")
 _CONFIG_CHOICES = {"norm_class": ("RMSNorm", "LayerNorm"), "mlp_class": ("GptNeoxMLP", "LLaMAMLP"),
                    "activation": ("silu", "gelu", "gelu_tanh"), "qk_norm": (None, "head", "full")}
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -420,6 +422,8 @@ HF_CONFIG_FIELDS = {
     "activation": "str", "tie_word_embeddings": "bool", "use_parallel_residual": "bool", "bias": "bool",
     "attention_bias": "bool", "mlp_bias": "bool", "use_sliding_window": "bool", "new_decoder_architecture": "bool",
     "multi_query": "bool", "parallel_attn": "bool", "alibi": "bool", "qk_layernorm": "bool", "use_qkv_bias": "bool",
+    "num_local_experts": "size", "num_experts_per_tok": "size", "swiglu_limit": "positive", "swiglu_alpha": "positive",
+    "quantization_config": "object", "attention_dropout": "fraction", "output_router_logits": "bool",
 }
 
 

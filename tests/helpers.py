@@ -9,6 +9,7 @@ import runpy
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -128,6 +129,17 @@ TINY_HF_CONFIGS: dict[str, dict] = {
                     intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                     rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
+    # gpt-oss: attention sinks and biases, a sliding layer (window 8, shorter than the test sequences) then a full
+    # one, its published YaRN; 4 biased experts of 32 behind a biased router, top 2 (softmax over the top-2 logits);
+    # a SwiGLU clamp low enough (2) that the tiny model's gates and ups reach it, and a gain other than the default
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=320, hidden_size=64,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=131072,
+                    swiglu_limit=2.0, swiglu_alpha=1.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096,
+                                     "rope_theta": 150000.0}),
     # longrope: the short factors (every test sequence is within original_max_position_embeddings; the long ones are
     # tested in test_model)
     "llama_longrope": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
@@ -230,10 +242,16 @@ def load_ours(folder: Path) -> GPT:
 
 
 # ---- bitsandbytes references (tests/test_quantize.py, tests/test_prequantized.py) -------------------------------
-def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> torch.nn.Module:
-    """A bitsandbytes layer built the way its documentation does it, from the full-precision weight `w` [out, in]."""
+def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype,
+                    parts: Optional[Sequence[int]] = None) -> "torch.nn.Module | list[torch.nn.Module]":
+    """A bitsandbytes layer built the way its documentation does it, from the full-precision weight `w` [out, in].
+    With `parts` (the rows of each HF tensor a fused layer stacks, `quantize.quantized_parts`) and a 4-bit mode: a
+    list, one such layer per part, as transformers + bitsandbytes quantize q_proj, k_proj and v_proj apart (int8
+    scales each row on its own: one layer)."""
     import bitsandbytes as bnb
 
+    if parts and mode != "bnb.int8":
+        return [reference_layer(mode, p, compute_dtype) for p in w.split(list(parts))]
     out_f, in_f = w.shape
     if mode == "bnb.int8":
         ref = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=6.0)
@@ -247,7 +265,55 @@ def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype) -> t
     return ref.to("cpu")
 
 
-def assert_same_stored(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+def _packed_parts(layer: torch.nn.Module) -> list[tuple[torch.Tensor, object]]:
+    """(packed bytes, QuantState) of each separately quantized part of a loaded 4-bit layer, in row order."""
+    from lit_qlora.quantize import PartsQuantState
+
+    state, data = layer.weight.quant_state, layer.weight.data.reshape(-1).view(torch.uint8)
+    if not isinstance(state, PartsQuantState):
+        return [(data, state)]
+    out, byte = [], 0
+    for rows, part in state.parts:
+        n = (rows * layer.in_features + 1) // 2
+        out.append((data[byte:byte + n], part))
+        byte += n
+    assert byte == data.numel()
+    return out
+
+
+def bnb_dequantized(layer: torch.nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bitsandbytes' own dequantization (`functional.dequantize_4bit`, of the flat blocks the weight was quantized
+    in) of a loaded 4-bit layer's weight [out, in], part by part where it was quantized part by part."""
+    import copy
+
+    import bitsandbytes as bnb
+
+    flat = []
+    for data, state in _packed_parts(layer):
+        state = copy.copy(state)
+        state.shape, state.dtype = torch.Size([data.numel() * 2]), dtype
+        flat.append(bnb.functional.dequantize_4bit(data, state).reshape(-1))
+    return torch.cat(flat)[:layer.out_features * layer.in_features].view(layer.out_features, layer.in_features)
+
+
+def assert_same_stored(ours: torch.nn.Module, ref: "torch.nn.Module | list[torch.nn.Module]") -> None:
+    """`ours` stores what the bitsandbytes layer `ref` stores, or with a list (`reference_layer` with parts) what
+    each part's layer stores, part after part."""
+    from lit_qlora.quantize import PartsQuantState
+
+    if isinstance(ref, list):
+        parts = _packed_parts(ours)
+        assert isinstance(ours.weight.quant_state, PartsQuantState) and len(parts) == len(ref)
+        for (data, state), r in zip(parts, ref):
+            view = SimpleNamespace(weight=SimpleNamespace(data=data.view(r.weight.data.dtype).view(r.weight.data.shape),
+                                                          quant_state=state))
+            assert_same_stored(view, r)
+        return
+    if isinstance(getattr(ref.weight, "quant_state", None), PartsQuantState):  # another layer of ours
+        theirs = _packed_parts(ref)
+        return assert_same_stored(ours, [SimpleNamespace(weight=SimpleNamespace(data=d.unsqueeze(1), quant_state=st))
+                                         for d, st in theirs])
+    assert not isinstance(getattr(ours.weight, "quant_state", None), PartsQuantState), "quantized part by part"
     assert torch.equal(ours.weight.data, ref.weight.data)
     qs, rs = getattr(ours.weight, "quant_state", None), getattr(ref.weight, "quant_state", None)
     if qs is None:  # int8: the per-row scales

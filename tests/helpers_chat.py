@@ -117,13 +117,17 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PHI4_SPECIALS = [*CHATML_SPECIALS, "<|im_sep|>"]
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+# gpt-oss's o200k_harmony special tokens (ids 199998-200012 there): bos <|startoftext|>, eos <|return|>, pad
+# <|endoftext|>; generation_config.json's eos ids are <|return|>, <|endoftext|>, <|call|>
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>"]
 MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                      "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
 
 def make_chat_checkpoint(kind: str, folder: Path, template: str) -> Path:
-    """A tokenizer folder for a model family: llama3, chatml_qwen, chatml_smollm, chatml_phi4, gemma, mistral3, sp,
-    sp_legacy."""
+    """A tokenizer folder for a model family: llama3, chatml_qwen, chatml_smollm, chatml_phi4, gemma, mistral3,
+    harmony, sp, sp_legacy."""
     if kind == "llama3":
         return make_bpe_chat_tokenizer(folder, LLAMA3_SPECIALS, bos="<|begin_of_text|>", eos="<|eot_id|>",
                                        bos_in_post_processor=True, chat_template=template)
@@ -142,6 +146,12 @@ def make_chat_checkpoint(kind: str, folder: Path, template: str) -> Path:
     if kind == "mistral3":
         return make_bpe_chat_tokenizer(folder, MISTRAL3_SPECIALS, bos="<s>", eos="</s>", unk="<unk>",
                                        metaspace=True, bos_in_post_processor=True, chat_template=template)
+    if kind == "harmony":  # gpt-oss: byte-level BPE, no bos added by the tokenizer (the template writes none)
+        folder = make_bpe_chat_tokenizer(folder, HARMONY_SPECIALS, bos="<|startoftext|>", eos="<|return|>",
+                                         pad="<|endoftext|>", chat_template=template)
+        ids = [HARMONY_SPECIALS.index(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]
+        _write_json(folder / "generation_config.json", {"bos_token_id": 0, "eos_token_id": ids, "pad_token_id": 1})
+        return folder
     if kind in ("sp", "sp_legacy"):
         return make_sp_chat_tokenizer(folder, template, legacy=kind == "sp_legacy")
     raise ValueError(kind)

@@ -194,9 +194,13 @@ def sharded_load_worker(rank: int, world: int, port: int, cases: list[dict], out
             states = {}
             for n, m in fourbit.items():
                 a, b = m.quant_state, ref.get_submodule(n).weight.quant_state
-                same = torch.equal(a.absmax, b.absmax) and torch.equal(a.code, b.code) and a.shape == b.shape
-                if b.nested:
-                    same = same and torch.equal(a.state2.absmax, b.state2.absmax) and torch.equal(a.offset, b.offset)
+                a_parts, b_parts = (getattr(s, "parts", [(None, s)]) for s in (a, b))  # PartsQuantState: per part
+                same = a.shape == b.shape and len(a_parts) == len(b_parts)
+                for (ra, pa), (rb, pb) in zip(a_parts, b_parts):
+                    same = same and ra == rb and torch.equal(pa.absmax, pb.absmax) and torch.equal(pa.code, pb.code)
+                    if pb.nested:
+                        same = (same and torch.equal(pa.state2.absmax, pb.state2.absmax)
+                                and torch.equal(pa.offset, pb.offset))
                 states[n] = same
             r["quant_states_equal"] = states
             r["logits_max_diff"] = float((logits - ref_logits).abs().max())

@@ -46,7 +46,12 @@ TEMPLATES = {
     "qwen3": ("chatml_qwen", True, "<|im_start|>assistant\n", "<|im_end|>"),
     "gemma3_it": ("gemma", True, "<start_of_turn>model\n", "<end_of_turn>"),  # folds a system message into user
     "phi4": ("chatml_phi4", True, "<|im_start|>assistant<|im_sep|>", "<|im_end|>"),
+    # gpt-oss's harmony: a system message becomes the developer message; the model writes the channel header itself
+    "gpt_oss": ("harmony", True, "<|start|>assistant", "<|return|>"),
 }
+# Where the hand rule's turns end when not all at the end-of-turn token: harmony ends every message with <|end|>
+# (the reasoning before an answer too) and only the conversation's last answer with <|return|>, the stop token
+TURN_ENDS = {"gpt_oss": ("<|end|>", "<|return|>")}
 
 SINGLE = [{"role": "user", "content": "Hello, how are you?"},
           {"role": "assistant", "content": "I'm fine, thanks! 😀"}]
@@ -82,9 +87,15 @@ def ref_ids(ref, messages, agp=False, **kw) -> list[int]:
     return ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=agp, **kw)["input_ids"]
 
 
-def hand_spans(text: str, header: str, end_token: str) -> list[tuple[int, int]]:
-    """The hand rule: each assistant turn runs from the end of `header` through the next `end_token`."""
-    return [(m.end(), text.index(end_token, m.end()) + len(end_token)) for m in re.finditer(re.escape(header), text)]
+def hand_spans(text: str, header: str, end_token: str | tuple[str, ...]) -> list[tuple[int, int]]:
+    """The hand rule: each assistant turn runs from the end of `header` through the next `end_token` (the nearest of
+    several)."""
+    ends = (end_token,) if isinstance(end_token, str) else end_token
+    spans = []
+    for m in re.finditer(re.escape(header), text):
+        at, token = min((text.find(t, m.end()), t) for t in ends if t in text[m.end():])
+        spans.append((m.end(), at + len(token)))
+    return spans
 
 
 def expected_labels(ref, text: str, header: str, end_token: str, spans=None) -> tuple[list[int], list[int]]:
@@ -138,7 +149,7 @@ def test_render_matches_transformers_for_chatml_without_bos(checkpoints):
     assert ct.render_chat(tok, SINGLE, template=probe) == "False|<|im_end|>|<|endoftext|>|False"
 
 
-@pytest.mark.parametrize("name", ["qwen25_instruct", "llama31_instruct", "mistral_v03_instruct", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen25_instruct", "llama31_instruct", "mistral_v03_instruct", "qwen3", "gpt_oss"])
 def test_tools_render_like_transformers(checkpoints, name):
     # tools go through tojson (indent, non-ASCII, "<" kept as is) exactly as transformers' override does
     tok, ref = checkpoints(name)
@@ -222,15 +233,15 @@ def test_assistant_mask_equals_hand_rule(checkpoints, name):
                 ct.assistant_mask(tok, None, conversation)
             continue
         text = ref_text(ref, conversation)
-        exp_ids, exp_labels = expected_labels(ref, text, header, end_token)
+        exp_ids, exp_labels = expected_labels(ref, text, header, TURN_ENDS.get(name, end_token))
         ids, labels = ct.assistant_mask(tok, None, conversation)
         assert ids == exp_ids
         assert labels == exp_labels, (label, trained_text(tok, ids, labels), trained_text(tok, ids, exp_labels))
         n_turns = sum(m["role"] == "assistant" for m in conversation)
         assert len(re.findall(re.escape(header), text)) == n_turns  # the rule found every turn
         # every turn's end-of-turn token is trained, nothing after the last one is
-        eot = tok.token_to_id(end_token)
-        assert sum(1 for i, lab in zip(ids, labels) if lab == eot) >= n_turns
+        eot = {tok.token_to_id(t) for t in TURN_ENDS.get(name, (end_token,))}
+        assert sum(1 for i, lab in zip(ids, labels) if lab in eot) >= n_turns
         checked += 1
     assert checked >= 2
 
@@ -281,6 +292,38 @@ def test_assistant_mask_with_template_that_rerenders_earlier_turns(checkpoints):
     ids, labels = ct.assistant_mask(tok, None, messages, enable_thinking=False)
     assert ids == exp_ids and labels == exp_labels, trained_text(tok, ids, labels)
     assert trained_text(tok, ids, labels) == "It is 4.add again\n</think>\n\nIt is 6."
+
+
+def test_harmony_reasoning_masks_and_stops(checkpoints):
+    """gpt-oss's harmony template with reasoning ("thinking"): the earlier turn's reasoning is dropped, the last
+    turn's kept in the analysis channel; both render as transformers renders them (reasoning_effort too). Trained: the
+    earlier answer through <|end|>, and the last turn from its channel header through <|return|>, reasoning, the
+    second assistant header and answer included (the model writes all of it after the prompt's "<|start|>assistant").
+    Generation stops at <|return|> and generation_config.json's eos ids (<|endoftext|>, <|call|>), never at <|end|>,
+    which also ends the reasoning."""
+    tok, ref = checkpoints("gpt_oss")
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "thinking": "add them", "content": "It is 4."},
+                {"role": "user", "content": "And 3 + 3?"},
+                {"role": "assistant", "thinking": "add again", "content": "It is 6."}]
+    for agp, msgs in ((False, messages), (True, messages[:-1])):
+        expected = ref_text(ref, msgs, agp, reasoning_effort="high")
+        assert ct.render_chat(tok, msgs, agp, reasoning_effort="high") == expected
+        assert "Reasoning: high" in expected
+    text = ref_text(ref, messages)
+    assert "add them" not in text and "<|channel|>analysis<|message|>add again<|end|>" in text
+    first = text.index("<|start|>assistant") + len("<|start|>assistant")
+    last = text.index("<|start|>assistant", text.index("And 3 + 3?")) + len("<|start|>assistant")
+    spans = [(first, text.index("<|end|>", first) + len("<|end|>")), (last, len(text))]
+    assert text.endswith("It is 6.<|return|>")
+    exp_ids, exp_labels = expected_labels(ref, text, "", "", spans)
+    ids, labels = ct.assistant_mask(tok, None, messages)
+    assert ids == exp_ids and labels == exp_labels, trained_text(tok, ids, labels)
+    ids_of = {t: ref.convert_tokens_to_ids(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>", "<|end|>")}
+    stops = ct.stop_ids(tok, tok.chat_template)
+    assert sorted(stops) == sorted(ids_of[t] for t in ("<|return|>", "<|endoftext|>", "<|call|>"))
+    assert ids_of["<|end|>"] not in stops
 
 
 def test_special_token_between_header_and_content(checkpoints):

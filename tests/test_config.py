@@ -74,7 +74,8 @@ def test_an_unknown_hf_architecture_in_our_config_is_refused(tmp_path):
     ("moe_n_expert", -1), ("moe_top_k", 1.5), ("post_norms", "yes"), ("qk_norm", "per-head"),
     ("attn_softcap", 0), ("final_softcap", float("nan")), ("rope_local_base", "10000"), ("attention_scale", -1.0),
     ("layer_types", ["sliding_attention"]), ("layer_types", ["sliding_attention", "linear_attention"]),
-    ("nope_layers", [5]), ("moe_dense_layers", [0.5]), ("norm_fp32_scale", None),
+    ("nope_layers", [5]), ("moe_dense_layers", [0.5]), ("norm_fp32_scale", None), ("attn_sinks", 1),
+    ("moe_bias", "true"), ("moe_mxfp4", None), ("moe_swiglu_limit", 0), ("moe_swiglu_alpha", "1.702"),
     ("norm_eps", 2.5)])  # found by the file fuzzer (seed 11016): an epsilon that rescales every activation loaded
 def test_every_field_of_our_model_config_is_checked(tmp_path, field, value):
     """Each field of model_config.json that changes the math is refused in one line naming it when its value is of

@@ -23,11 +23,10 @@ is wrong when in_features % 64 == 32 (0.50.2), so the reference dequantizes the 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
+from helpers import bnb_dequantized
 
 from lit_qlora.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
 
@@ -93,10 +92,9 @@ def quantized_layer(mode: str, out_f: int, in_f: int, dtype: torch.dtype = torch
 
 
 def bnb_weight(layer: nn.Module) -> torch.Tensor:
-    """bitsandbytes' own fp32 dequantization of the layer's weight, over the flattened tensor (see the docstring)."""
-    qs = copy.copy(layer.weight.quant_state)
-    qs.shape, qs.dtype = torch.Size([layer.out_features * layer.in_features]), torch.float32
-    return bnb.functional.dequantize_4bit(layer.weight.data, qs).view(layer.out_features, layer.in_features)
+    """bitsandbytes' own fp32 dequantization of the layer's weight, over the flattened tensor (see the docstring),
+    part by part where it was quantized part by part (a fused qkv)."""
+    return bnb_dequantized(layer)
 
 
 def reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -525,12 +523,13 @@ def teacher_forced_logits(model: nn.Module, seq: torch.Tensor) -> torch.Tensor:
     return torch.cat(steps).float()
 
 
-def exact_reference(folder, quantized: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """(fp32 dense model of bitsandbytes' dequantized weights, its greedy sequence, its teacher-forced logits)."""
+def exact_reference(folder, quantized: nn.Module, seed: int = 5) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """(fp32 dense model of bitsandbytes' dequantized weights, its greedy sequence from a random prompt of `seed`, its
+    teacher-forced logits)."""
     from lit_qlora.generation import generate
 
     exact = dense_from_bnb(folder, quantized, "32-true")
-    prompt = torch.randint(0, quantized.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
+    prompt = torch.randint(0, quantized.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed))
     seq = generate(exact, prompt, max_new_tokens=NEW_TOKENS)
     assert len(set(seq[PROMPT_LEN:].tolist())) >= 2, "a real continuation, not one token repeated"
     return exact, seq, teacher_forced_logits(exact, seq)
@@ -597,14 +596,20 @@ def test_bf16_decoding_is_as_close_as_dense_bf16(family_ckpts, kind, mode, monke
     near-ties, so exact tokens are not the test. Instead, teacher-forced on the exact model's greedy tokens, the
     kernel's bf16 decoding stays as close to the exact logits as the dense bf16 model does: its largest logit error,
     averaged over the 12 steps, within 1.25x the dense bf16 model's (measured ratios 0.84-1.07; one step alone
-    varies more, up to 1.3x, with the thread count)."""
+    varies more, up to 1.3x, with the thread count). A mixture of experts over three prompts: its ratio varies more
+    from prompt to prompt (measured over 8 prompts, nf4: Mixtral 0.39-1.58, gpt-oss 0.76-1.30, Qwen3-MoE 0.47-1.00;
+    gpt-oss's 1.30 chose the exact model's experts at every step)."""
     folder = family_ckpts(kind)
     model, calls = quantized_for_generation(folder, mode, "bf16-true", monkeypatch)
-    _, seq, want = exact_reference(folder, model)
-    got = teacher_forced_logits(model, seq)
-    assert calls, "the kernel was not used"
-    dense_bf16 = teacher_forced_logits(dense_from_bnb(folder, model, "bf16-true"), seq)
-    ours_err, dense_err = (got - want).abs().amax(-1), (dense_bf16 - want).abs().amax(-1)
+    dense = dense_from_bnb(folder, model, "bf16-true")
+    ours_err, dense_err = [], []
+    for seed in (5, 6, 7) if model.config.moe_n_expert else (5,):
+        _, seq, want = exact_reference(folder, model, seed)
+        got = teacher_forced_logits(model, seq)
+        assert calls, "the kernel was not used"
+        ours_err.append((got - want).abs().amax(-1))
+        dense_err.append((teacher_forced_logits(dense, seq) - want).abs().amax(-1))
+    ours_err, dense_err = torch.cat(ours_err), torch.cat(dense_err)
     assert ours_err.mean() <= 1.25 * dense_err.mean(), (ours_err, dense_err)
 
 

@@ -16,6 +16,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
 def package_imports() -> dict[str, list[tuple[str, list[str], int]]]:
     """module -> [(imported lit_qlora module, names imported from it, line)], the package's own imports only."""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -107,10 +111,12 @@ def upward_imports(imports: dict, layers: dict[str, int]) -> list[str]:
 
 def test_every_module_has_a_layer_in_architecture_md():
     layers = architecture_layers()
-    missing = [m for m in package_imports() if m != "lit_qlora" and m not in layers
-               and m.rsplit(".", 1)[0] not in layers]
+    imports = package_imports()
+    # a subpackage's __init__ that imports nothing (its docstring says what the subpackage owns) needs no layer
+    missing = [m for m in imports if m != "lit_qlora" and m not in layers
+               and m.rsplit(".", 1)[0] not in layers and not (is_package(m) and not imports[m])]
     assert not missing, f"{missing}: place each in a layer of the table in ARCHITECTURE.md"
-    stale = [m for m in layers if m not in package_imports()]
+    stale = [m for m in layers if m not in imports]
     assert not stale, f"ARCHITECTURE.md names modules that do not exist: {stale}"
 
 

@@ -68,8 +68,9 @@ def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     assert err_ours <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     model = family_ckpt.ours
     full = [i for i in range(model.config.n_layer) if model.layer_window(i) is None]
-    # a window needs a mask (SDPA with attn_mask); soft-capped attention is computed by hand
-    assert bool(calls) == (bool(full) and model.config.attn_softcap is None)
+    # a window needs a mask (SDPA with attn_mask); soft-capped attention is computed by hand; sinks are one more key
+    # under a float mask (model.sink_attention)
+    assert bool(calls) == (bool(full) and model.config.attn_softcap is None and not model.config.attn_sinks)
     calls.clear()
     with cpu_half.forced(True):  # fp32 kernels on bf16 data (a CPU without native bf16: lit_qlora/cpu_half.py)
         err_fp32_kernels = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
@@ -175,12 +176,13 @@ def test_activation_checkpointing_gives_the_same_gradients(lora_llama, quantize)
         torch.testing.assert_close(checkpointed[name], g, atol=1e-6, rtol=1e-5)
 
 
-# mistral: sliding window 8; phi3: and partial rotary with longrope
-@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox", "mistral", "phi3"], indirect=True)
+# mistral: sliding window 8; phi3: and partial rotary with longrope; gpt_oss: attention sinks in each sample alone
+@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox", "mistral", "phi3", "gpt_oss"], indirect=True)
 def test_packed_samples_train_exactly_as_alone(family_ckpt):
     """Three samples packed into one row (with a padded second row): every token's loss equals its loss when its
     sample runs alone, within 1e-5 in fp32, and so do the LoRA gradients of the summed loss."""
-    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
+    mlp = not family_ckpt.ours.config.moe_n_expert  # (LoRA on experts: not here)
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=mlp)
     model = load_model(family_ckpt.folder, precision="32-true", lora=lora, seed=0).train()
     randomize_lora(model, seed=2)
     lengths = [13, 20, 9, 11]  # longer than the window, so positions must restart for the window to be right
@@ -216,12 +218,13 @@ def test_packed_samples_train_exactly_as_alone(family_ckpt):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox"], indirect=True)
+@pytest.mark.parametrize("family_ckpt", ["llama", "gpt_neox", "gpt_oss"], indirect=True)
 @pytest.mark.parametrize("packed", [False, True])
 def test_unpadded_batch_trains_as_the_padded_one(family_ckpt, packed):
     """`unpad` (what training runs): one row of the batch's real tokens gives the padded batch's summed loss and LoRA
     gradients within 1e-5 in fp32, for right-padded rows and for rows of packed samples."""
-    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
+    mlp = not family_ckpt.ours.config.moe_n_expert  # (LoRA on experts: not here)
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=mlp)
     model = load_model(family_ckpt.folder, precision="32-true", lora=lora, seed=0).train()
     randomize_lora(model, seed=3)
     lengths = [17, 6, 12, 9]

@@ -1,7 +1,8 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) beyond the per-family parity tests that their rows in
-tests/helpers.py TINY_HF_CONFIGS run (logits, gradients, KV cache, greedy tokens, conversion both ways): experts
-quantized under every --quantize mode as bitsandbytes quantizes each expert's weight, only the experts that receive
-tokens computed, and a LoRA over a quantized MoE model trained from the CLI, merged and exported to PEFT."""
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss as transformers saves it; its MXFP4 files: test_gptoss.py)
+beyond the per-family parity tests that their rows in tests/helpers.py TINY_HF_CONFIGS run (logits, gradients, KV
+cache, greedy tokens, conversion both ways): experts quantized under every --quantize mode as bitsandbytes quantizes
+each expert's weight, only the experts that receive tokens computed, and a LoRA over a quantized MoE model trained
+from the CLI, merged and exported to PEFT."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ from lit_qlora.quantize import QuantizedExpertWeights, dequantize_weight, valida
 MODES = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def moe_ckpt(request, tmp_path_factory):
     return converted_tiny(tmp_path_factory, request.param, f"tiny-{request.param}")
 

@@ -37,7 +37,7 @@ from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
 from lit_qlora.prequantized import load_note, stored_path
 from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import is_quantized, quiet_bnb_import
+from lit_qlora.quantize import is_quantized, quantized_parts, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
@@ -98,7 +98,7 @@ def test_loads_read_bitsandbytes_own_quantization_from_the_stored_file(lora_tied
         assert "lm_head" in layers and len(layers) == 1 + 5 * lora_tied.config.n_layer  # qkv, proj, fc_1, fc_2, proj
         for name, layer in layers.items():
             w = checkpoint_weight(folder, name + ".weight", tied=True).to(dtype)
-            assert_same_stored(layer, reference_layer(mode, w, dtype))
+            assert_same_stored(layer, reference_layer(mode, w, dtype, quantized_parts(model.config, name)))
     if precision == "bf16-true":  # the file is per compute dtype: bf16-mixed computes in bf16 too
         assert load_model(folder, precision="bf16-mixed", quantize=mode).stored_quantization == path
     if mode == "bnb.int8":
@@ -127,7 +127,8 @@ def test_every_family_reads_bitsandbytes_own_quantization(family_ckpt, tmp_path,
     tied = model.config.tie_embeddings
     for name, layer in quantized_layers(model).items():
         w = checkpoint_weight(folder, name + ".weight", tied).to(torch.bfloat16)
-        assert_same_stored(layer, reference_layer("bnb.nf4-dq", w, torch.bfloat16))
+        ref = reference_layer("bnb.nf4-dq", w, torch.bfloat16, quantized_parts(model.config, name))
+        assert_same_stored(layer, ref)
 
 
 def test_blocks_straddling_rows_read_back_right(tmp_path_factory, monkeypatch):
@@ -179,8 +180,8 @@ def test_a_stored_file_that_no_longer_matches_is_ignored_with_one_line(lora_llam
     rewrite_scaled(folder / LIT_WEIGHTS, 1.5)  # converted again, or another model of the same shape
     model = load("is not the file it was made from")
     for name, layer in quantized_layers(model).items():  # quantized from the new weights
-        assert_same_stored(layer, reference_layer(mode, checkpoint_weight(folder, name + ".weight", False).to(dtype),
-                                                  dtype))
+        w = checkpoint_weight(folder, name + ".weight", False).to(dtype)
+        assert_same_stored(layer, reference_layer(mode, w, dtype, quantized_parts(model.config, name)))
 
     path = quantize_checkpoint(folder, mode, precision)
     assert load_model(folder, precision=precision, quantize=mode).stored_quantization == path

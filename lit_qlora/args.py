@@ -12,7 +12,7 @@ import sys
 from argparse import ArgumentError
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
@@ -346,7 +346,20 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
     except ArgumentError as e:
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
+    _refuse_nulls(ns, preference, sources)
     return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+
+
+def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:
+    """A null in a --config file (YAML `~`, JSON null) reaches a flag as None without jsonargparse's type check (on the
+    command line `--lora_r null` is refused): a flag that has no "left out" meaning (its type is not Optional) is
+    refused in one line naming it, never run with None (a null --lora_key trained without the key adapter)."""
+    for group in _groups(preference):
+        for name, hint in get_type_hints(group).items():
+            if ns[name] is None and type(None) not in get_args(hint):
+                where = f" in --config {', '.join(sources)}" if sources else ""
+                raise UserError(f"--{name} is null{where}; give it a value or leave it out for its default "
+                                "(--help lists every flag)")
 
 
 # what hyperparameters.json records beside the flags: the LoRA settings as one object (also there as lora_* flags) and

@@ -324,14 +324,36 @@ def safetensors_header(path: Path, fix: str = "convert the checkpoint again (del
 
 
 # ---- torch files ---------------------------------------------------------------------------------------------------
-def load_torch(path: Path, what: str = "checkpoint", fix: str = "use an earlier checkpoint", mmap: bool = False) -> Any:
-    """A torch file loaded on CPU with `weights_only=True`. Any failure to unpickle it is the file's: damaged, cut
-    short, or not a torch file."""
+def torch_zip_damage(path: Path) -> Optional[str]:
+    """The first entry of a torch file (a zip archive since torch 1.6) whose bytes fail the CRC-32 the archive stores
+    for them, else None. torch.load never checks these sums: a flipped bit in a tensor's bytes loads as another
+    number. A file the zipfile module cannot open is left to torch.load, which says what is wrong with it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except Exception:  # noqa: BLE001 - not a zip zipfile can read: torch.load's error is the one to show
+        return None
+
+
+def load_torch_checked(path: Path, mmap: bool = False) -> Any:
+    """torch.load on CPU, `weights_only=True`, after the archive's CRC-32 sums are checked (a mismatch is a
+    ValueError naming the entry); every other failure is torch.load's own exception."""
     import torch
 
+    bad = torch_zip_damage(path)
+    if bad is not None:
+        raise ValueError(f"its entry {bad} fails the CRC-32 check stored for it (bytes changed on disk)")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def load_torch(path: Path, what: str = "checkpoint", fix: str = "use an earlier checkpoint", mmap: bool = False) -> Any:
+    """A torch file loaded on CPU with `weights_only=True`, its CRC-32 sums checked. Any failure to unpickle it is
+    the file's: damaged, cut short, or not a torch file."""
     path = check_file(path, what, fix)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return load_torch_checked(path, mmap=mmap)
     except Exception as e:  # a torn zip, a foreign pickle, random bytes: all the file's fault
         detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         raise UserError(f"{what} {path} is not readable ({type(e).__name__}{': ' + detail if detail else ''}); "

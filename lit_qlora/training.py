@@ -22,7 +22,7 @@ import torch
 from lit_qlora.adapter import ADAPTER_FORMAT
 from lit_qlora.lora import LoRAConfig, lora_state_dict
 from lit_qlora.quantize import load_bnb
-from lit_qlora.readers import check_fields, read_csv_rows
+from lit_qlora.readers import check_fields, load_torch_checked, read_csv_rows
 from lit_qlora.streaming import check_stream_state
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
@@ -119,13 +119,19 @@ def save_checkpoint(path: Path, payload: dict, keep: int = 3) -> None:
             old.unlink(missing_ok=True)
 
 
+def _why(e: Exception) -> str:
+    """An exception as a few words on one line: its type and the start of its first line."""
+    first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def load_latest_checkpoint(out_dir: Path) -> tuple[Optional[Path], Optional[dict]]:
     """Newest checkpoint that loads intact; a damaged newest one is reported and the previous one used."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_torch_checked(path)
         except Exception as e:  # torn or corrupted file: fall back
-            print(f"warning: {path} is damaged ({type(e).__name__}); trying the previous one", file=sys.stderr)
+            print(f"warning: {path} is damaged ({_why(e)}); trying the previous one", file=sys.stderr)
             continue
         if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
             print(f"warning: {path} is not a resumable checkpoint; trying the previous one", file=sys.stderr)
@@ -409,9 +415,9 @@ def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], O
     if not path.is_file():
         raise UserError(f"--resume {path}: no such checkpoint; pass --resume auto or an iter-*.pth file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_checked(path)
     except Exception as e:
-        raise UserError(f"--resume {path}: the checkpoint is damaged ({type(e).__name__}); pass an earlier one or "
+        raise UserError(f"--resume {path}: the checkpoint is damaged ({_why(e)}); pass an earlier one or "
                         "--resume auto") from None
     if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
         raise UserError(f"--resume {path} is not a resumable checkpoint of finetune/lora.py; pass an iter-*.pth file")

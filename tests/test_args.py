@@ -147,3 +147,18 @@ def test_a_path_no_file_system_can_look_up_is_one_line(tmp_path, flag, value):
     assert f"--{flag}" in str(e.value) and "not a usable path" in str(e.value) and "\n" not in str(e.value)
     r = run_in_process(h.GENERATE_BASE, "--checkpoint_dir", "/tmp/" + "a" * 5000, "--prompt", "x")
     h.assert_one_line_error(r, "too long a path")
+
+
+@pytest.mark.parametrize("text", ["lora_key: null", "lora_r: ~", "precision: null", '{"learning_rate": null}'])
+def test_a_null_where_a_flag_has_no_left_out_meaning_is_refused(tmp_path, text):
+    """hyperparameters.json with lora_key false -> null (the file fuzzer, seed 13006) was taken by --config and ran
+    with lora_key None (jsonargparse type-checks a null on the command line, not in a config file); a null for a flag
+    whose left-out value means something (--max_iters, --resume) still passes."""
+    (tmp_path / "run.yaml").write_text(f"checkpoint_dir: ckpt\n{text}\n" if ":" in text and "{" not in text
+                                       else json.dumps({"checkpoint_dir": "ckpt", **json.loads(text)}))
+    flag = text.strip("{").split(":")[0].strip('"')
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert f"--{flag} is null in --config {tmp_path / 'run.yaml'}" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "ok.yaml").write_text("checkpoint_dir: ckpt\nmax_iters: null\nresume: null\n")
+    assert parse_finetune_args(["--config", str(tmp_path / "ok.yaml")]).train.max_iters is None

@@ -244,6 +244,7 @@ _METRICS_KEYS = (*_METRICS_REQUIRED, "batch_size", "devices", "max_seq_length", 
                  "quantized_bytes", "bits_per_quantized_param", "dense_bytes")  # in every metrics.json (some null)
 _METRICS_BOUNDS = {"training_time_s": 1e9, "tokens_per_sec": 1e12, "peak_memory_gb": 1e6, "rss_after_load_gb": 1e6,
                    "bits_per_quantized_param": 64}
+_METRICS_ABOVE_ZERO = ("peak_memory_gb", "rss_after_load_gb")  # a process that loaded a model holds some memory
 
 
 def check_metrics_json(m: dict, where: object, fix: str) -> dict:
@@ -261,6 +262,8 @@ def check_metrics_json(m: dict, where: object, fix: str) -> dict:
         v = m.get(key)
         if v is not None and not 0 <= v <= most:
             raise UserError(f"{where}: {key} is {v!r}, expected a number from 0 to {most:g}; {fix}")
+        if v is not None and key in _METRICS_ABOVE_ZERO and v == 0:
+            raise UserError(f"{where}: {key} is {v!r}, but a run that loaded a model holds memory (above 0 GB); {fix}")
     for key in ("first_train_loss", "final_train_loss", "final_val_loss", "best_val_loss"):
         v = m.get(key)
         if v is not None and v < 0:

@@ -243,7 +243,8 @@ def test_demo_generate_shows_question_answers_and_report(train_setup, trained_ru
                                     {"precision": "x"}, {"quantize": "bnb.nf5"}, {"optimizer": 3},
                                     {"memory_kind": "peak"}, {"final_train_loss": -1.0}, {"micro_batch_size": 0},
                                     {"trainable_params": 2.5}, "iterations", "peak_memory_gb",
-                                    "final_val_loss"])  # the fuzzer, seed 11008: a deleted figure was shown as "-"
+                                    "final_val_loss",  # the fuzzer, seed 11008: a deleted figure was shown as "-"
+                                    {"peak_memory_gb": 0}, {"rss_after_load_gb": 0.0}])  # seed 13010: 0 GB shown
 def test_wrong_figures_in_metrics_json_are_left_out_of_both_reports(trained_run, tmp_path, capsys, change):
     """A metrics.json figure of the wrong kind, out of what a run can reach, a setting no run has, or a figure
     deleted: the run report (scripts/report.py OUT_DIR) and the matrix report (scripts/report.py OUT_ROOT) both say

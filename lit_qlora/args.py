@@ -18,7 +18,9 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
 from lit_qlora.lora import LORA_INITS, LoRAConfig
+from lit_qlora.precision import PRECISION_CHOICES
 from lit_qlora.preference import LOSSES
+from lit_qlora.quant_mode import QuantMode
 from lit_qlora.readers import check_path, read_yaml
 from lit_qlora.tracking import parse_loggers
 from lit_qlora.utils import UserError
@@ -77,6 +79,9 @@ class RunArgs:
     def __post_init__(self) -> None:
         for flag in ("checkpoint_dir", "out_dir", "logger_dir"):
             check_path(getattr(self, flag), f"--{flag}")
+        QuantMode.parse(self.quantize)  # an unknown name: one line, when the flags are read (as a --config file's)
+        if self.precision not in PRECISION_CHOICES:
+            raise UserError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -347,7 +352,12 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
     _refuse_nulls(ns, preference, sources)
-    return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+    try:
+        return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+    except UserError as e:
+        if not sources:
+            raise
+        raise UserError(f"{e} (flags from --config {', '.join(sources)})") from None
 
 
 def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:

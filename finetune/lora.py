@@ -117,6 +117,7 @@ class Inputs:
     resume_path: Optional[Path]
     resume_state: Optional[dict]
     objective: Optional["Objective"] = None  # what is trained for (None: SFT, supervised fine-tuning)
+    router_aux_loss_coef: float = 0.0  # resolved --router_aux_loss_coef (a mixture of experts; 0 otherwise)
 
 
 @dataclass
@@ -129,6 +130,10 @@ class Objective:
     accumulate: Callable  # (session) -> (step loss, tokens, more metrics): the forwards and backwards of one step
     validate: Callable  # (session) -> metrics, val_loss among them
     metric_fields: tuple = ()  # metrics.csv columns beyond MetricsLog.FIELDS
+    routing: bool = False  # its steps add the routers' load-balancing loss of a mixture of experts (ROUTING_FIELDS)
+
+
+ROUTING_FIELDS = ("aux_loss", "expert_load_max")  # metrics.csv columns of a mixture of experts (sft_accumulate)
 
 
 @dataclass
@@ -161,6 +166,11 @@ class Session:
     overflows_in_a_row: int = 0
     val_loss: Optional[float] = None
     watch: Optional[RunWatch] = None  # trackers and early stopping (lit_qlora/tracking.py), set by fit
+    # a mixture of experts: the tokens routed to each expert of each MoE layer [layers, E] (all devices), summed
+    # over the run's steps (kept in checkpoints) and of the last step, and the tokens they were counted over
+    expert_load: Optional[torch.Tensor] = None
+    expert_tokens: int = 0
+    last_expert_load: Optional[torch.Tensor] = None
 
 
 def setup(args: FinetuneArgs, objective: Optional[Objective] = None) -> None:
@@ -220,9 +230,15 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
         raise UserError(f"the tokenizer in {run.checkpoint_dir} has {tokenizer.vocab_size} tokens but the model only "
                         f"{config.vocab_size}; the tokenizer files belong to another model: copy the model's own "
                         "tokenizer files there")
+    aux_coef = router_aux_coef(t.router_aux_loss_coef, config)
+    if not objective.routing:
+        if t.router_aux_loss_coef:
+            raise UserError("--router_aux_loss_coef: this objective (finetune/dpo.py) does not add the routers' "
+                            "load-balancing loss; leave the flag out")
+        aux_coef = 0.0
     resume_path, resume_state = find_resume(out_dir, run.resume)
     if resume_state is not None:
-        check_resume_compatible(resume_state, resume_settings(args, quantize, micro, batch_size))
+        check_resume_compatible(resume_state, resume_settings(args, quantize, micro, batch_size, aux_coef))
     n_lora = sum(p.numel() for p in meta_model(config, lora).parameters() if p.requires_grad)
     check_disk_space(out_dir, checkpoint_bytes(n_lora))
     max_seq_length = min(data.max_seq_length or config.block_size, config.block_size)
@@ -230,7 +246,24 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
     if isinstance(train_data, StreamPlan):  # the held-out samples validation reads: only these are tokenized up front
         val_data = train_data.validation(tokenizer, args.eval.eval_iters * micro * world)
     return Inputs(given, precision_why, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length,
-                  train_data, val_data, data_meta, resume_path, resume_state, objective)
+                  train_data, val_data, data_meta, resume_path, resume_state, objective, aux_coef)
+
+
+def router_aux_coef(flag: Optional[float], config) -> float:
+    """--router_aux_loss_coef resolved: the flag, else what transformers' training adds: the config's
+    router_aux_loss_coef (0.001 where config.json has none) when its output_router_logits is true, otherwise 0 (the
+    published Qwen3-MoE, Mixtral and gpt-oss configs: gpt-oss's 0.9 would otherwise weigh in); 0 for a dense model,
+    which refuses the flag."""
+    if not config.moe_n_expert:
+        if flag:
+            raise UserError(f"--router_aux_loss_coef weights the routers' loss of a mixture of experts, which "
+                            f"{config.name or config.hf_architecture} is not; leave it out")
+        return 0.0
+    if flag is not None:
+        return float(flag)
+    if not config.hf_extra.get("output_router_logits", False):
+        return 0.0
+    return float(config.hf_extra.get("router_aux_loss_coef", 0.001))
 
 
 def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
@@ -278,6 +311,9 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
     if lora.dora and run.strategy == "fsdp":
         raise UserError("--lora_dora true with --strategy fsdp is not supported (the magnitudes start from the whole "
                         "base rows); use --strategy ddp")
+    if lora.experts and run.strategy == "fsdp":
+        raise UserError("--lora_experts true with --strategy fsdp is not implemented (the quantized experts cannot be "
+                        "sharded either); use --strategy ddp")
     if lora.init in ("pissa", "olora", "loftq") and run.strategy == "fsdp":
         raise UserError(f"--lora_init {lora.init} with --strategy fsdp is not supported (it starts from whole "
                         "weights); use --strategy ddp")
@@ -304,12 +340,14 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
     return micro
 
 
-def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, batch_size: int) -> dict:
+def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, batch_size: int,
+                    router_aux_loss_coef: float = 0.0) -> dict:
     """The settings a resumed run must share with its checkpoint."""
     run = args.run
     return dict(lora=asdict(args.lora.config()), precision=run.precision, quantize=quantize, micro_batch_size=micro,
                 batch_size=batch_size, optimizer=args.train.optimizer, seed=run.seed, packing=args.data.packing,
-                streaming=args.data.streaming, checkpoint_dir=str(run.checkpoint_dir))
+                streaming=args.data.streaming, checkpoint_dir=str(run.checkpoint_dir),
+                router_aux_loss_coef=router_aux_loss_coef)
 
 
 def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
@@ -325,7 +363,8 @@ def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
     if fabric.global_rank == 0:
         resolved = dict(precision=args.run.precision, micro_batch_size=inputs.micro_batch_size,
                         batch_size=inputs.batch_size, quantize_lm_head=s.train_info["quantize_lm_head"],
-                        max_seq_length=inputs.max_seq_length, max_steps=s.max_steps, accumulation=s.accum)
+                        max_seq_length=inputs.max_seq_length, max_steps=s.max_steps, accumulation=s.accum,
+                        router_aux_loss_coef=inputs.router_aux_loss_coef)
         hparams = {**inputs.given, "lora": asdict(inputs.lora), "resolved": resolved}
         atomic_write(Path(args.run.out_dir) / "hyperparameters.json",
                      lambda p: p.write_text(json.dumps(hparams, indent=2, default=str)))
@@ -372,6 +411,7 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
                       template=template, max_seq_length=inputs.max_seq_length, mask_inputs=args.data.mask_inputs,
                       checkpoint_dir=str(run.checkpoint_dir), data_dir=str(args.data.data_dir),
+                      **({"router_aux_loss_coef": inputs.router_aux_loss_coef} if inputs.config.moe_n_expert else {}),
                       # the text the data was rendered with, so inference renders exactly the same (generate/*.py)
                       chat_template=inputs.tokenizer.chat_template if template == CHAT else None)
     return Session(fabric, model, gpt, optimizer, stream, args, inputs, max_steps,
@@ -408,6 +448,8 @@ def restore(s: Session) -> None:
     if scaler is not None and state["resume"].get("scaler"):
         scaler.load_state_dict(state["resume"]["scaler"])
     s.stream.load_state_dict(state["resume"]["data"])
+    if state["resume"].get("expert_load") is not None:
+        s.expert_load, s.expert_tokens = state["resume"]["expert_load"].double(), state["resume"]["expert_tokens"]
     set_rng_state(state["resume"]["rng"])
     s.step, s.train_time = state["resume"]["step"], state["resume"]["train_time"]
     s.fabric.print(f"Resuming from {s.inputs.resume_path} at iteration {s.step}", file=sys.stderr)
@@ -417,8 +459,9 @@ def fit(s: Session) -> None:
     """The training loop: steps, logging, periodic validation and checkpoints, a clean stop on SIGINT/SIGTERM."""
     fabric, args, world = s.fabric, s.args, s.fabric.world_size
     objective = s.inputs.objective
+    routing = ROUTING_FIELDS if tracks_routing(s) else ()
     metrics = MetricsLog(args.run.out_dir, resume_iter=s.step, enabled=fabric.global_rank == 0,
-                         extra_fields=objective.metric_fields)
+                         extra_fields=objective.metric_fields + routing)
     e = args.eval
     s.watch = watch = RunWatch(args.run.out_dir, args.run.logger, args.run.logger_dir, e.early_stopping_patience,
                                e.early_stopping_min_delta, e.save_best, s.step, enabled=fabric.global_rank == 0)
@@ -527,16 +570,63 @@ def sft_accumulate(s: Session) -> tuple[float, int, dict]:
     n_tok = torch.tensor(float(sum(int((tg != IGNORE_INDEX).sum()) for tg in targets)), device=fabric.device)
     n_tok = fabric.all_reduce(n_tok, reduce_op="sum") if world > 1 else n_tok
     loss_sum = torch.zeros((), device=fabric.device)
+    routing = tracks_routing(s)
+    aux_sum, load = torch.zeros((), device=fabric.device), None
     for j, (batch, tgt) in enumerate(zip(micro, targets)):
         s.row_slots += batch["input_ids"].numel() * world
         batch, tgt = unpad(batch, tgt)  # why: see unpad(); the padding would cost as much as real tokens
         with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
-            loss = _batch_loss(s, batch, tgt)
-            fabric.backward(loss * world / n_tok.clamp(min=1))
+            loss = _batch_loss(s, batch, tgt, routing)
+            if routing:  # the step's objective: the loss per target token + coef x the micro batches' mean aux loss
+                loss, aux, batch_load = loss
+                aux_sum += aux.detach()
+                load = batch_load if load is None else load + batch_load
+                fabric.backward(loss * world / n_tok.clamp(min=1) + aux * (s.inputs.router_aux_loss_coef / s.accum))
+            else:
+                fabric.backward(loss * world / n_tok.clamp(min=1))
         loss_sum += loss.detach()
         s.computed_tokens += batch["input_ids"].numel() * world
     loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum") if world > 1 else loss_sum
-    return float(loss_sum / n_tok.clamp(min=1)), sum(int(b["lengths"].sum()) for b in micro) * world, {}
+    extra = _routing_metrics(s, aux_sum, load) if routing else {}
+    return float(loss_sum / n_tok.clamp(min=1)), sum(int(b["lengths"].sum()) for b in micro) * world, extra
+
+
+def tracks_routing(s: Session) -> bool:
+    """Whether the steps compute the routers' load-balancing loss and the expert load (a mixture of experts)."""
+    return s.inputs.objective.routing and bool(s.inputs.config.moe_n_expert)
+
+
+def _routing_metrics(s: Session, aux_sum: torch.Tensor, load: torch.Tensor) -> dict:
+    """A step's aux_loss (the mean of its micro batches' on all devices) and expert_load_max (the largest share of
+    a MoE layer's tokens that one expert got in this step; even routing: top_k / experts); the load is added to the
+    run's (metrics.json)."""
+    world = s.fabric.world_size
+    both = torch.cat([aux_sum.reshape(1).double(), load.double().reshape(-1)])
+    both = s.fabric.all_reduce(both, reduce_op="sum") if world > 1 else both
+    aux, load = float(both[0]) / (s.accum * world), both[1:].reshape(load.shape).cpu()
+    tokens = int(load[0].sum()) // s.inputs.config.moe_top_k
+    s.last_expert_load = load
+    s.expert_load = load if s.expert_load is None else s.expert_load + load
+    s.expert_tokens += tokens
+    return dict(aux_loss=aux, expert_load_max=float(load.max() / max(tokens, 1)))
+
+
+def expert_load_summary(s: Session) -> Optional[dict]:
+    """metrics.json's expert_load: per MoE layer, the share of the tokens routed to each expert, over every training
+    step of the run (a resumed run's included) and in the last step. A collapsing router shows as one expert near
+    1.0 while the others fall towards 0; even routing gives each top_k / experts."""
+    if s.expert_load is None:
+        return None
+    c = s.inputs.config
+    last_tokens = int(s.last_expert_load[0].sum()) // c.moe_top_k
+
+    def shares(load: torch.Tensor, tokens: int) -> list:
+        return [[round(float(v) / max(tokens, 1), 6) for v in row] for row in load]
+
+    return dict(layers=[i for i in range(c.n_layer) if c.is_moe_layer(i)], even_share=c.moe_top_k / c.moe_n_expert,
+                tokens=s.expert_tokens, all_steps=shares(s.expert_load, s.expert_tokens),
+                last_step=shares(s.last_expert_load, last_tokens),
+                max_share=float(s.expert_load.max() / max(s.expert_tokens, 1)))
 
 
 def _note_overflow(s: Session, before: float, after: float) -> None:
@@ -554,15 +644,15 @@ def _note_overflow(s: Session, before: float, after: float) -> None:
                                "a lower --learning_rate")
 
 
-def _batch_loss(s: Session, batch: dict, tgt: torch.Tensor) -> torch.Tensor:
+def _batch_loss(s: Session, batch: dict, tgt: torch.Tensor, routing: bool = False):
     """Sum of the token losses of one (micro) batch: the output layer only at positions that have a target; packed
-    rows attend within each sample."""
+    rows attend within each sample. `routing`: (that sum, the routers' load-balancing loss, the expert load)."""
     dev = s.fabric.device
     tgt = tgt.to(dev)
     has_target = tgt != IGNORE_INDEX
     packed = {k: batch[k].to(dev) for k in ("positions", "segments") if k in batch}
     return s.model(batch["input_ids"].to(dev), lm_head_chunk=head_chunk(s.inputs.config), output_mask=has_target,
-                   targets=tgt[has_target], **packed)
+                   targets=tgt[has_target], router_aux=routing, **packed)
 
 
 def _last_good(s: Session) -> str:
@@ -620,7 +710,7 @@ def sft_validate(s: Session) -> dict:
 
 
 SFT = Objective(lora_config=lambda args: args.lora.config(), load_data=sft_data, start=lambda s: None,
-                accumulate=sft_accumulate, validate=sft_validate)
+                accumulate=sft_accumulate, validate=sft_validate, routing=True)
 
 
 def save(s: Session, reason: str) -> Path:
@@ -637,7 +727,8 @@ def save(s: Session, reason: str) -> Path:
                   "rng": rng_state(), "train_time": s.train_time,
                   "scaler": scaler.state_dict() if scaler is not None else None,
                   "settings": resume_settings(s.args, s.inputs.quantize, s.inputs.micro_batch_size,
-                                              s.inputs.batch_size)}
+                                              s.inputs.batch_size, s.inputs.router_aux_loss_coef),
+                  "expert_load": s.expert_load, "expert_tokens": s.expert_tokens}
         check_disk_space(out_dir, checkpoint_bytes(sum(v.numel() for v in adapter.lora.values())))
         save_checkpoint(path, adapter.payload() | {"resume": resume}, keep=s.args.train.keep_checkpoints)
         s.fabric.print(f"Saved checkpoint {path} ({reason})", file=sys.stderr)
@@ -677,7 +768,7 @@ def summarize(s: Session) -> None:
                    data_mixture=s.stream.mixture() if isinstance(s.stream, StreamBatches) else
                    s.inputs.data_meta.get("mixture"),
                    bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"],
-                   ranks=per_rank)
+                   ranks=per_rank, **({"expert_load": expert_load_summary(s)} if tracks_routing(s) else {}))
     summary.update(s.watch.summary() if s.watch else {})
     if fabric.global_rank != 0:
         return
@@ -693,6 +784,10 @@ def summarize(s: Session) -> None:
     print(f"Saved the adapter to {out_dir / FINAL_ADAPTER}", file=sys.stderr)
     print(f"Training time: {s.train_time:.2f}s", file=sys.stderr)
     print(f"Memory used: {mem:.2f} GB", file=sys.stderr)
+    if summary.get("expert_load"):
+        load = summary["expert_load"]
+        print(f"Expert load: the busiest expert got {load['max_share']:.0%} of its layer's tokens (even routing: "
+              f"{load['even_share']:.0%}); per layer and expert in metrics.json", file=sys.stderr)
     if s.watch:
         s.watch.finish(summary, out_dir / FINAL_ADAPTER)
         if s.args.eval.early_stopping_patience or s.args.eval.save_best:

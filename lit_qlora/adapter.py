@@ -30,6 +30,8 @@ from lit_qlora.lora import (
     LORA_INITS,
     RESIDUAL_INITS,
     LoRAConfig,
+    expert_lora_delta,
+    is_expert_target,
     load_lora_weights,
     lora_delta,
     lora_state_dict,
@@ -166,9 +168,11 @@ class Adapter:
         """Copy the LoRA tensors into a model built with the same LoRA settings (any dtype or device)."""
         load_lora_weights(model, self.lora)
 
-    def delta(self, module: str, weight_shape: tuple[int, int], initial_only: bool = False) -> torch.Tensor:
+    def delta(self, module: str, weight_shape: tuple[int, ...], initial_only: bool = False) -> torch.Tensor:
         """The fp32 update s*B@A this adapter adds to the [out, in] weight of our module `module` (DoRA then scales the
-        rows of the sum: `merged`)."""
+        rows of the sum: `merged`); for a stacked projection of experts, [E, out, in]: each expert's own s*B_e@A_e."""
+        if is_expert_target(module):
+            return self._expert_delta(module, weight_shape)
         parts = self.targets()[module]
         out_f, in_f = weight_shape
         parts = parts or [(0, out_f)]
@@ -188,6 +192,19 @@ class Adapter:
             delta0 = lora_delta(A0.detach().cpu(), B0.detach().cpu(), parts, r, self.config.scaling, out_f)
             return delta0 * -1 if initial_only else delta - delta0
         return delta
+
+    def _expert_delta(self, module: str, weight_shape: tuple[int, ...]) -> torch.Tensor:
+        r = self.config.r
+        try:
+            A, B = self.lora[module + ".lora_A"], self.lora[module + ".lora_B"]
+        except KeyError as e:
+            raise UserError(f"the adapter has no tensor {e.args[0]}; it is incomplete: use another checkpoint of it")
+        E, out_f, in_f = weight_shape
+        if tuple(A.shape) != (E, r, in_f) or tuple(B.shape) != (E, out_f, r):
+            raise UserError(f"adapter tensors of {module} have shapes {tuple(A.shape)}/{tuple(B.shape)}, the base "
+                            f"model expects {(E, r, in_f)}/{(E, out_f, r)}; use the base model the adapter was trained "
+                            "on")
+        return expert_lora_delta(A.detach().cpu(), B.detach().cpu(), self.config.scaling)
 
     def _quantized_as_trained(self, w: torch.Tensor, module: str) -> torch.Tensor:
         """`w` [out, in] (the base's layer `module`) quantized and dequantized as the training run's loader stored
@@ -230,8 +247,8 @@ class Adapter:
 
 
 _LORA_FIELDS = {"r": "size", "alpha": "number", "dropout": "fraction", "query": "bool", "key": "bool", "value": "bool",
-                "projection": "bool", "mlp": "bool", "head": "bool", "rslora": "bool",
-                "loraplus_lr_ratio": "positive", "dora": "bool",
+                "projection": "bool", "mlp": "bool", "head": "bool", "experts": "bool", "router": "bool",
+                "rslora": "bool", "loraplus_lr_ratio": "positive", "dora": "bool",
                 "init": "str", "loftq_iters": "size"}
 
 

@@ -153,6 +153,11 @@ class LoRAArgs:
     """Adapt the MLP layers."""
     lora_head: bool = False
     """Adapt the output layer."""
+    lora_experts: bool = False
+    """Adapt the experts of a mixture of experts (Qwen3-MoE, Mixtral): one low-rank pair per expert on each of its
+    three projections, computed on the tokens routed to it (why per expert: tutorials/finetune_lora.md)."""
+    lora_router: bool = False
+    """Adapt the router of a mixture of experts (the layer that scores the experts for each token)."""
     lora_rslora: bool = False
     """rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     loraplus_lr_ratio: Optional[float] = None
@@ -181,7 +186,8 @@ class LoRAArgs:
     def config(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
                           key=self.lora_key, value=self.lora_value, projection=self.lora_projection, mlp=self.lora_mlp,
-                          head=self.lora_head, rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio,
+                          head=self.lora_head, experts=self.lora_experts, router=self.lora_router,
+                          rslora=self.lora_rslora, loraplus_lr_ratio=self.loraplus_lr_ratio,
                           dora=self.lora_dora, init=self.lora_init, loftq_iters=self.loftq_iters)
 
 
@@ -218,6 +224,10 @@ class TrainArgs:
     """How many resumable checkpoints to keep (0: all)."""
     nan_policy: str = "stop"
     """stop: end the run at a NaN/inf loss, keeping the last good checkpoint; skip: skip the step."""
+    router_aux_loss_coef: Optional[float] = None
+    """A mixture of experts: the weight of the routers' load-balancing loss in the training loss (transformers'
+    aux_loss, per micro batch), logged as aux_loss in metrics.csv. Default: as transformers trains, the model config's
+    router_aux_loss_coef where its output_router_logits is true, else 0; 0: not added (still logged)."""
 
     def __post_init__(self) -> None:
         # values of the right type that cannot mean anything (a hand-edited --config, a typo): refused here, before
@@ -232,6 +242,9 @@ class TrainArgs:
             raise bad("min_lr", self.min_lr, f"from 0 to --learning_rate {self.learning_rate}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise bad("weight_decay", self.weight_decay, "0 or more")
+        coef = self.router_aux_loss_coef
+        if coef is not None and not (isinstance(coef, (int, float)) and math.isfinite(coef) and coef >= 0):
+            raise bad("router_aux_loss_coef", coef, "0 or more (0: no load-balancing loss), or left out")
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise bad("grad_clip", self.grad_clip, "a number above 0, or null to disable clipping")
         for flag, value, least in (("warmup_steps", self.warmup_steps, 0), ("epochs", self.epochs, 1),

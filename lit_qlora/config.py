@@ -275,6 +275,37 @@ _GEMMA2 = dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attn_l
                final_logit_softcapping=30.0, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
                max_position_embeddings=8192, rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096,
                vocab_size=256000)
+# google/gemma-3-270m and -it (one shape): invergent-ai/surogate: surogate/serve/tools/convert/gemma3/inventory.py
+# (GEMMA3_270M: "google/gemma-3-270m-it, ... member for member" with its config.h) and that converter's test config
+# ("google/gemma-3-270m-it's own config.json, member for member for everything this converter reads", with no
+# tie_word_embeddings: tied, Gemma3TextConfig's default); each field as in the whole re-saved copy
+# huggingface.co/Codingstark/gemma3-270m-leetcode config.json (an Unsloth fine-tune of gemma-3-270m-it)
+_GEMMA3_270M = dict(architectures=["Gemma3ForCausalLM"], attention_bias=False, attn_logit_softcapping=None,
+                    final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                    hidden_size=640, intermediate_size=2048,
+                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, max_position_embeddings=32768,
+                    num_attention_heads=4, num_hidden_layers=18, num_key_value_heads=1, query_pre_attn_scalar=256,
+                    rms_norm_eps=1e-06, rope_local_base_freq=10000.0, rope_scaling=None, rope_theta=1000000.0,
+                    sliding_window=512, use_bidirectional_attention=False, vocab_size=262144)
+# Gemma 3 4B / 12B / 27B ship as the multimodal Gemma3ForConditionalGeneration, whose config.json names in its
+# text_config only what differs from transformers' Gemma3TextConfig defaults; these entries are that text part, the
+# model this tool fine-tunes (Gemma3ForCausalLM: text-only copies of it load as such), with every field written out
+_GEMMA3_TEXT = dict(architectures=["Gemma3ForCausalLM"], attention_bias=False, attn_logit_softcapping=None,
+                    final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh",
+                    max_position_embeddings=131072, rms_norm_eps=1e-06, rope_local_base_freq=10000.0,
+                    rope_scaling={"factor": 8.0, "rope_type": "linear"}, rope_theta=1000000.0, sliding_window=1024,
+                    sliding_window_pattern=6, vocab_size=262208)
+# huggingface.co/Creekside/gemma-3 config.json: the text part of gemma-3-4b(-it) as transformers 4.50 writes it
+_GEMMA3_4B = dict(_GEMMA3_TEXT, head_dim=256, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                  num_hidden_layers=34, num_key_value_heads=4, query_pre_attn_scalar=256)
+# huggingface.co/OpenPipe/gemma-3-12b-it-text-only config.json (the text part of gemma-3-12b-it, transformers 4.50)
+_GEMMA3_12B = dict(_GEMMA3_TEXT, head_dim=256, hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                   num_hidden_layers=48, num_key_value_heads=8, query_pre_attn_scalar=256)
+# NVIDIA/TensorRT-LLM: tests/unittest/_torch/modeling/test_modeling_gemma3.py, GEMMA3_27B_CONFIG (gemma-3-27b-it's
+# config.json; that test cuts num_hidden_layers to 6 and sliding_window to 4, published 62 and 1024 as other copies
+# of it have them), the rest Gemma3TextConfig's defaults as in the two copies above
+_GEMMA3_27B = dict(_GEMMA3_TEXT, head_dim=128, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
+                   num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168)
 _OLMO2_13B = dict(architectures=["Olmo2ForCausalLM"], attention_bias=False, hidden_act="silu", hidden_size=5120,
                   intermediate_size=13824, max_position_embeddings=4096, num_attention_heads=40, num_hidden_layers=40,
                   num_key_value_heads=40, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=500000,
@@ -333,6 +364,14 @@ _HF_CONFIGS: dict[str, dict] = {
                           query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_local_base_freq=10000,
                           rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
                           vocab_size=262144),
+    "gemma-3-270m": _GEMMA3_270M,
+    "gemma-3-270m-it": _GEMMA3_270M,
+    "gemma-3-4b-pt": _GEMMA3_4B,
+    "gemma-3-4b-it": _GEMMA3_4B,
+    "gemma-3-12b-pt": _GEMMA3_12B,
+    "gemma-3-12b-it": _GEMMA3_12B,
+    "gemma-3-27b-pt": _GEMMA3_27B,
+    "gemma-3-27b-it": _GEMMA3_27B,
     # mauer4/Attention-From-Scratch: weights/allenai/OLMo-2-1124-13B/config.json and
     # weights/allenai/OLMo-2-1124-13B-Instruct/config.json (the same shape)
     "OLMo-2-1124-13B": _OLMO2_13B,
@@ -388,6 +427,13 @@ _HF_CONFIGS: dict[str, dict] = {
                                 rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
                                                   long_factor=_PHI4_MINI_LONG),
                                 sliding_window=262144, tie_word_embeddings=True, vocab_size=200064),
+    # NVIDIA-NeMo/Megatron-Bridge: tests/unit_tests/models/olmo2/test_olmo2_bridge.py, olmo2_1b_config_dict ("Mirror
+    # of allenai/OLMo-2-0425-1B/config.json"); facebookresearch/fairseq2's OLMO2Config (its defaults: "the
+    # allenai/OLMo-2-0425-1B model") has the same shape, base and vocabulary
+    "OLMo-2-0425-1B": dict(architectures=["Olmo2ForCausalLM"], attention_bias=False, hidden_act="silu",
+                           hidden_size=2048, intermediate_size=8192, max_position_embeddings=4096,
+                           num_attention_heads=16, num_hidden_layers=16, num_key_value_heads=16, rms_norm_eps=1e-06,
+                           rope_theta=500000.0, tie_word_embeddings=False, vocab_size=100352),
     # mlc-ai/mlc-llm: python/mlc_llm/model/model_preset.py, "olmo2_7b" (OLMo 2's one 7B: OLMo-2-1124-7B)
     "OLMo-2-1124-7B": dict(architectures=["Olmo2ForCausalLM"], hidden_act="silu", hidden_size=4096,
                            intermediate_size=11008, max_position_embeddings=4096, num_attention_heads=32,

@@ -25,7 +25,7 @@ from lit_qlora.checkpoint import (
     write_safetensors_stream,
 )
 from lit_qlora.config import Config
-from lit_qlora.families import spec
+from lit_qlora.families import TEXT_PARTS, architecture_of, spec
 from lit_qlora.readers import load_torch, read_json, safetensors_header
 from lit_qlora.utils import UserError
 
@@ -166,14 +166,24 @@ def is_stacked_experts(key: str) -> bool:
 class HFWeights:
     """Lazy access to the tensors of an HF folder: sharded or not, safetensors or torch .bin."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, renames: tuple[tuple[str, str], ...] = ()) -> None:
+        """`renames`: (prefix in the files, prefix it stands for); with any, only the tensors matching one are seen,
+        under their renamed keys (a multimodal folder's text model, families.TEXT_PARTS)."""
         self.folder = Path(folder)
         self.key_to_file: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # renamed key -> key in its file
         self._open: dict[Path, object] = {}
         files = self._weight_files()
         for f in files:
             for k in self._file_keys(f):
-                self.key_to_file.setdefault(k, f)
+                key = k
+                if renames:
+                    old, new = next(((o, n) for o, n in renames if k.startswith(o)), (None, None))
+                    if old is None:
+                        continue
+                    key = new + k[len(old):]
+                    self._stored[key] = k
+                self.key_to_file.setdefault(key, f)
 
     def _weight_files(self) -> list[Path]:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -223,11 +233,11 @@ class HFWeights:
             raise UserError(f"tensor {key!r} is missing from the weights in {self.folder}; the checkpoint is "
                             "incomplete or "
                             "not of the architecture in config.json: download it again")
-        h = self._handle(self.key_to_file[key])
+        h, key = self._handle(self.key_to_file[key]), self._stored.get(key, key)
         return h.get_tensor(key) if hasattr(h, "get_tensor") else h[key]
 
     def dtype(self, key: str) -> torch.dtype:
-        h = self._handle(self.key_to_file[key])
+        h, key = self._handle(self.key_to_file[key]), self._stored.get(key, key)
         if hasattr(h, "get_slice"):
             name = h.get_slice(key).get_dtype()
             if name not in DTYPES:
@@ -250,7 +260,9 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
                         "and weights")
     config = Config.from_hf_config(cfg_file)
     config.name = checkpoint_dir.name
-    src = HFWeights(checkpoint_dir)
+    # a multimodal model (config.json read above): its text model's tensors
+    part = TEXT_PARTS.get(architecture_of(read_json(cfg_file, dict, fix="fix or re-download config.json")))
+    src = HFWeights(checkpoint_dir, part.renames if part else ())
     plan = hf_to_lit_plan(config)
     shapes = lit_param_shapes(config)
     missing = [k for _, ks, _ in plan for k in ks if k not in src.key_to_file]

@@ -28,7 +28,8 @@ _SEPARATE_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_up: Optional[str] = None,
-           experts: Optional[dict] = None, fused_experts: Optional[dict] = None) -> dict:
+           experts: Optional[dict] = None, fused_experts: Optional[dict] = None,
+           moe_params: Optional[dict] = None) -> dict:
     # gate_up: the HF module holding mlp.fc_1's rows then mlp.fc_2's in one tensor (Phi-3), else None
     # experts: our stacked expert weight [E, out, in] -> the HF module of expert {e} (one tensor per expert, as HF
     # checkpoints store them; transformers 5 stacks them itself when it loads and splits them when it saves)
@@ -36,8 +37,16 @@ def _names(layer: str, map: dict, globals: dict, qkv: str, q_names: tuple, gate_
     # each stacked over experts and transposed, [E, in, out], the gate's and up's columns interleaved (gate first),
     # with `{name}_bias` [E, out] beside them; published checkpoints store the weights as MXFP4 (`{name}_blocks`,
     # `{name}_scales`, rows = out). lit_qlora/convert.py's `fused_experts_*` read and write that layout.
+    # moe_params: the parameters of transformers' in-memory MoE layer that PEFT's target_parameters name (under the
+    # layer prefix): gate_up [E, 2 * inner, C] (fc_1's rows then fc_2's), down [E, C, inner] and the router's
+    # [E, C]; gate_up is defined before down in the experts module (PEFT nests the first one innermost);
+    # "interleaved": gate_up's rows alternate gate and up (gpt-oss; stored transposed, which PEFT handles). None: a
+    # layout our PEFT interop does not map
     return dict(layer=layer, map=map, globals=globals, qkv=qkv, q_names=q_names, gate_up=gate_up,
-                experts=experts or {}, fused_experts=fused_experts or {})
+                experts=experts or {}, fused_experts=fused_experts or {}, moe_params=moe_params)
+
+
+_MOE_PARAMS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj", "router": "mlp.gate.weight"}
 
 
 _LLAMA_NAMES = _names("model.layers.{i}.", _LLAMA_LAYER, _LLAMA_GLOBAL, "separate", _SEPARATE_QKV)
@@ -56,19 +65,22 @@ _QWEN3_MOE_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, **_QK_NORM, "mlp
                           "separate", _SEPARATE_QKV,
                           experts={"mlp.experts.fc_1": "mlp.experts.{e}.gate_proj",
                                    "mlp.experts.fc_2": "mlp.experts.{e}.up_proj",
-                                   "mlp.experts.proj": "mlp.experts.{e}.down_proj"})
+                                   "mlp.experts.proj": "mlp.experts.{e}.down_proj"}, moe_params=_MOE_PARAMS)
 # (its map keeps Llama's dense MLP names, which no Mixtral layer has: PEFT interop lists them for every layer)
 _MIXTRAL_NAMES = _names("model.layers.{i}.", {**_LLAMA_LAYER, "mlp.router": "block_sparse_moe.gate"}, _LLAMA_GLOBAL,
                         "separate", _SEPARATE_QKV,
                         experts={"mlp.experts.fc_1": "block_sparse_moe.experts.{e}.w1",
                                  "mlp.experts.fc_2": "block_sparse_moe.experts.{e}.w3",
-                                 "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"})
+                                 "mlp.experts.proj": "block_sparse_moe.experts.{e}.w2"},
+                        moe_params=_MOE_PARAMS)  # (transformers 5 names block_sparse_moe mlp in memory)
 # gpt-oss: Llama's attention names with biases and sinks (our attn.sinks parameter is HF's self_attn.sinks)
 _GPT_OSS_NAMES = _names("model.layers.{i}.",
                         {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
                          "attn.proj": "self_attn.o_proj", "attn": "self_attn", "mlp.router": "mlp.router"},
                         _LLAMA_GLOBAL, "separate", _SEPARATE_QKV,
-                        fused_experts={"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"})
+                        fused_experts={"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"},
+                        moe_params={"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
+                                    "router": "mlp.router.weight", "interleaved": True})
 _NEOX_NAMES = _names("gpt_neox.layers.{i}.",
                      {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm", "attn.proj": "attention.dense",
                       "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
@@ -231,7 +243,7 @@ def _map_qwen3(hf: dict, arch: str) -> dict:
 def _map_qwen3_moe(hf: dict, arch: str) -> dict:
     """Qwen3's attention; the MLP of layer i is a mixture of experts unless i is in mlp_only_layers or (i + 1) is
     not a multiple of decoder_sparse_step (then a dense MLP of intermediate_size)."""
-    _refuse(hf, arch, {"attention_bias": False, "output_router_logits": False})
+    _refuse(hf, arch, {"attention_bias": False})
     kw = _llama_like(hf, arch)
     kw["sliding_window_size"] = hf.get("sliding_window") if hf.get("use_sliding_window") else None  # every layer
     n_expert = hf.get("num_experts", hf.get("num_local_experts", 128))
@@ -241,18 +253,26 @@ def _map_qwen3_moe(hf: dict, arch: str) -> dict:
         kw.update(moe_n_expert=n_expert, moe_top_k=hf.get("num_experts_per_tok", 8),
                   moe_intermediate_size=hf.get("moe_intermediate_size", 768),
                   moe_norm_topk=bool(hf.get("norm_topk_prob", False)), moe_dense_layers=dense or None)
-    kw.update(qk_norm="head", hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+    kw.update(qk_norm="head", hf_extra=_router_extra(hf))
     return kw
 
 
 def _map_mixtral(hf: dict, arch: str) -> dict:
     """Mistral's attention; every MLP a mixture of experts of intermediate_size, the top-k scores renormalized."""
-    _refuse(hf, arch, {"router_jitter_noise": 0.0, "output_router_logits": False})
+    _refuse(hf, arch, {"router_jitter_noise": 0.0})
     kw = _llama_like(hf, arch)
     kw.update(moe_n_expert=hf.get("num_local_experts", hf.get("num_experts", 8)),
               moe_top_k=hf.get("num_experts_per_tok", 2), moe_norm_topk=True,
-              hf_extra={"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+              hf_extra=_router_extra(hf))
     return kw
+
+
+def _router_extra(hf: dict) -> dict:
+    """The training-only router fields of a Qwen3-MoE / Mixtral config, kept for the export: the load-balancing loss'
+    weight (finetune's --router_aux_loss_coef defaults to it; transformers' default 0.001) and whether transformers
+    adds that loss (gpt-oss keeps both as given)."""
+    return {"router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+            "output_router_logits": bool(hf.get("output_router_logits", False))}
 
 
 # What the published gpt-oss checkpoints leave unquantized (quantization_config modules_to_not_convert): all but the
@@ -267,7 +287,7 @@ def _map_gpt_oss(hf: dict, arch: str) -> dict:
     SwiGLU; RMSNorm scaling in fp32. Published checkpoints store the experts in MXFP4 (quantization_config
     quant_method "mxfp4"); a dequantized copy as transformers saves it has them in bf16."""
     # (hidden_act is not read by transformers' gpt-oss: its experts always use the clamped SwiGLU)
-    _refuse(hf, arch, {"output_router_logits": False, "attention_dropout": 0.0})
+    _refuse(hf, arch, {"attention_dropout": 0.0})
     quant = hf.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -293,8 +313,9 @@ def _map_gpt_oss(hf: dict, arch: str) -> dict:
               moe_top_k=hf.get("num_experts_per_tok", hf.get("experts_per_token", 4)),
               moe_swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
               moe_swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), moe_mxfp4=quant is not None,
-              hf_extra={k: hf[k] for k in ("router_aux_loss_coef", "pad_token_id", "bos_token_id", "eos_token_id",
-                                            "quantization_config") if hf.get(k) is not None})
+              hf_extra={k: hf[k] for k in ("router_aux_loss_coef", "output_router_logits", "pad_token_id",
+                                           "bos_token_id", "eos_token_id", "quantization_config")
+                        if hf.get(k) is not None})
     if quant is not None:
         odd = [(k, v) for k, v in (("hidden_size", kw["n_embd"]), ("intermediate_size", kw["intermediate_size"]))
                if v % 32]
@@ -667,14 +688,56 @@ MODEL_TYPE_TO_ARCH = {s.model_type: s.architecture for s in SPECS.values()}
 # Architectures that are known and deliberately refused, with why (more helpful than "unsupported")
 REFUSED = {
     "Gemma3nForCausalLM": "per-layer input embeddings (Gemma 3n) are not implemented",
-    "Gemma3ForConditionalGeneration": "this is the multimodal Gemma 3; use a text-only checkpoint "
-                                      "(Gemma3ForCausalLM, model_type gemma3_text)",
     "Gemma4ForCausalLM": "per-layer input embeddings (Gemma 4) are not implemented",
     "Qwen3NextForCausalLM": "linear-attention hybrid layers (Qwen3-Next) are not implemented",
     "Qwen3_5ForCausalLM": "linear-attention hybrid layers (Qwen3.5) are not implemented",
     "Qwen2MoeForCausalLM": "mixtures of experts are not implemented yet",
     "OlmoeForCausalLM": "mixtures of experts are not implemented yet",
 }
+
+
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """A multimodal architecture whose language model is one of the families above: its config.json holds that model
+    under `text_config`, naming only what differs from the text config class's `defaults`, and its weight files name
+    the text model's tensors with a prefix of their own (`renames`: (prefix there, prefix in the text model), first
+    match wins; tensors matching none, the vision tower and projector, are not read)."""
+    architecture: str
+    model_type: str
+    defaults: dict
+    renames: tuple[tuple[str, str], ...]
+
+
+# Only the text model is fine-tuned: the vision tower and projector are left out (images are not an input here)
+TEXT_PARTS = {
+    # Gemma3TextConfig's defaults (transformers 5.24) for the fields the mapping reads; the published 4B / 12B / 27B
+    # files name their tensors language_model.model.* / language_model.lm_head.*, transformers 5 saves
+    # model.language_model.* (the head tied)
+    "Gemma3ForConditionalGeneration": TextPart(
+        "Gemma3ForCausalLM", "gemma3_text",
+        dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+             max_position_embeddings=131_072, rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256,
+             sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+        (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+         ("model.language_model.", "model."))),
+}
+
+
+def text_part(hf: dict) -> dict:
+    """The config.json of the model this tool trains: `hf` itself, or a multimodal one's text model (TEXT_PARTS)."""
+    part = TEXT_PARTS.get(architecture_of(hf))
+    if part is None:
+        return hf
+    text = hf.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise UserError(f"config.json: text_config of {architecture_of(hf)} is not an object; download it again")
+    # the multimodal model ties its head by its own field, whatever text_config says (as transformers does)
+    tie = hf.get("tie_word_embeddings", part.defaults["tie_word_embeddings"])
+    return {**part.defaults, **text, "tie_word_embeddings": tie, "architectures": [part.architecture],
+            "model_type": part.model_type}
 
 
 def spec(architecture: str) -> FamilySpec:

@@ -22,6 +22,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.lora import (
     RESIDUAL_INITS,
     LoRAConfig,
+    LoRAExperts,
     LoRALinear,
     copy_into_param,
     init_lora_,
@@ -55,7 +56,7 @@ from lit_qlora.utils import UserError
 def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     module_name, _, param = key.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(module, LoRALinear):  # base weights live inside the LoRA wrapper
+    if isinstance(module, (LoRALinear, LoRAExperts)):  # base weights live inside the LoRA wrapper
         module = module.base
     return module, param
 
@@ -258,6 +259,10 @@ def _init_lora(model: nn.Module, dtype: torch.dtype, device: torch.device, seed:
             if m.dora:  # the base's row norms, from a dequantized copy of its weight that is dropped at once
                 m.lora_magnitude = nn.Parameter(torch.empty(m.lora_magnitude.shape, device=device, dtype=dtype))
                 m.init_dora(dequantize_weight(m.base) if is_quantized(m.base) else m.base.weight)
+        elif isinstance(m, LoRAExperts):
+            m.lora_A = nn.Parameter(torch.empty(m.lora_A.shape, device=device, dtype=dtype))
+            m.lora_B = nn.Parameter(torch.empty(m.lora_B.shape, device=device, dtype=dtype))
+            m.reset_lora_parameters()
     if seed is not None:
         torch.random.set_rng_state(gen_state)
 

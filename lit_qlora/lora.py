@@ -1,7 +1,10 @@
-"""LoRA on any subset of {query, key, value, projection, mlp, head}, over a dense or a quantized base.
+"""LoRA on any subset of {query, key, value, projection, mlp, head} and, on a mixture of experts, {experts, router},
+over a dense or a quantized base.
 
 The base layer is kept untouched inside `LoRALinear.base`; only `lora_A` / `lora_B` train. For the fused qkv
 projection one `lora_A` stacks the A matrices of the enabled parts, so x·A is computed once for q, k and v.
+A stacked projection of a layer's experts is wrapped in `LoRAExperts`: one low-rank pair per expert, computed on the
+tokens routed to that expert. The router is a plain Linear, wrapped in `LoRALinear` like any other.
 The adapter file (LoRA tensors plus everything needed to use them) is `lit_qlora.adapter.Adapter`.
 """
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -48,6 +51,8 @@ class LoRAConfig:
     projection: bool = False
     mlp: bool = False
     head: bool = False
+    experts: bool = False  # a mixture's experts: one pair per expert on each of fc_1, fc_2, proj (`LoRAExperts`)
+    router: bool = False  # a mixture's router (the Linear that scores the experts)
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(r) (PEFT's use_rslora)
     loraplus_lr_ratio: Optional[float] = None  # LoRA+: B's learning rate is this times A's (training only)
     dora: bool = False  # DoRA: a trained magnitude per adapted output row (PEFT's use_dora)
@@ -251,6 +256,65 @@ class _DropoutMatmul(torch.autograd.Function):
         return grad_x, grad_a, None
 
 
+class LoRAExperts(nn.Module):
+    """LoRA on one stacked projection of a layer's experts (`model.ExpertWeights` or its quantized form): expert e
+    computes base(x, e) + scaling * B_e A_e dropout(x) on the rows routed to it, each expert with its own pair,
+    `lora_A` [E, r, in] and `lora_B` [E, out, r]. Experts without tokens in a step get no update (zero gradient), as
+    their base is not run. Why a pair per expert rather than one shared by all: tutorials/finetune_lora.md (measured);
+    it is also the layout PEFT's target_parameters gives stacked experts (lit_qlora/peft_interop.py)."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, rslora: bool = False,
+                 init: str = "default") -> None:
+        super().__init__()
+        self.base = base
+        self.n_expert, self.in_features, self.out_features = base.n_expert, base.in_features, base.out_features
+        self.r, self.scaling = r, lora_scaling(alpha, r, rslora)
+        device = next(base.parameters()).device
+        self.lora_A = nn.Parameter(torch.empty(self.n_expert, r, self.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.empty(self.n_expert, self.out_features, r, device=device))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.init = init
+
+    def reset_lora_parameters(self) -> None:
+        """Each expert's A as a dense layer's (fan-in `in`), every B zero."""
+        init_lora_(self.lora_A.data.view(-1, self.in_features), self.lora_B.data, self.n_expert, self.r, self.init)
+
+    def per_expert(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """(x [n, in] of expert e's rows, e) -> [n, out], for the experts of one forward. The per-expert views of A and
+        of scaling * B are taken here, once (unbind): backward then stacks their gradients in one op, where indexing
+        the stacked parameters per expert would make a whole [E, r, in] gradient for every expert that ran."""
+        A, B = self.lora_A.unbind(0), (self.lora_B * self.scaling).unbind(0)
+        p = self.dropout.p if isinstance(self.dropout, nn.Dropout) and self.training else 0.0
+        lean_dropout = p > 0 and torch.is_grad_enabled() and not torch.is_autocast_enabled(A[0].device.type)
+
+        def run(x: torch.Tensor, e: int) -> torch.Tensor:
+            y = self.base(x, e)
+            if lean_dropout:  # (as LoRALinear: a one-byte mask kept for backward)
+                ax = _DropoutMatmul.apply(x, A[e], p)
+            else:
+                ax = cpu_half.linear(self.dropout(x).to(A[e].dtype), A[e])
+            if y.dtype == ax.dtype and not cpu_half.emulated(ax):
+                return torch.addmm(y, ax, B[e].T)
+            return y + cpu_half.linear(ax, B[e]).to(y.dtype)
+        return run
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.per_expert()(x, e)
+
+    def delta_weight(self) -> torch.Tensor:
+        """The dense update of every expert's weight: [E, out, in] in fp32."""
+        return expert_lora_delta(self.lora_A, self.lora_B, self.scaling)
+
+    def drop_decode_weights(self) -> None:
+        """(Nothing kept for decoding: the server calls this on every wrapper it switches out.)"""
+
+
+def expert_lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling * B_e @ A_e for every expert: A [E, r, in], B [E, out, r] -> [E, out, in] in fp32 (the merge rule of
+    expert LoRAs, as `lora_delta` is of the others)."""
+    return torch.bmm(B.float(), A.float()) * scaling
+
+
 def init_lora_(A: torch.Tensor, B: torch.Tensor, n_parts: int, r: int, init: str = "default") -> None:
     """As in the LoRA paper and PEFT: A random (each part's r rows on their own; kaiming-uniform, or N(0, 1/r^2) for
     `gaussian` as PEFT's), B zero, so training starts from the base model exactly. On whole tensors: the sharded
@@ -320,9 +384,7 @@ def lora_delta(A: torch.Tensor, B: torch.Tensor, parts: list[tuple[int, int]], r
 
 def lora_targets(config: Config, lora: LoRAConfig) -> dict[str, list[tuple[int, int]] | None]:
     """Module name -> adapted row ranges (None = all rows) for the given model and LoRA settings."""
-    if lora.mlp and config.moe_n_expert:
-        raise UserError("--lora_mlp on a mixture of experts (LoRA on the experts) is not implemented yet; leave "
-                        "--lora_mlp off (LoRA on attention and head)")
+    check_moe_targets(config, lora)
     q, k, v = config.qkv_sizes
     targets: dict[str, Any] = {}
     qkv_parts = [(start, n) for on, start, n in ((lora.query, 0, q), (lora.key, q, k), (lora.value, q + k, v)) if on]
@@ -336,9 +398,43 @@ def lora_targets(config: Config, lora: LoRAConfig) -> dict[str, list[tuple[int, 
         if lora.mlp:
             for n in mlp_names + ("proj",):
                 targets[p + f"mlp.{n}"] = None
+        if config.is_moe_layer(i):
+            if lora.router:
+                targets[p + "mlp.router"] = None
+            if lora.experts:
+                for n in EXPERT_PROJECTIONS:
+                    targets[p + f"mlp.experts.{n}"] = None
     if lora.head:
         targets["lm_head"] = None
     return targets
+
+
+EXPERT_PROJECTIONS = ("fc_1", "fc_2", "proj")  # the stacked projections of a layer's experts (model.Experts)
+
+
+def is_expert_target(name: str) -> bool:
+    """Whether our module `name` is a stacked projection of experts (a `LoRAExperts` target)."""
+    return ".mlp.experts." in name
+
+
+def check_moe_targets(config: Config, lora: LoRAConfig) -> None:
+    """Refuse, in one line, LoRA settings on a mixture of experts (or asking for one) that are not implemented."""
+    if (lora.experts or lora.router) and not config.moe_n_expert:
+        flag = "--lora_experts" if lora.experts else "--lora_router"
+        raise UserError(f"{flag} adapts a mixture of experts, which {config.name or config.hf_architecture} is not "
+                        f"(it has dense MLPs); leave {flag} off (--lora_mlp adapts its MLPs)")
+    if lora.mlp and config.moe_n_expert:
+        raise UserError("--lora_mlp on a mixture of experts: its MLPs are experts; use --lora_experts true (and "
+                        "--lora_router true) instead (the dense MLPs of mlp_only_layers are not adapted)")
+    if not (lora.experts or lora.router):
+        return
+    what = "experts" if lora.experts else "router"
+    if lora.dora:
+        raise UserError(f"--lora_dora on the {what} (--lora_{what}) is not implemented (PEFT has no DoRA on them "
+                        "either); leave --lora_dora off, or adapt attention only")
+    if lora.init in RESIDUAL_INITS:
+        raise UserError(f"--lora_init {lora.init} on the {what} (--lora_{what}) is not implemented; use --lora_init "
+                        "default or gaussian")
 
 
 def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
@@ -353,9 +449,14 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
-        out_f, in_f = base.weight.shape
-        setattr(parent, child, LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts,
-                                           rslora=lora.rslora, dora=lora.dora, init=lora.init))
+        if is_expert_target(name):
+            wrapper: nn.Module = LoRAExperts(base, lora.r, lora.alpha, lora.dropout, rslora=lora.rslora,
+                                             init=lora.init)
+        else:
+            out_f, in_f = base.weight.shape
+            wrapper = LoRALinear(base, in_f, out_f, lora.r, lora.alpha, lora.dropout, parts, rslora=lora.rslora,
+                                 dora=lora.dora, init=lora.init)
+        setattr(parent, child, wrapper)
     mark_only_lora_trainable(model)
 
 
@@ -364,8 +465,8 @@ def mark_only_lora_trainable(model: nn.Module) -> None:
         p.requires_grad = "lora_" in name
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+def lora_modules(model: nn.Module) -> dict[str, "LoRALinear | LoRAExperts"]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

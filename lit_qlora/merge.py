@@ -21,12 +21,15 @@ from lit_qlora.checkpoint import (
     LIT_CONFIG,
     LIT_WEIGHTS,
     TensorSpec,
+    as_tensor,
     read_safetensors,
     safetensors_specs,
     write_safetensors_stream,
 )
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_lit_checkpoint, ensure_converted
+from lit_qlora.lora import is_expert_target
+from lit_qlora.mxfp4 import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, join_stacks
 from lit_qlora.readers import read_json
 from lit_qlora.utils import UserError
 
@@ -62,6 +65,11 @@ def merged_tensors(checkpoint_dir: Path, adapter: Optional[Adapter], config: Con
     if adapter is None:
         return specs, read_safetensors(weights)
     targets = adapter.targets()
+    dense_experts = experts_made_dense(config, adapter)
+    if dense_experts:  # each MXFP4 pair (blocks, scales) -> the stack's dense weight, where the blocks were, in the
+        dtype = next(d for n, _, d in specs if n == "transformer.wte.weight")  # dtype of the dense weights
+        specs = [(n.removesuffix(BLOCKS_SUFFIX) + ".weight", torch.Size((*s[:2], s[2] * BLOCK)), dtype)
+                 if n.endswith(BLOCKS_SUFFIX) else (n, s, d) for n, s, d in specs if not n.endswith(SCALES_SUFFIX)]
     untie = config.tie_embeddings and "lm_head" in targets
     if untie:  # the head gets its own, updated copy of the embedding
         wte = next(s for s in specs if s[0] == "transformer.wte.weight")
@@ -71,13 +79,23 @@ def merged_tensors(checkpoint_dir: Path, adapter: Optional[Adapter], config: Con
         raise UserError(f"{weights} has no tensor {missing[0]}.weight; the checkpoint is incomplete: convert it again")
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in read_safetensors(weights):
-            yield name, adapter.merged(name, t, torch.float32)
+        tensors = read_safetensors(weights)
+        for name, t in join_stacks(tensors) if dense_experts else tensors:
+            yield name, adapter.merged(name, as_tensor(t), torch.float32)
         if untie:
             for _, t in read_safetensors(weights, keys={"transformer.wte.weight"}):
                 yield "lm_head.weight", adapter.merged("lm_head.weight", t, torch.float32)
 
     return specs, stream()
+
+
+def experts_made_dense(config: Config, adapter: Optional[Adapter]) -> bool:
+    """Whether merging `adapter` turns the checkpoint's MXFP4 experts (gpt-oss as published) into dense bf16
+    weights: when it adapts experts. W + s B A is not an MXFP4 grid, and re-quantizing it to MXFP4 would round the
+    update away; every expert stack is then stored dense, in the dtype of the checkpoint's other weights (bf16 for
+    the published model: the MXFP4 values exactly, the adapted ones rounded once), and the merged folder says so (no
+    quantization_config)."""
+    return bool(config.moe_mxfp4 and adapter is not None and any(map(is_expert_target, adapter.targets())))
 
 
 def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Path) -> Path:
@@ -94,13 +112,17 @@ def merge_checkpoint(checkpoint_dir: Path, adapter: Adapter | Path, out_dir: Pat
     # each tensor goes back to the dtype it was stored in (the update was added in fp32)
     cast = ((name, t.to(dtype)) for (name, t), (_, _, dtype) in zip(stream, specs, strict=True))
     write_safetensors_stream(out_dir / LIT_WEIGHTS, specs, cast, metadata={"merged_from": str(checkpoint_dir)})
-    out_config = replace(config, name=out_dir.name, tie_embeddings=False if untie else config.tie_embeddings)
+    dense = experts_made_dense(config, adapter)
+    out_config = replace(config, name=out_dir.name, tie_embeddings=False if untie else config.tie_embeddings,
+                         moe_mxfp4=config.moe_mxfp4 and not dense)
     out_config.save(out_dir / LIT_CONFIG)
     copy_tokenizer_files(checkpoint_dir, out_dir)
     if (checkpoint_dir / "config.json").is_file():  # the tokenizer reads special token ids from it
         hf = read_json(checkpoint_dir / "config.json", dict, "HF config")
         if untie:
             hf["tie_word_embeddings"] = False
+        if dense:  # the experts are bf16 now
+            hf.pop("quantization_config", None)
         (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     return out_dir
 

@@ -68,14 +68,20 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
                 output_mask: Optional[torch.Tensor] = None,
-                targets: Optional[torch.Tensor] = None) -> torch.Tensor | list[torch.Tensor]:
+                targets: Optional[torch.Tensor] = None, router_aux: bool = False) -> torch.Tensor | list | tuple:
         """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode). With
         `targets` (of the positions that reach the output layer: [B, T], or [N] under `output_mask`) the summed
         cross entropy instead of the logits (`output_loss`).
 
         Packed samples (training): `segments` [B, T] numbers the sample each token belongs to (-1: padding) and
         `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `output_mask` [B, T]:
-        only those positions go through the output layer (the ones that have a target), giving logits [N, V]."""
+        only those positions go through the output layer (the ones that have a target), giving logits [N, V].
+
+        `router_aux` (a mixture of experts): (that output, the routers' load-balancing loss, the expert load [L, E])
+        of this forward (`router_aux_loss`; padding, segment -1, not counted)."""
+        if router_aux:
+            return self._with_routing(idx, input_pos=input_pos, lm_head_chunk=lm_head_chunk, positions=positions,
+                                      segments=segments, output_mask=output_mask, targets=targets)
         B, T = idx.shape
         x = self.transformer.wte(idx)  # [B, T, C]
         if self.config.scale_embeddings:
@@ -133,6 +139,23 @@ class GPT(nn.Module):
             # the loss upcasts each chunk to fp32 on its own (losses.chunked_cross_entropy)
             return [self.output(xc) for xc in x.split(lm_head_chunk, dim=dim)]
         return self.output(x)  # [B, T, V] (or [N, V])
+
+    def _with_routing(self, idx: torch.Tensor, **kw) -> tuple[torch.Tensor | list, torch.Tensor, torch.Tensor]:
+        """forward(idx, **kw) with every MoE layer keeping its routing for the load-balancing loss. The layers keep it
+        for this call only: a block recomputed in backward (activation checkpointing) does not record again."""
+        moe = [b.mlp for b in self.transformer.h if isinstance(b.mlp, MoE)]
+        for m in moe:
+            m.routing = ()
+        try:
+            out = self(idx, **kw)
+            routing = [m.routing for m in moe]
+        finally:
+            for m in moe:
+                m.routing = None
+        segments = kw.get("segments")
+        keep = None if segments is None else segments.reshape(-1) >= 0
+        aux, load = router_aux_loss(routing, self.config.moe_n_expert, keep)
+        return out, aux, load
 
     def output_loss(self, x: torch.Tensor, targets: torch.Tensor, lm_head_chunk: int = 0,
                     ignore_index: int = -100) -> torch.Tensor:
@@ -506,15 +529,46 @@ class MoE(nn.Module):
         self.router = nn.Linear(config.n_embd, config.moe_n_expert, bias=config.moe_bias)
         self.experts = Experts(config)
         self.top_k, self.norm_topk = config.moe_top_k, config.moe_norm_topk
+        self.routing: Optional[tuple] = None  # (probs [N, E] fp32, chosen [N, k]) of a forward that asked for them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         x = x.reshape(B * T, C)
         logits = linear(self.router, x)  # [N, E]
-        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)  # [N, k]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.routing is not None:  # GPT.forward(..., router_aux=True) collects them (the load-balancing loss)
+            self.routing = (probs, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(x, chosen, weights.to(x.dtype)).view(B, T, C)
+
+
+def router_aux_loss(routing: list[tuple[torch.Tensor, torch.Tensor]], n_expert: int,
+                    keep: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routers' load-balancing loss of one forward, as transformers computes it for Qwen3-MoE and Mixtral
+    (`load_balancing_loss_func`: the Switch Transformer's, pooled over the MoE layers): E * sum_e f_e * P_e, where
+    f_e is the share of every layer's (token, top-k choice) pairs that went to expert e, per token (the f_e sum to
+    k), and P_e the mean router probability of expert e over the same token rows. Only P_e carries a gradient. k for
+    perfectly even routing, up to E when every token goes to the same k experts.
+
+    `routing`: each MoE layer's (probs [N, E] fp32, chosen [N, k]); `keep` [N]: the tokens that count (False:
+    padding, as transformers' attention_mask). Returns (the loss, fp32 scalar; the expert load [layers, E]: how many
+    of the kept tokens' choices each expert got in each layer)."""
+    loads, prob_sum, rows = [], None, 0
+    for probs, chosen in routing:
+        if keep is not None:
+            probs, chosen = probs[keep], chosen[keep]
+        flat = chosen.reshape(-1)
+        loads.append(probs.new_zeros(n_expert).index_add_(0, flat, probs.new_ones(flat.shape)))
+        prob_sum = probs.sum(0) if prob_sum is None else prob_sum + probs.sum(0)
+        rows += probs.shape[0]
+    if not loads:
+        raise ValueError("router_aux_loss needs the routing of at least one MoE layer")
+    load = torch.stack(loads)
+    if rows == 0:  # nothing but padding: no loss (zero, still connected to the routers)
+        return prob_sum.sum() * 0.0, load
+    return n_expert * ((load.sum(0) / rows) * (prob_sum / rows)).sum(), load
 
 
 class Experts(nn.Module):
@@ -541,18 +595,25 @@ class Experts(nn.Module):
         token = order // k
         counts = torch.bincount(chosen.reshape(-1), minlength=self.fc_1.n_expert).tolist()
         routed = x[token]  # [N*k, C]
+        fc_1, fc_2, proj = (per_expert(m) for m in (self.fc_1, self.fc_2, self.proj))
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
                 h = routed[start:start + n]
                 if self.swiglu is None:
-                    h = gated_activation(self.fc_1(h, e), self.fc_2(h, e), self.activation)
+                    h = gated_activation(fc_1(h, e), fc_2(h, e), self.activation)
                 else:
-                    h = clamped_swiglu(self.fc_1(h, e), self.fc_2(h, e), *self.swiglu)
-                outs.append(self.proj(h, e))
+                    h = clamped_swiglu(fc_1(h, e), fc_2(h, e), *self.swiglu)
+                outs.append(proj(h, e))
                 start += n
         y = torch.cat(outs) * weights.reshape(-1)[order, None]
         return x.new_zeros(x.shape).index_add_(0, token, y.to(x.dtype))
+
+
+def per_expert(m: nn.Module):
+    """(x, e) -> expert e of the stacked projection `m` on its rows x, for one forward: `m` itself, or what a LoRA
+    over it prepares once per forward (lit_qlora.lora.LoRAExperts.per_expert)."""
+    return m.per_expert() if hasattr(m, "per_expert") else m
 
 
 class ExpertWeights(nn.Module):

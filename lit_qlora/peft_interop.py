@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.config import Config
 from lit_qlora.convert import family, qkv_from_hf, qkv_layout, qkv_to_hf
-from lit_qlora.lora import LoRAConfig, lora_targets
+from lit_qlora.lora import EXPERT_PROJECTIONS, LoRAConfig, is_expert_target, lora_targets
 from lit_qlora.readers import check_fields, check_value, load_torch, read_json, safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
@@ -128,12 +128,15 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
         for n in [short] + ([_V5_HEAD] if cat == "head" else []):
             if n not in names:
                 names.append(n)
+    params = _export_moe(sd, lora, base_config, tensors, rank_pattern, alpha_pattern)
     if not tensors:
         raise UserError("the adapter targets no layer; train with at least one --lora_* target")
 
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path or None,
-        "r": r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": names,
+        # PEFT's ParamWrapper (target_parameters) refuses any lora_dropout (training only: it changes no output)
+        "r": r, "lora_alpha": lora.alpha, "lora_dropout": 0.0 if params else lora.dropout, "target_modules": names,
+        "target_parameters": params or None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": lora.rslora, "use_dora": lora.dora, "lora_bias": False, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "init_lora_weights": True, "inference_mode": True,
@@ -144,6 +147,172 @@ def export_peft(sd: dict[str, torch.Tensor], lora: LoRAConfig, base_config: Conf
     atomic_write(out_dir / PEFT_WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta))
     atomic_write(out_dir / PEFT_CONFIG, lambda p: p.write_text(json.dumps(peft_config, indent=2)))
     return out_dir
+
+
+# ---- mixtures of experts: PEFT's target_parameters ----------------------------------------------------------
+# PEFT (>= 0.17) puts a LoRA on a parameter itself (`target_parameters`, its lora.ParamWrapper). On transformers 5's
+# stacked experts, gate_up_proj [E, 2 * inner, C] and down_proj [E, C, inner], it keeps one pair per expert:
+# lora_A.weight [E * R, in] (expert e's A in rows e*R .. e*R + R) and lora_B.weight [out, R * E] (expert e's B in
+# the columns j*E + e, j < R), and computes W_e + scaling * B_e @ A_e. The router's weight [E, C] is a 2-D parameter:
+# an ordinary A [R, C], B [E, R]. Two targeted parameters of one module nest two wrappers, the first one defined
+# innermost (its tensors under `.base_layer.`). Our fc_1 and fc_2 share gate_up_proj: exported as one LoRA of rank 2r
+# per expert (A = [A_1; A_2], B block-diagonal), as Phi-3's fused gate_up is (rank_pattern / alpha_pattern).
+_MOE_ROLES = ("gate_up", "down", "router")  # in the order of the family spec's moe_params (their definition order)
+
+
+def _moe_params(config: Config, what: str) -> dict:
+    """The family's PEFT names of the stacked experts and the router, or a one-line refusal."""
+    names = family(config)["moe_params"]
+    if names is None:
+        raise UserError(f"{what}: PEFT interop of LoRA on the experts or the router of {config.hf_architecture} is not "
+                        "implemented (its transformers layout is not mapped); export it merged "
+                        "(scripts/export_hf.py), or train without --lora_experts / --lora_router")
+    return names
+
+
+def _moe_wrapper_keys(names: dict, roles: list[str], layer_prefix: str) -> dict[str, str]:
+    """role -> the module name PEFT saves the LoRA of that parameter under, for the targeted `roles` of one layer:
+    parameters of one module nest, the first defined innermost (`.base_layer` once per wrapper around it)."""
+    out = {}
+    for role in roles:
+        module = names[role].rpartition(".")[0]
+        same = [x for x in roles if names[x].rpartition(".")[0] == module]
+        out[role] = layer_prefix + module + ".base_layer" * (len(same) - 1 - same.index(role))
+    return out
+
+
+def _export_moe(sd: dict, lora: LoRAConfig, config: Config, tensors: dict, rank_pattern: dict,
+                alpha_pattern: dict) -> list[str]:
+    """Add the expert and router LoRAs of `sd` to `tensors` in PEFT's layout; returns target_parameters."""
+    if not (lora.experts or lora.router):
+        return []
+    names = _moe_params(config, "PEFT export")
+    roles = (["gate_up", "down"] if lora.experts else []) + (["router"] if lora.router else [])
+    fam = family(config)
+    for i in filter(config.is_moe_layer, range(config.n_layer)):
+        keys, ours = _moe_wrapper_keys(names, roles, fam["layer"].format(i=i)), f"transformer.h.{i}.mlp."
+        pairs = {}
+        if lora.router:
+            pairs["router"] = _get(sd, ours + "router.lora_A"), _get(sd, ours + "router.lora_B")
+        if lora.experts:
+            (A1, B1), (A2, B2), (A3, B3) = ((_get(sd, f"{ours}experts.{n}.lora_A"),
+                                             _get(sd, f"{ours}experts.{n}.lora_B")) for n in EXPERT_PROJECTIONS)
+            zero = torch.zeros_like(B1)  # [E, inner, r]; per expert B = [[B_1, 0], [0, B_2]]
+            gate_up_B = torch.cat([torch.cat([B1, zero], 2), torch.cat([zero, B2], 2)], 1)
+            if names.get("interleaved"):  # HF row 2j is the gate's row j, 2j + 1 the up's
+                gate_up_B = torch.stack(gate_up_B.chunk(2, 1), 2).flatten(1, 2)
+            pairs["gate_up"] = _peft_experts(torch.cat([A1, A2], 1), gate_up_B)
+            pairs["down"] = _peft_experts(A3, B3)
+        for role, (A, B) in pairs.items():
+            tensors[f"{_PREFIX}{keys[role]}.lora_A.weight"] = A.float().contiguous()
+            tensors[f"{_PREFIX}{keys[role]}.lora_B.weight"] = B.float().contiguous()
+    if lora.experts:
+        _fused_rank(names["gate_up"], 2, lora, rank_pattern, alpha_pattern)
+    return [names[role] for role in roles]
+
+
+def _check_moe(peft: PeftFolder, config: Config, found: dict) -> dict:
+    """The LoRAs of the folder's target_parameters, taken out of `found` (HF module -> {lora_A, lora_B}) and checked
+    against the base: {(layer, role): (A, B, scaling)} in PEFT's layout. Refused in one line: parameters we do not
+    map, halves missing, shapes of another model, listed parameters without weights, only some MoE layers adapted."""
+    where, pc = peft.where, peft.config
+    listed = pc.get("target_parameters") or []
+    if not listed:
+        return {}
+    names = _moe_params(config, where) if config.moe_n_expert else None
+    if names is None:
+        raise UserError(f"{where} targets parameters {listed} (PEFT's target_parameters), but the base model "
+                        f"{config.name or config.hf_architecture} has no experts or router for them; use the base "
+                        "model the adapter was made for")
+    # as PEFT matches them: a parameter's full name equals an entry or ends with "." + the entry
+    def hits(t: str, role: str) -> bool:
+        return names[role] == t or names[role].endswith("." + t) or t.endswith("." + names[role])
+
+    for t in listed:
+        if not any(hits(t, role) for role in _MOE_ROLES):
+            raise UserError(f"{where} targets the parameter {t!r}; lit-qlora maps only the experts' "
+                            f"{names['gate_up']} and {names['down']} and the router's {names['router']}: make the "
+                            "adapter without it")
+    roles = [role for role in _MOE_ROLES if any(hits(t, role) for t in listed)]
+    fam, E, C, inner = family(config), config.moe_n_expert, config.n_embd, config.moe_intermediate_size
+    shapes = {"gate_up": (C, 2 * inner), "down": (inner, C), "router": (C, E)}  # (in, out)
+    out = {}
+    for i in filter(config.is_moe_layer, range(config.n_layer)):
+        for role, mod in _moe_wrapper_keys(names, roles, fam["layer"].format(i=i)).items():
+            ab = found.pop(mod, None)
+            if ab is None:
+                continue
+            if set(ab) != {"lora_A", "lora_B"}:
+                missing = "lora_B" if "lora_A" in ab else "lora_A"
+                raise UserError(f"{where} has no {missing} weight for {mod}; the adapter is incomplete: save it again")
+            A, B = ab["lora_A"], ab["lora_B"]
+            in_f, out_f = shapes[role]
+            n = 1 if role == "router" else E
+            if (A.ndim != 2 or B.ndim != 2 or A.shape[0] % n or A.shape[0] != B.shape[1] or A.shape[1] != in_f
+                    or B.shape[0] != out_f):
+                raise UserError(f"{where} has {mod} ({names[role]}) LoRA shapes A {tuple(A.shape)}, B "
+                                f"{tuple(B.shape)}, which do not fit {n} x [{out_f}, {in_f}] of the base model; use "
+                                "the base model the adapter was made for")
+            param = fam["layer"].format(i=i) + names[role]
+            out[(i, role)] = (A, B, _scaling(pc, param, A.shape[0] // n, where))
+    moe_layers = set(filter(config.is_moe_layer, range(config.n_layer)))
+    for role in roles:
+        layers = {i for i, r in out if r == role}
+        if not layers:
+            raise UserError(f"{where} lists {names[role]} in target_parameters but holds no LoRA weights for it; the "
+                            "adapter is incomplete: save it again")
+        if layers != moe_layers:
+            raise UserError(f"{where} adapts {names[role]} in layers {sorted(layers)} only, of the MoE layers "
+                            f"{sorted(moe_layers)}; lit-qlora adapters cover every layer: make the PEFT adapter for "
+                            "every layer")
+    return out
+
+
+def _convert_moe(peft: PeftFolder, config: Config, lit_meta: Optional[dict], lora_sd: dict, ranks: dict) -> None:
+    """The checked target_parameters LoRAs (`peft.moe`) into our tensors and their (rank, scaling) into `ranks`. A
+    gate_up_proj LoRA of rank R gives fc_1 and fc_2 each rank R with the same A (its first and second halves of
+    rows of B), or back the two LoRAs of rank r our own export made of them (block-diagonal)."""
+    E, inner, r = config.moe_n_expert, config.moe_intermediate_size, int((lit_meta or {}).get("r", 0))
+    interleaved = family(config)["moe_params"].get("interleaved")
+    moe = {}  # gate_up in our layout: A [E, R, C], B [E, 2 x inner, R] with the gate's rows first
+    for (i, role), (A, B, s) in peft.moe.items():
+        if role == "gate_up":
+            A, B = _our_experts(A, B, E)
+            if interleaved:
+                B = torch.cat([B[:, 0::2], B[:, 1::2]], 1)
+        moe[(i, role)] = A, B, s
+    restored = {}  # layer -> the gate_up halves of our own export, if every layer still has them
+    for (i, role), (A, B, _) in moe.items():
+        if role == "gate_up":
+            blocks = r > 0 and A.shape[1] == 2 * r and not (B[:, :inner, r:].count_nonzero().item()
+                                                              or B[:, inner:, :r].count_nonzero().item())
+            restored[i] = ((A[:, :r], B[:, :inner, :r]), (A[:, r:], B[:, inner:, r:])) if blocks else None
+    if not all(restored.values()):
+        restored = {}
+    for (i, role), (A, B, s) in moe.items():
+        ours = f"transformer.h.{i}.mlp."
+        if role == "router":
+            pairs = {ours + "router": (A, B)}
+        elif role == "down":
+            pairs = {ours + "experts.proj": _our_experts(A, B, E)}
+        else:
+            halves = restored.get(i) or ((A, B[:, :inner]), (A, B[:, inner:]))
+            pairs = {ours + "experts.fc_1": halves[0], ours + "experts.fc_2": halves[1]}
+        for name, (a, b) in pairs.items():
+            lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = a, b
+            ranks[name] = (a.shape[-2], s)
+
+
+def _peft_experts(A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our per-expert A [E, R, in], B [E, out, R] -> PEFT's lora_A.weight [E * R, in], lora_B.weight [out, R * E]."""
+    E, R, _ = A.shape
+    return A.reshape(E * R, -1), B.permute(1, 2, 0).reshape(B.shape[1], R * E)
+
+
+def _our_experts(A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_peft_experts` undone: PEFT's [E * R, in], [out, R * E] -> A [E, R, in], B [E, out, R]."""
+    R = A.shape[0] // E
+    return A.reshape(E, R, -1), B.reshape(B.shape[0], R, E).permute(2, 0, 1)
 
 
 def _fused_rank(hf_mod: str, n: int, lora: LoRAConfig, rank_pattern: dict, alpha_pattern: dict) -> None:
@@ -194,6 +363,7 @@ class PeftFolder:
     metadata: dict  # safetensors metadata (our own exports record their LoRAConfig there)
     where: str  # how error messages name it
     magnitudes: dict = field(default_factory=dict)  # DoRA: HF module -> lora_magnitude_vector (filled by check_peft)
+    moe: dict = field(default_factory=dict)  # (layer, gate_up / down / router) -> (A, B, scaling) (check_peft)
 
 
 def import_peft(folder: Path, base_config: Config) -> tuple[dict[str, torch.Tensor], LoRAConfig, dict]:
@@ -243,6 +413,7 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
                             "modules_to_save are not supported); save the adapter with bias='none' and only Linear "
                             "targets")
         found.setdefault(m["mod"], {})[m["ab"]] = t.detach().float()
+    peft.moe = _check_moe(peft, base_config, found)  # (takes the expert and router LoRAs out of `found`)
     for mod, ab in found.items():
         if mod not in universe:
             layer = re.search(r"\.(\d+)\.", mod)
@@ -254,7 +425,7 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
         for ab_name in ("lora_A", "lora_B"):
             if ab_name not in ab:
                 raise UserError(f"{where} has no {ab_name} weight for {mod}; the adapter is incomplete: save it again")
-    if not found:
+    if not found and not peft.moe:
         raise UserError(f"{where} holds no LoRA weights; save the adapter again with save_pretrained")
 
     shapes = _weight_shapes(base_config)
@@ -303,7 +474,8 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
     lit_meta = _lit_meta(peft.metadata)
     flags = dict(query=fused or "query" in by_cat, key=fused or "key" in by_cat, value=fused or "value" in by_cat,
                  projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat),
-                 head="head" in by_cat)
+                 head="head" in by_cat, experts=any(role != "router" for _, role in peft.moe),
+                 router=any(role == "router" for _, role in peft.moe))
 
     lora_sd: dict[str, torch.Tensor] = {}
     ranks: dict[str, tuple[int, float]] = {}  # our module -> (r, scaling)
@@ -352,6 +524,7 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
             A, B, s = mods[next(iter(cats.values()))]
             lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
             ranks[ours] = (A.shape[0], s)
+    _convert_moe(peft, base_config, lit_meta, lora_sd, ranks)
     r, s = _check_uniform(list(ranks.values()), where, None)
 
     rslora = bool(peft.config.get("use_rslora"))
@@ -363,6 +536,8 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
         lora_sd.update(_our_magnitudes(peft, by_ours, base_config))
     if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), alpha, rel_tol=1e-12):
         lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
+    if lit_meta is not None and peft.moe:  # (target_parameters made our export write lora_dropout 0)
+        lora.dropout = float(lit_meta.get("dropout", lora.dropout))
     if lit_meta is not None and lit_meta.get("loraplus_lr_ratio") is not None:
         lora.loraplus_lr_ratio = lit_meta["loraplus_lr_ratio"]  # how it was trained (PEFT's config has no place)
     targets = lora_targets(base_config, lora)
@@ -373,6 +548,10 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
             if dora:  # an inert DoRA layer needs the base's row norms as magnitudes, which the folder has not
                 raise UserError(f"{where} is a DoRA adapter that leaves {name} alone while adapting others of its "
                                 "kind; lit-qlora adapts all of them: make the adapter with every MLP Linear targeted")
+            if is_expert_target(name):  # e.g. only down_proj adapted: fc_1 and fc_2 inert
+                E, out_f, in_f = shapes[name + ".weight"]
+                lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = torch.zeros(E, r, in_f), torch.zeros(E, out_f, r)
+                continue
             out_f, in_f = shapes[name + ".weight"]
             lora_sd[name + ".lora_A"] = torch.zeros(len(parts or [None]) * r, in_f)
             lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
@@ -454,6 +633,9 @@ def _read_peft_config(folder: Path) -> dict:
     tm = pc.get("target_modules")
     check_value(tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm)),
                 path, "target_modules", tm, "a module name, a regex or a list of names", fix)
+    tp = pc.get("target_parameters")
+    check_value(tp is None or (isinstance(tp, list) and all(isinstance(t, str) for t in tp)), path,
+                "target_parameters", tp, "a list of parameter names", fix)
     layers = pc.get("layers_to_transform")
     check_value(layers is None or (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0)
                 or (isinstance(layers, list) and all(isinstance(i, int) and i >= 0 for i in layers)),

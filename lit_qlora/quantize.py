@@ -521,7 +521,7 @@ def swap_linears(model: nn.Module, mode: QuantMode, compute_dtype: torch.dtype,
                 setattr(module, child_name, QuantizedExpertWeights(child, mode, compute_dtype))
                 swapped.append(full)
                 continue
-            if child_name == "router":
+            if child_name == "router" or full.endswith(".router.base"):  # (a LoRA on the router keeps it dense too)
                 continue
             if type(child) is not nn.Linear or isinstance(module, LoRALinear) and child_name != "base":
                 continue

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from lit_qlora.families import SPECS, architecture_of, spec
+from lit_qlora.families import SPECS, architecture_of, spec, text_part
 from lit_qlora.utils import UserError
 
 # the largest size any one model dimension may have (a vocabulary, a layer width, a context length): larger ones are
@@ -459,8 +459,10 @@ def read_hf_config(path: "Path | dict") -> dict:
     archs = hf.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise UserError(f"{where}: architectures is {_short(archs)}, expected a list of names; {fix}")
-    try:  # an architecture we do not implement is named before any field it may lack
-        spec(architecture_of(hf))
+    try:
+        hf = text_part(hf)  # a multimodal model: its language model's config (Gemma 3 4B-27B)
+        archs = hf.get("architectures")
+        spec(architecture_of(hf))  # an architecture we do not implement is named before any field it may lack
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     falcon = (archs[0] if archs else hf.get("model_type")) in ("FalconForCausalLM", "falcon")

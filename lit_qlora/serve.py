@@ -32,7 +32,7 @@ from lit_qlora.chat_template import encode_chat, stop_ids, template_of
 from lit_qlora.decode4bit import DecodeLinear4bit, DecodeLoRALinear
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
-from lit_qlora.lora import LoRALinear
+from lit_qlora.lora import LoRAExperts, LoRALinear, is_expert_target
 from lit_qlora.precision import parse_precision
 from lit_qlora.templates import CHAT
 from lit_qlora.utils import UserError
@@ -87,7 +87,7 @@ class AdapterBank:
         self.model = model
         self.dtype = parse_precision(precision).trainable_dtype
         self.base_layers: dict[str, nn.Module] = {}  # module name -> the model's own layer
-        self.wrappers: dict[str, dict[str, LoRALinear]] = {}  # adapter -> module name -> wrapper
+        self.wrappers: dict[str, dict[str, LoRALinear | LoRAExperts]] = {}  # adapter -> module name -> wrapper
         self.adapters: dict[str, Adapter] = {}  # their settings and training record (tensors dropped)
         self.active: Optional[str] = None  # None: the bare base
         self._no_dropout = nn.Identity()  # one for every wrapper (a module each is ~2 KB of Python dicts)
@@ -102,8 +102,11 @@ class AdapterBank:
             if cfg.dora:
                 raise UserError(f"adapter {name} is a DoRA adapter, which the server cannot switch per request yet; "
                                 "merge it into the base first (scripts/merge_lora.py) and serve that")
-            w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
-                           rslora=cfg.rslora)
+            if is_expert_target(module_name):  # a stacked projection of experts: one pair per expert
+                w = LoRAExperts(base, cfg.r, cfg.alpha, cfg.dropout, rslora=cfg.rslora)
+            else:
+                w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
+                               rslora=cfg.rslora)
             device = w.lora_A.device
             try:
                 A, B = adapter.lora[module_name + ".lora_A"], adapter.lora[module_name + ".lora_B"]

@@ -15,10 +15,11 @@ from lit_qlora import demo
 from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
 from lit_qlora.utils import UserError
 
-FLAG_COUNT = 63  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
+FLAG_COUNT = 66  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
 # lora_rslora, loraplus_lr_ratio, lora_dora, logger, logger_dir, early_stopping_patience, early_stopping_min_delta,
 # save_best, lora_init, loftq_iters,
-# prompt_column, input_column, response_column, messages_column, data_sources, streaming
+# prompt_column, input_column, response_column, messages_column, data_sources, streaming, lora_experts, lora_router,
+# router_aux_loss_coef
 
 
 def test_flags_are_flat_and_unchanged():

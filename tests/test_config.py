@@ -112,3 +112,73 @@ def test_a_norm_epsilon_no_model_has_is_refused_in_config_json(tmp_path, key, va
     with pytest.raises(UserError, match=key) as e:
         Config.from_hf_config(tmp_path / "config.json")
     assert "\n" not in str(e.value) and str(tmp_path / "config.json") in str(e.value)
+
+
+# keras-team/keras-hub: keras_hub/src/models/gemma3/gemma3_presets.py, the text-only presets' "params" (Google's
+# count, independent of the config.json copies the entries come from; its embedding has 262,144 rows where the
+# published 4B / 12B / 27B configs have 262,208)
+KERAS_GEMMA3_PARAMS = {"gemma-3-270m": 268098176, "gemma-3-270m-it": 268098176, "gemma-3-1b-it": 999885952,
+                       "gemma-3-4b-pt": 3880099328, "gemma-3-4b-it": 3880099328, "gemma-3-12b-pt": 11765788416,
+                       "gemma-3-12b-it": 11765788416, "gemma-3-27b-pt": 27009002240, "gemma-3-27b-it": 27009002240}
+
+
+@pytest.mark.parametrize("name", list(KERAS_GEMMA3_PARAMS))
+def test_published_gemma3_configs_read_as_transformers_reads_them(name):
+    """Each published Gemma 3 config.json among the named configs (sources in lit_qlora/config.py) gives the layer
+    kinds, window, RoPE bases and scaling, head size, query scale and tying transformers' config class gives; our
+    parameter count is the one of transformers' model built from it (on the meta device: nothing allocated) and, but
+    for the embedding rows Keras leaves out, Keras' own count."""
+    import torch
+    import transformers
+
+    from lit_qlora.checkpoint import lit_param_shapes
+    from lit_qlora.config import _HF_CONFIGS
+
+    published = dict(_HF_CONFIGS[name])
+    ours, theirs = Config.from_hf_config(published), transformers.Gemma3TextConfig(**published)
+    assert replace(Config.from_name(name), name=ours.name) == ours  # the name is the published model
+    assert (ours.n_layer, ours.n_embd, ours.n_head, ours.n_query_groups, ours.head_size, ours.intermediate_size,
+            ours.vocab_size, ours.block_size) == (
+        theirs.num_hidden_layers, theirs.hidden_size, theirs.num_attention_heads, theirs.num_key_value_heads,
+        theirs.head_dim, theirs.intermediate_size, theirs.vocab_size, theirs.max_position_embeddings)
+    assert ours.layer_types == theirs.layer_types and ours.sliding_window_size == theirs.sliding_window
+    rope = theirs.rope_parameters
+    assert (ours.rope_base, ours.rope_local_base) == (rope["full_attention"]["rope_theta"],
+                                                      rope["sliding_attention"]["rope_theta"])
+    assert ours.rope_scaling == (None if rope["full_attention"]["rope_type"] == "default" else
+                                 {"rope_type": "linear", "factor": rope["full_attention"]["factor"]})
+    assert ours.attention_scale == theirs.query_pre_attn_scalar ** -0.5 and ours.tie_embeddings
+    n = sum(s.numel() for s in lit_param_shapes(ours).values())
+    with torch.device("meta"):
+        assert n == sum(p.numel() for p in transformers.Gemma3ForCausalLM(theirs).parameters())
+    assert n - (ours.vocab_size - 262144) * ours.n_embd == KERAS_GEMMA3_PARAMS[name]
+
+
+def _published_names():
+    from lit_qlora.config import _HF_CONFIGS
+
+    return list(_HF_CONFIGS)
+
+
+@pytest.mark.parametrize("name", _published_names())
+def test_every_published_config_is_the_model_transformers_builds_from_it(name):
+    """Each named config copied from a published config.json (sources in lit_qlora/config.py) is what reading that
+    config.json gives, and has exactly the parameter count of the model transformers builds from the same dict (on
+    the meta device: nothing allocated), so a mistyped shape, tying or layer count cannot hide behind our own
+    reading of it."""
+    import torch
+    import transformers
+
+    from lit_qlora.checkpoint import lit_param_shapes
+    from lit_qlora.config import _HF_CONFIGS
+
+    published = dict(_HF_CONFIGS[name])
+    # (gpt-oss: the folder's MXFP4 storage is the folder's; the model, built dense, is the same)
+    ours = replace(Config.from_hf_config(dict(published)), moe_mxfp4=False)
+    assert replace(Config.from_name(name), name=ours.name) == ours
+    published.pop("quantization_config", None)
+    model_type = getattr(transformers, published["architectures"][0]).config_class.model_type
+    theirs = transformers.AutoConfig.for_model(model_type, **published)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+    assert sum(s.numel() for s in lit_param_shapes(ours).values()) == sum(p.numel() for p in model.parameters())

@@ -193,3 +193,51 @@ def test_a_conversion_its_config_json_does_not_give_is_refused(tmp_path, field, 
     msg = str(e.value)
     assert "\n" not in msg and f"{tmp_path / LIT_CONFIG}: {field} is {value!r}" in msg
     assert str(tmp_path / "config.json") in msg and "convert again" in msg
+
+
+@pytest.mark.parametrize("layout", ["published", "in-memory names"])
+def test_multimodal_gemma3_folder_loads_its_text_model(tmp_path, layout):
+    """Gemma 3 4B / 12B / 27B ship as Gemma3ForConditionalGeneration (the language model under text_config, a vision
+    tower beside it): converted, our model is that language model, fp32 logits on text within 1e-4 of transformers'
+    multimodal model's. Layouts: the published one (language_model.model.*, as transformers 5 saves it too, with a
+    text_config naming only what differs from Gemma3TextConfig's defaults) and transformers' in-memory names
+    (model.language_model.*)."""
+    import transformers
+    from helpers import TINY_HF_CONFIGS
+
+    from lit_qlora.loader import load_model
+
+    text = {k: v for k, v in TINY_HF_CONFIGS["gemma3"].items() if k not in ("architectures", "model_type")}
+    text.pop("layer_types")  # from sliding_window_pattern, as the published configs have it
+    text.update(num_hidden_layers=4, sliding_window_pattern=2, tie_word_embeddings=False)  # ignored: the top ties
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # norms away from their initial values, so a norm read from the wrong tensor shows
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path / "gemma-3-tiny-it"
+    ref.save_pretrained(folder)
+    sd = load_file(folder / "model.safetensors")
+    assert any(k.startswith("language_model.model.layers.") for k in sd) and any("vision_tower" in k for k in sd)
+    if layout == "published":
+        hf = json.loads((folder / "config.json").read_text())
+        hf["text_config"] = {k: v for k, v in text.items() if k != "tie_word_embeddings"}
+        hf["text_config"]["model_type"] = "gemma3_text"
+        hf.pop("tie_word_embeddings", None)  # tied by default
+        (folder / "config.json").write_text(json.dumps(hf))
+    else:
+        names = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+                 ("multi_modal_projector.", "model.multi_modal_projector."))
+        sd = {next((n + k[len(o):] for o, n in names if k.startswith(o)), k): v for k, v in sd.items()}
+        save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    ours = load_model(folder, precision="32-true")
+    assert ours.config.hf_architecture == "Gemma3ForCausalLM" and ours.config.tie_embeddings
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    idx = random_tokens(2, 24)
+    with torch.no_grad():
+        expected = ref(input_ids=idx).logits
+        torch.testing.assert_close(ours(idx), expected, atol=1e-4, rtol=1e-4)

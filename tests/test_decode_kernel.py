@@ -302,7 +302,7 @@ def test_training_code_never_imports_the_kernel():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    users = sorted(str(p.relative_to(root)) for p in [*root.glob("lit_qlora/*.py"), *root.glob("finetune/*.py"),
+    users = sorted(str(p.relative_to(root)) for p in [*root.glob("lit_qlora/**/*.py"), *root.glob("finetune/*.py"),
                                                         *root.glob("generate/*.py")]
                    if "decode4bit" in p.read_text() and p.name != "decode4bit.py")
     assert users == ["lit_qlora/inference.py", "lit_qlora/serve.py"]

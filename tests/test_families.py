@@ -68,8 +68,6 @@ def test_phi3_reads_older_rope_type_names_as_longrope(old):
     (dict(architectures=["Qwen3NextForCausalLM"]), "linear-attention"),
     (dict(architectures=["Gemma3nForCausalLM"]), "per-layer input embeddings"),
     (dict(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "gptq"}), "quant_method='gptq'"),
-    (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, output_router_logits=True),
-     "output_router_logits=True"),
     (dict(architectures=["MixtralForCausalLM"], num_local_experts=4, router_jitter_noise=0.1),
      "router_jitter_noise=0.1"),
     (dict(attention_bias=True), "attention_bias=True"),
@@ -79,6 +77,18 @@ def test_unimplemented_config_fields_are_refused_naming_them(change, message):
     hf = dict(TINY_HF_CONFIGS["qwen3"], sliding_window=8, use_sliding_window=True, **change)
     with pytest.raises(UserError, match=message):
         Config.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_router_training_fields_are_read_and_written_back(kind):
+    """output_router_logits (whether transformers adds the load-balancing loss; finetune/lora.py adds it with its own
+    flag) and router_aux_loss_coef (that flag's default) change no output: read, kept and written back as given."""
+    from lit_qlora.convert import to_hf_config
+
+    c = Config.from_hf_config(dict(TINY_HF_CONFIGS[kind], output_router_logits=True, router_aux_loss_coef=0.02))
+    assert (c.hf_extra["router_aux_loss_coef"], c.hf_extra["output_router_logits"]) == (0.02, True)
+    hf = to_hf_config(c)
+    assert hf["output_router_logits"] is True and hf["router_aux_loss_coef"] == 0.02
 
 
 @pytest.mark.parametrize("kind, field, value", [

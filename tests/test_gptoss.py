@@ -7,8 +7,8 @@ codes of 4 bits per block, two per byte low nibble first, one E8M0 power-of-two 
 converter and by transformers (which dequantizes them on CPU): the values equal the definition's and transformers'
 bit for bit, the model's logits, greedy tokens and KV-cache decoding equal transformers' model of those bytes, the
 experts are re-quantized expert by expert (never a whole stack dequantized), the HF export writes the same bytes
-back, a LoRA on attention exports to PEFT, QLoRA trains from the CLI; and gpt-oss config fields we do not implement
-are refused in one line before any weight is read."""
+back, a LoRA on attention exports to PEFT, one on experts and router too (merged: dense experts), QLoRA trains from
+the CLI; and gpt-oss config fields we do not implement are refused in one line before any weight is read."""
 from __future__ import annotations
 
 import json
@@ -235,10 +235,43 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_mxfp4_folder(mxfp4_ck
     assert (hf_of(out)(idx).logits - expected).abs().max().item() <= 1e-4
 
 
+@torch.no_grad()
+def test_expert_and_router_lora_over_mxfp4_experts_export_to_peft_and_merge_dense(mxfp4_ckpt, tmp_path):
+    """LoRA on the experts and router (and q, v) over the MXFP4 checkpoint: transformers + PEFT (target_parameters
+    on the experts transformers dequantized) computes our logits within 1e-5 in fp32, the adapter imports back the
+    same; merged, W + s B A is no MXFP4 grid, so the HF export stores every expert dense in the checkpoint's dtype
+    (no _blocks, no quantization_config) and transformers alone computes model + adapter's logits within 1e-5."""
+    from helpers import adapter_of, lora_cfg, randomize_lora
+    from peft import PeftModel
+
+    from lit_qlora.adapter import Adapter
+    from lit_qlora.merge import export_hf
+
+    folder, _, hf = mxfp4_ckpt
+    lora = lora_cfg(query=True, value=True, experts=True, router=True)
+    model = load_model(folder, precision="32-true", lora=lora, seed=0).eval()
+    randomize_lora(model, seed=4)
+    idx = random_tokens(2, 12, seed=3)
+    expected = model(idx)
+    assert (expected - hf(idx).logits).abs().max() > 0.05
+    adapter = adapter_of(model, lora)
+    adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(folder))
+    peft_model = PeftModel.from_pretrained(hf_of(folder), tmp_path / "peft").eval()
+    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-5
+    back = Adapter.load(tmp_path / "peft", model.config)
+    assert back.lora.keys() == adapter.lora.keys()
+    assert all(torch.equal(back.lora[k], v) for k, v in adapter.lora.items())
+    out = export_hf(folder, tmp_path / "hf", adapter)
+    stored = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stored and not any(k.endswith("_blocks") for k in stored)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert (hf_of(out)(idx).logits - expected).abs().max().item() <= 1e-5
+
+
 def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path):
     """The user's path on a published-layout gpt-oss: finetune/lora.py --quantize bnb.nf4 (the MXFP4 experts
-    re-quantized to nf4, LoRA on attention and head) learns (the loss falls), and generate/lora.py answers with the
-    adapter merged and with --merge false."""
+    re-quantized to nf4, LoRA on attention, head, experts and router) learns (the loss falls) and records the expert
+    load, and generate/lora.py answers with the adapter merged and with --merge false."""
     import math
 
     from helpers_tokenizer import make_hf_bpe_tokenizer
@@ -252,9 +285,11 @@ def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path
     (data / "tasks.json").write_text(json.dumps(make_records()))
     out = tmp_path / "out"
     train({"ckpt": ckpt, "data": data}, out, max_iters=8, quantize="bnb.nf4", lora_projection="true",
-          lora_head="true", learning_rate=1e-2)
+          lora_head="true", lora_experts="true", lora_router="true", learning_rate=1e-2)
     losses = [float(r["loss"]) for r in read_metrics(out)]
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and sum(losses[-4:]) / 4 < 0.9 * losses[0]
+    load = json.loads((out / "metrics.json").read_text())["expert_load"]  # top 2 of E = 4 in both layers
+    assert load["layers"] == [0, 1] and all(math.isclose(sum(row), 2, rel_tol=1e-4) for row in load["all_steps"])
     for merge in ("true", "false"):
         r = run_script(GENERATE_LORA, ["--checkpoint_dir", ckpt, "--lora_path", out / "lit_model_lora_finetuned.pth",
                                        "--quantize", "bnb.nf4", "--precision", "32-true", "--prompt", "kind",
@@ -294,7 +329,6 @@ BAD_FIELDS = [
      "quant_method='bitsandbytes'"),
     (dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": UNCONVERTED[1:]}),
      "quantizes 'model.layers.*.self_attn'"),
-    (dict(output_router_logits=True), "output_router_logits=True"),
     (dict(attention_dropout=0.1), "attention_dropout=0.1"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope scaling 'dynamic'"),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer type 'chunked_attention'"),

@@ -272,6 +272,8 @@ def _convert_moe(peft: PeftFolder, config: Config, lit_meta: Optional[dict], lor
     """The checked target_parameters LoRAs (`peft.moe`) into our tensors and their (rank, scaling) into `ranks`. A
     gate_up_proj LoRA of rank R gives fc_1 and fc_2 each rank R with the same A (its first and second halves of
     rows of B), or back the two LoRAs of rank r our own export made of them (block-diagonal)."""
+    if not peft.moe:  # a dense model, or no target_parameters: nothing to convert (and no moe_params to read)
+        return
     E, inner, r = config.moe_n_expert, config.moe_intermediate_size, int((lit_meta or {}).get("r", 0))
     interleaved = family(config)["moe_params"].get("interleaved")
     moe = {}  # gate_up in our layout: A [E, R, C], B [E, 2 x inner, R] with the gate's rows first

@@ -6,6 +6,7 @@ Shapes in comments: B batch, T sequence, C n_embd, H heads, G query groups (kv h
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -67,21 +68,27 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
-                output_mask: Optional[torch.Tensor] = None,
-                targets: Optional[torch.Tensor] = None, router_aux: bool = False) -> torch.Tensor | list | tuple:
+                output_mask: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
+                reduction: str = "sum", prefixes: Optional[torch.Tensor] = None,
+                router_aux: bool = False) -> torch.Tensor | list | tuple:
         """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode). With
         `targets` (of the positions that reach the output layer: [B, T], or [N] under `output_mask`) the summed
-        cross entropy instead of the logits (`output_loss`).
+        cross entropy instead of the logits, or with reduction "none" each position's, -log p(target) in fp32
+        (`output_loss`).
 
         Packed samples (training): `segments` [B, T] numbers the sample each token belongs to (-1: padding) and
-        `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `output_mask` [B, T]:
-        only those positions go through the output layer (the ones that have a target), giving logits [N, V].
+        `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `prefixes` [B, T]: a
+        sample that continues a shared prefix (a preference pair's prompt, then its chosen and its rejected answer,
+        each after it) names that prefix's segment (-1: none); its tokens see the whole prefix, then their own sample
+        causally, and its positions go on from the prefix's. `output_mask` [B, T]: only those positions go through
+        the output layer (the ones that have a target), giving logits [N, V].
 
         `router_aux` (a mixture of experts): (that output, the routers' load-balancing loss, the expert load [L, E])
         of this forward (`router_aux_loss`; padding, segment -1, not counted)."""
         if router_aux:
             return self._with_routing(idx, input_pos=input_pos, lm_head_chunk=lm_head_chunk, positions=positions,
-                                      segments=segments, output_mask=output_mask, targets=targets)
+                                      segments=segments, output_mask=output_mask, targets=targets,
+                                      reduction=reduction, prefixes=prefixes)
         B, T = idx.shape
         x = self.transformer.wte(idx)  # [B, T, C]
         if self.config.scale_embeddings:
@@ -92,7 +99,7 @@ class GPT(nn.Module):
             if input_pos is not None and self.kv_caches is None:
                 raise RuntimeError("call set_kv_cache() before passing input_pos")
             positions = torch.arange(T, device=idx.device) if input_pos is None else input_pos
-        all_spans = sample_spans(segments) if segments is not None else None
+        all_spans = sample_spans(segments, prefixes) if segments is not None else None
         ropes: dict = {}  # layer_rope(i) -> (cos, sin)
         attention: dict = {}  # layer_window(i) -> (mask, kv_len, spans)
         for i, block in enumerate(self.transformer.h):
@@ -109,10 +116,11 @@ class GPT(nn.Module):
                 if segments is not None:
                     mask, kv_len, spans = None, T, all_spans
                     if (training and self.compiled_blocks is not None) or (
-                            window is not None and max(n for row in spans for n, _ in row) > window):
+                            window is not None and max(context for row in spans for context in span_contexts(row))
+                            > window):
                         # one mask for the whole batch: a compiled graph would be specialized on every batch's
                         # sample lengths, and a sample longer than the sliding window needs the window's mask anyway
-                        mask, spans = packed_attention_mask(segments, positions, window), None
+                        mask, spans = packed_attention_mask(segments, positions, window, prefixes), None
                     attention[window] = (mask, kv_len, spans)
                 else:
                     attention[window] = (*self._mask(positions, T, input_pos is not None, idx.device, window), None)
@@ -134,7 +142,7 @@ class GPT(nn.Module):
         else:
             dim = 1
         if targets is not None:
-            return self.output_loss(x, targets, lm_head_chunk)
+            return self.output_loss(x, targets, lm_head_chunk, reduction=reduction)
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (losses.chunked_cross_entropy)
             return [self.output(xc) for xc in x.split(lm_head_chunk, dim=dim)]
@@ -158,16 +166,18 @@ class GPT(nn.Module):
         return out, aux, load
 
     def output_loss(self, x: torch.Tensor, targets: torch.Tensor, lm_head_chunk: int = 0,
-                    ignore_index: int = -100) -> torch.Tensor:
-        """Summed cross entropy of the output layer at the final hidden states x ([B, T, C] or [N, C]). A frozen dense
-        head (the default) never holds more than one chunk of logits (losses.head_cross_entropy); a quantized head or
-        one with a LoRA computes its logits `lm_head_chunk` rows at a time and keeps them for backward."""
+                    ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+        """Cross entropy of the output layer at the final hidden states x ([B, T, C] or [N, C]): summed, or per
+        position (reduction "none", flattened [N]). A frozen dense head (the default) never holds more than one chunk
+        of logits (losses.head_cross_entropy); a quantized head or one with a LoRA computes its logits
+        `lm_head_chunk` rows at a time and keeps them for backward."""
         x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
         head = self.lm_head
         if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad:
-            return head_cross_entropy(x, head.weight, targets, self.config.final_softcap, ignore_index)
+            return head_cross_entropy(x, head.weight, targets, self.config.final_softcap, ignore_index,
+                                      reduction=reduction)
         chunks = x.split(lm_head_chunk) if lm_head_chunk else [x]
-        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index)
+        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index, reduction)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, with Gemma 2's final soft-capping."""
@@ -254,8 +264,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor],
                 cache: Optional["KVCache"], mask: Optional[torch.Tensor], kv_len: int,
                 spans: Optional[list] = None) -> torch.Tensor:
-        """`spans` (packed samples, `sample_spans`): each sample attends causally to itself alone, one attention
-        call per sample, instead of a [T, T] mask over the whole row."""
+        """`spans` (packed samples, `sample_spans`): each sample attends causally to itself alone (after its shared
+        prefix, if it has one), one attention call per sample, instead of a [T, T] mask over the whole row."""
         c = self.config
         B, T, _ = x.shape
         q, k, v = linear(self.qkv, x).split(c.qkv_sizes, dim=-1)
@@ -277,14 +287,23 @@ class CausalSelfAttention(nn.Module):
             # Why per sample: a [T, T] mask makes the kernel compute every pair of the row (a sample's tokens against
             # all others, then masked), while causal calls skip what lies above the diagonal: with 4 samples in a
             # row that is about 1/8 of the work. Padding (at a row's end) attends to nothing: zeros, never a target.
+            # A sample after a shared prefix: its queries against the prefix's keys and values and then its own.
             rows = []
             for qr, kr, vr, row in zip(q, k, v, spans):
-                lengths = [n for n, _ in row]
-                rows.append(torch.cat([
-                    qs.new_zeros(qs.shape).unsqueeze(0) if pad
-                    else self.attend(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), None, False)
-                    for qs, ks, vs, (_, pad) in zip(qr.split(lengths, 1), kr.split(lengths, 1), vr.split(lengths, 1),
-                                                    row)], dim=2))
+                lengths = [n for n, _, _ in row]
+                qs, ks, vs = qr.split(lengths, 1), kr.split(lengths, 1), vr.split(lengths, 1)
+                out = []
+                for j, (n, pad, prefix) in enumerate(row):
+                    if pad:
+                        out.append(qs[j].new_zeros(qs[j].shape).unsqueeze(0))
+                    elif prefix is None:
+                        out.append(self.attend(qs[j].unsqueeze(0), ks[j].unsqueeze(0), vs[j].unsqueeze(0), None, False))
+                    else:
+                        m = lengths[prefix]
+                        sees = torch.ones(n, m + n, dtype=torch.bool, device=q.device).tril_(m)  # prefix, then causal
+                        out.append(self.attend(qs[j].unsqueeze(0), torch.cat([ks[prefix], ks[j]], 1).unsqueeze(0),
+                                               torch.cat([vs[prefix], vs[j]], 1).unsqueeze(0), sees, False))
+                rows.append(torch.cat(out, dim=2))
             y = torch.cat(rows) if len(rows) > 1 else rows[0]  # [B, H, T, hs]
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return linear(self.proj, y)
@@ -369,22 +388,38 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def sample_spans(segments: torch.Tensor) -> list[list[tuple[int, bool]]]:
-    """For rows of packed samples (`segments` [B, T], -1 for padding): per row, the (length, is_padding) of each run
-    of one sample, in order."""
+def sample_spans(segments: torch.Tensor,
+                 prefixes: Optional[torch.Tensor] = None) -> list[list[tuple[int, bool, Optional[int]]]]:
+    """For rows of packed samples (`segments` [B, T], -1 for padding; `prefixes` [B, T], see GPT.forward): per row,
+    the (length, is_padding, prefix) of each run of one sample, in order; prefix is the number of the earlier run in
+    the row that the sample continues, or None."""
     spans = []
-    for row in segments.cpu():
+    prefix_rows = prefixes.cpu() if prefixes is not None else [None] * segments.size(0)
+    for row, prefix_row in zip(segments.cpu(), prefix_rows):
         ids, counts = torch.unique_consecutive(row, return_counts=True)
-        spans.append([(n, i < 0) for i, n in zip(ids.tolist(), counts.tolist())])
+        ids, counts = ids.tolist(), counts.tolist()
+        firsts = [0, *itertools.accumulate(counts)][:-1]
+        run_of = {i: j for j, i in enumerate(ids) if i >= 0}
+        spans.append([(n, i < 0, None if prefix_row is None or prefix_row[at] < 0 else run_of[int(prefix_row[at])])
+                      for i, n, at in zip(ids, counts, firsts)])
     return spans
 
 
-def packed_attention_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """Boolean [B, 1, T, T] for rows of packed samples: a token sees the earlier tokens of its own sample (and only
-    the last `window` of them). Padding (segment -1) sees the padding before it, so no softmax row is empty."""
+def span_contexts(row: list[tuple[int, bool, Optional[int]]]) -> list[int]:
+    """The keys each run of a `sample_spans` row attends to at most: its length, plus its prefix's."""
+    return [n + (row[prefix][0] if prefix is not None else 0) for n, _, prefix in row]
+
+
+def packed_attention_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int],
+                          prefixes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T] for rows of packed samples: a token sees the earlier tokens of its own sample and, where
+    `prefixes` names one, the whole shared prefix before it (and only the last `window` positions of all that).
+    Padding (segment -1) sees the padding before it, so no softmax row is empty."""
     T = segments.size(1)
     idx = torch.arange(T, device=segments.device)
     mask = (segments[:, :, None] == segments[:, None, :]) & (idx[None, :] <= idx[:, None])  # [B, query, key]
+    if prefixes is not None:
+        mask |= (prefixes[:, :, None] >= 0) & (prefixes[:, :, None] == segments[:, None, :])
     if window is not None:
         mask &= positions[:, None, :] > positions[:, :, None] - window
     return mask.unsqueeze(1)

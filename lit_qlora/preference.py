@@ -93,37 +93,6 @@ def reward_stats(chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, 
 
 
 # ---- log-probabilities --------------------------------------------------------------------------------
-def token_logps(logits: Tensor | list[Tensor], targets: Tensor) -> Tensor:
-    """log p(target) of each position: logits [N, V] (or position chunks of them, `GPT(lm_head_chunk=...)`) and
-    targets [N] -> [N] in fp32."""
-    chunks = [logits] if isinstance(logits, Tensor) else logits
-    out, start = [], 0
-    for chunk in chunks:
-        chunk = chunk.reshape(-1, chunk.size(-1))
-        out.append(_TokenLogps.apply(chunk, targets[start:start + chunk.size(0)]))
-        start += chunk.size(0)
-    return torch.cat(out)
-
-
-class _TokenLogps(torch.autograd.Function):
-    """logits[i, t_i] - logsumexp(logits[i]) in fp32, saving only the logits (held anyway) and one fp32 log-sum-exp
-    per row: autograd's log_softmax would keep an fp32 [N, V] copy for backward. Backward: g * (one_hot - softmax)."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
-        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        ctx.save_for_backward(logits, targets, lse)
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        g = -(logits.float() - lse[:, None]).exp_().mul_(grad[:, None])
-        g.scatter_add_(1, targets[:, None], grad[:, None].float())
-        return g.to(logits.dtype), None
-
-
 def sequence_logps(tok_logps: Tensor, seq_ids: Tensor, n_seq: int) -> tuple[Tensor, Tensor]:
     """Sums of token log-probabilities per sequence and the tokens counted: (logps [n_seq], tokens [n_seq])."""
     sums = tok_logps.new_zeros(n_seq).index_add(0, seq_ids, tok_logps)
@@ -154,22 +123,73 @@ def collate_pairs(pairs: list[dict], pad_id: int = 0, ignore_index: int = -100) 
     return {"input_ids": input_ids, "labels": labels, "lengths": lengths, "index": index}
 
 
+def share_prefixes(batch: dict[str, Tensor], ignore_index: int = -100) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """A `collate_pairs` batch as one row of tokens in which each pair's common beginning (its prompt, and any first
+    answer tokens its two answers share) appears once: [shared, chosen's rest, rejected's rest] per pair, the two
+    rests continuing the shared part (GPT.forward's `prefixes`: they see all of it, their positions go on from it).
+    The shared part's last token stays in each rest (its next token differs). Every position computes what it
+    computes in its own sequence; a target in the shared part counts for both sequences.
+
+    Returns (flat: input_ids, positions, segments, prefixes, targets [1, T]; pick [M] and seq_ids [M]): target k of
+    the positions that have one (`targets != ignore_index`, in order) counts for sequence seq_ids[j] where
+    pick[j] = k (chosen sequences 0..B-1, rejected B..2B-1)."""
+    ids, labels, lengths = batch["input_ids"], batch["labels"], batch["lengths"].tolist()
+    n_pairs = ids.size(0) // 2
+    tgt = shift_labels(labels, ignore_index)
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "positions", "segments", "prefixes", "targets",
+                                                      "first", "second")}
+
+    def add(row: int, start: int, end: int, segment: int, prefix: int, first: int, second: int) -> None:
+        n = end - start
+        for k, v in (("input_ids", ids[row, start:end]), ("positions", torch.arange(start, end)),
+                     ("segments", torch.full((n,), segment)), ("prefixes", torch.full((n,), prefix)),
+                     ("targets", tgt[row, start:end]), ("first", torch.full((n,), first)),
+                     ("second", torch.full((n,), second))):
+            parts[k].append(v)
+
+    for i in range(n_pairs):
+        c, r = i, n_pairs + i
+        n = min(lengths[c], lengths[r])
+        same = (ids[c, :n] == ids[r, :n]) & (labels[c, :n] == labels[r, :n])
+        common = n if bool(same.all()) else int((~same).nonzero()[0, 0])
+        shared = max(common - 1, 0)  # token `common - 1` predicts different next tokens in the two sequences
+        if shared:
+            add(c, 0, shared, 3 * i, -1, c, r)
+        add(c, shared, lengths[c], 3 * i + 1, 3 * i if shared else -1, c, -1)
+        add(r, shared, lengths[r], 3 * i + 2, 3 * i if shared else -1, r, -1)
+    flat = {k: torch.cat(v)[None] for k, v in parts.items()}
+    first, second = flat.pop("first")[0], flat.pop("second")[0]
+    has = flat["targets"][0] != ignore_index
+    first, second = first[has], second[has]
+    k = torch.arange(len(first))
+    both = second >= 0
+    return flat, torch.cat([k, k[both]]), torch.cat([first, second[both]])
+
+
 def batch_logps(model: torch.nn.Module, batch: dict[str, Tensor], device: torch.device | str = "cpu",
-                lm_head_chunk: int = 0, ignore_index: int = -100) -> PairLogps:
-    """The policy's (or, under no_grad before training, the reference's) PairLogps of a `collate_pairs` batch: its
-    2B rows without their padding in one forward (`unpad`: each row attends to itself alone), the output layer only
-    at the positions that have a target."""
+                lm_head_chunk: int = 0, ignore_index: int = -100, share: bool = True) -> PairLogps:
+    """The policy's (or, under no_grad before training, the reference's) PairLogps of a `collate_pairs` batch in one
+    forward without padding, each pair's common prompt computed once (`share_prefixes`; `share=False`: the 2B rows
+    whole, each attending to itself alone, `unpad`), the output layer only at the positions that have a target, as
+    the training loss computes it (with a frozen dense head, one chunk of logits at a time and none kept for
+    backward, `GPT.output_loss`)."""
     n_seq = batch["input_ids"].size(0)
-    tgt = shift_labels(batch["labels"], ignore_index)
-    flat, tgt = unpad(batch, tgt)
-    tgt = tgt.to(device)
+    if share:
+        flat, pick, seq_ids = share_prefixes(batch, ignore_index)
+        tgt, pick, seq_ids = flat.pop("targets").to(device), pick.to(device), seq_ids.to(device)
+    else:
+        flat, tgt = unpad(batch, shift_labels(batch["labels"], ignore_index))
+        tgt = tgt.to(device)
+        width = batch["input_ids"].size(1)
+        rows = flat["segments"] // width if "segments" in flat else torch.zeros_like(flat["input_ids"])
+        seq_ids = rows.to(device)[tgt != ignore_index]
+        pick = torch.arange(len(seq_ids), device=device)
     has_target = tgt != ignore_index
-    rows = flat["segments"] if "segments" in flat else torch.zeros_like(flat["input_ids"])
-    width = batch["input_ids"].size(1)
-    seq_ids = (rows.to(device)[has_target] // width) if "segments" in flat else rows.to(device)[has_target]
-    packed = {k: flat[k].to(device) for k in ("positions", "segments") if k in flat}
-    logits = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target, **packed)
-    sums, counts = sequence_logps(token_logps(logits, tgt[has_target]), seq_ids, n_seq)
+    packed = {k: flat[k].to(device) for k in ("positions", "segments", "prefixes") if k in flat}
+    # -log p(target) of each position, by the model's output layer (losses.head_cross_entropy: no logits kept)
+    nll = model(flat["input_ids"].to(device), lm_head_chunk=lm_head_chunk, output_mask=has_target,
+                targets=tgt[has_target], reduction="none", **packed)
+    sums, counts = sequence_logps(-nll[pick], seq_ids, n_seq)
     return split_pairs(sums, counts)
 
 
@@ -291,6 +311,10 @@ def _pair(row: int, rec: dict, path: Path, tokenizer: Any, template: str, s: Dat
             raise UserError(f"{where}: the {k} answer renders to no tokens; fill it in or drop the row")
         out[f"{k}_ids"] = torch.tensor(ids, dtype=torch.long)
         out[f"{k}_labels"] = torch.tensor(labels, dtype=torch.long)
+    if torch.equal(out["chosen_ids"], out["rejected_ids"]):  # texts that differ, the same tokens once cut / rendered
+        raise UserError(f"{where}: chosen and rejected are the same {len(out['chosen_ids'])} tokens within "
+                        f"--max_seq_length {s.max_seq_length}, so there is no preference to learn; raise "
+                        "--max_seq_length, or fix or drop the row")
     return out
 
 
@@ -305,8 +329,16 @@ def _chat_parts(rec: dict, row: int, path: Path) -> tuple[list, list, list]:
             raise UserError("chosen and rejected share no prompt (no common leading turns ending with the user's); "
                             "give a \"prompt\" field")
         return chosen[:n], chosen[n:], rejected[n:]
-    return (_as_messages(rec["prompt"], "user", row, path), _as_messages(rec["chosen"], "assistant", row, path),
-            _as_messages(rec["rejected"], "assistant", row, path))
+    prompt = _as_messages(rec["prompt"], "user", row, path)
+    answers = []
+    for k in ("chosen", "rejected"):
+        v = rec[k]
+        if isinstance(v, list) and len(v) > len(prompt) and all(
+                isinstance(m, dict) and (m.get("role"), m.get("content")) == (q["role"], q["content"])
+                for m, q in zip(v, prompt)):
+            v = v[len(prompt):]  # a full conversation that repeats the prompt's turns (UltraFeedback's layout)
+        answers.append(_as_messages(v, "assistant", row, path))
+    return prompt, answers[0], answers[1]
 
 
 def _chat_side(tokenizer: Any, prompt: list, answer: list, prompt_ids: list, where: str) -> tuple[list, list]:

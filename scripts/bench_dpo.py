@@ -2,14 +2,18 @@
 figures; not a test): peak resident memory and step time, each variant in its own fresh process.
 
     python scripts/bench_dpo.py                     # SmolLM2-135M's shape, random weights, bnb.nf4, 4 pairs x 256
+    python scripts/bench_dpo.py --checkpointing true   # the same with activation checkpointing (QLoRA recipes' way)
     python scripts/bench_dpo.py --model demo --pairs 8 --length 128 --steps 3   # the demo model's shape
+    python scripts/bench_dpo.py --accuracy true     # held-out preference accuracy before / after a run on demo pairs
 
 Variants, all with LoRA r 8 on every target and AdamW, the base quantized with --quantize:
   sft      : a step on B rows of `length` tokens (the chosen rows), as finetune/lora.py computes it
   sft_2x   : a step on 2B rows (as many tokens as a DPO step)
-  dpo      : a DPO step on B pairs (2B rows) as finetune/dpo.py computes it: chosen and rejected in one forward,
-             the reference log-probabilities computed before (one no-grad forward per pair, done once per run)
-  dpo_2fwd : the same step with chosen and rejected in two forwards (what finetune/dpo.py does not do)
+  dpo      : a DPO step on B pairs as finetune/dpo.py computes it: one forward, each pair's prompt once and its
+             chosen and rejected answers after it (preference.share_prefixes), the reference log-probabilities
+             computed before (one no-grad forward per pair, done once per run)
+  dpo_rows : the same step on the 2B whole rows (prompt twice) in one forward (finetune/dpo.py before sharing)
+  dpo_2fwd : the same step on whole rows, chosen and rejected in two forwards
 Memory: the process's peak resident set (VmHWM) during the steps, the high-water mark reset after loading
 (/proc/self/clear_refs), next to the resident set after loading: one copy of the weights serves the policy and the
 reference, so a DPO step adds activations, not a model. Step time: median of --steps steps after one warm-up.
@@ -38,9 +42,9 @@ from lit_qlora.loader import load_model  # noqa: E402
 from lit_qlora.lora import LoRAConfig  # noqa: E402
 from lit_qlora.precision import resolve_precision  # noqa: E402
 from lit_qlora.training import head_chunk, shift_labels  # noqa: E402
-from lit_qlora.utils import run_cli  # noqa: E402
+from lit_qlora.utils import run_cli, tune_cpu_allocator  # noqa: E402
 
-VARIANTS = ("sft", "sft_2x", "dpo", "dpo_2fwd")
+VARIANTS = ("sft", "sft_2x", "dpo", "dpo_rows", "dpo_2fwd")
 
 
 def cpu_description() -> str:
@@ -82,7 +86,7 @@ def sft_loss(model, rows: list[dict], chunk: int) -> torch.Tensor:
     return loss / has.sum()
 
 
-def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwards: bool) -> torch.Tensor:
+def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwards: bool, share: bool) -> torch.Tensor:
     if two_forwards:  # chosen rows, then rejected rows: each its own forward
         sides = []
         for side in ("chosen", "rejected"):
@@ -91,22 +95,25 @@ def dpo_loss(model, pairs: list[dict], ref: torch.Tensor, chunk: int, two_forwar
             tgt = shift_labels(batch["labels"])
             flat, tgt = unpad(batch, tgt)
             has = tgt != -100
-            logits = model(flat["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=flat["positions"],
-                           segments=flat["segments"])
+            nll = model(flat["input_ids"], lm_head_chunk=chunk, output_mask=has, positions=flat["positions"],
+                        segments=flat["segments"], targets=tgt[has], reduction="none")
             seq = flat["segments"][has] // batch["input_ids"].size(1)
-            sides.append(pf.sequence_logps(pf.token_logps(logits, tgt[has]), seq, len(pairs)))
+            sides.append(pf.sequence_logps(-nll, seq, len(pairs)))
         lp = pf.PairLogps(sides[0][0], sides[1][0], sides[0][1], sides[1][1])
     else:
-        lp = pf.batch_logps(model, pf.collate_pairs(pairs), lm_head_chunk=chunk)
+        lp = pf.batch_logps(model, pf.collate_pairs(pairs), lm_head_chunk=chunk, share=share)
     per_pair, _, _ = pf.pair_losses("dpo", lp, ref[:, 0], ref[:, 1], beta=0.1)
     return per_pair.mean()
 
 
-def child(variant: str, folder: str, quantize: str, precision: str, pairs_n: int, length: int, steps: int) -> None:
+def child(variant: str, folder: str, quantize: str, precision: str, pairs_n: int, length: int, steps: int,
+          checkpointing: bool) -> None:
     """One variant in this process; prints one JSON line."""
+    tune_cpu_allocator()  # as finetune/lora.py does on CPU
     lora = LoRAConfig(r=8, alpha=16, dropout=0.0, query=True, key=True, value=True, projection=True, mlp=True)
     model = load_model(Path(folder), precision=precision, quantize=None if quantize == "none" else quantize,
                        lora=lora, seed=0)
+    model.activation_checkpointing = checkpointing  # as finetune's --activation_checkpointing sets it
     chunk = head_chunk(model.config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     pairs = make_pairs(pairs_n, length, model.config.vocab_size)
@@ -128,7 +135,7 @@ def child(variant: str, folder: str, quantize: str, precision: str, pairs_n: int
         if variant.startswith("sft"):
             loss = sft_loss(model, rows, chunk)
         else:
-            loss = dpo_loss(model, pairs, ref, chunk, two_forwards=variant == "dpo_2fwd")
+            loss = dpo_loss(model, pairs, ref, chunk, two_forwards=variant == "dpo_2fwd", share=variant == "dpo")
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -139,33 +146,53 @@ def child(variant: str, folder: str, quantize: str, precision: str, pairs_n: int
                                       step_s=statistics.median(times), tokens=tokens)))
 
 
-def demo_pairs(folder: Path, n_val: int = 80, seed: int = 0) -> Path:
-    """train.jsonl + val.jsonl of {prompt, chosen, rejected} from the demo records (see the module docstring)."""
+KINDS = ("cut", "shuffled", "other")  # how a rejected answer is made from the record's own (see demo_pairs)
+
+
+def demo_pairs(folder: Path, val_fraction: float = 0.2, seed: int = 0) -> Path:
+    """train.jsonl + val.jsonl of {prompt, chosen, rejected, kind} from the demo records: the chosen answer is the
+    record's output; each record gives up to three pairs, one per kind of rejected answer: "cut" (its first half),
+    "shuffled" (its characters in another order) and "other" (another record's answer to the same instruction: right
+    for another input). The held-out pairs are those of `val_fraction` of the records (every pair of a record on one
+    side, so no held-out prompt is trained on)."""
     import random
 
     from lit_qlora.demo import DEMO_DATA_FILE
+    from lit_qlora.records import split
 
     records = json.loads(DEMO_DATA_FILE.read_text())
     rng = random.Random(seed)
-    by_instruction: dict = {}
+    outputs: dict = {}
     for r in records:
-        by_instruction.setdefault(r["instruction"], set()).add(r["output"])
-    rows = []
-    for r in records:
-        others = sorted(by_instruction[r["instruction"]] - {r["output"]})
-        words = r["output"].split()
-        rejected = rng.choice(others) if others else " ".join(words[:-1]) if len(words) > 1 else r["output"][:-1]
-        if rejected and rejected != r["output"]:
-            rows.append({"prompt": f"{r['instruction']}\n{r['input']}", "chosen": r["output"], "rejected": rejected})
-    rng.shuffle(rows)
+        outputs.setdefault(r["instruction"], set()).add(r["output"])
+
+    def pairs_of(r: dict) -> list[dict]:
+        out, chosen = [], r["output"]
+        rejected = {"cut": chosen[:len(chosen) // 2].rstrip()}
+        chars = list(chosen)
+        for _ in range(10):
+            rng.shuffle(chars)
+            if "".join(chars) != chosen:
+                rejected["shuffled"] = "".join(chars)
+                break
+        others = sorted(outputs[r["instruction"]] - {chosen})
+        if others:
+            rejected["other"] = rng.choice(others)
+        prompt = f"{r['instruction']}\n{r['input']}" if r.get("input") else r["instruction"]
+        for kind in KINDS:
+            if rejected.get(kind) and rejected[kind] != chosen:
+                out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected[kind], "kind": kind})
+        return out
+
+    train_recs, val_recs = split(records, val_fraction, seed)
     folder.mkdir(parents=True, exist_ok=True)
-    for name, part in (("val.jsonl", rows[:n_val]), ("train.jsonl", rows[n_val:])):
-        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    for name, recs in (("train.jsonl", train_recs), ("val.jsonl", val_recs)):
+        (folder / name).write_text("".join(json.dumps(q) + "\n" for r in recs for q in pairs_of(r)))
     return folder
 
 
-def preferred_share(checkpoint: Path, adapter: Path | None, data: Path, quantize: str) -> float:
-    """Share of the held-out pairs whose chosen answer the model (with `adapter`) gives the higher log-probability."""
+def held_out_logps(checkpoint: Path, adapter: Path | None, data: Path, quantize: str) -> torch.Tensor:
+    """[n_val, 2]: the (chosen, rejected) log-probabilities of the held-out pairs under the model (with `adapter`)."""
     from lit_qlora.adapter import Adapter
     from lit_qlora.prepare import DataSettings
     from lit_qlora.tokenizer import Tokenizer
@@ -178,47 +205,71 @@ def preferred_share(checkpoint: Path, adapter: Path | None, data: Path, quantize
         a.load_into(model)
     with torch.no_grad():
         lp = pf.batch_logps(model, pf.collate_pairs(val, pad_id=tok.eos_id))
-    return float((lp.chosen > lp.rejected).float().mean())
+    return torch.stack([lp.chosen, lp.rejected], 1)
 
 
-def accuracy_run(quantize: str, out_dir: str) -> None:
+def accuracy_run(quantize: str, out_dir: str, loss: str, learning_rate: float, beta: float, epochs: int,
+                 lora_r: int, micro_batch_size: int) -> None:
+    import csv
+
     from lit_qlora.demo import ensure_demo_checkpoint
 
     work = Path(out_dir or Path(tempfile.gettempdir()) / "bench-dpo-accuracy")
     ckpt = ensure_demo_checkpoint(work / "demo")  # built here once (not shared with other runs building it)
     data = demo_pairs(work / "pairs")
-    out = work / f"out-{int(time.time())}"
+    n_train, n_val = (sum(1 for _ in open(data / f)) for f in ("train.jsonl", "val.jsonl"))
+    out = work / f"out-{loss}-lr{learning_rate:g}-b{beta:g}-e{epochs}-r{lora_r}-{int(time.time())}"
     args = ["--checkpoint_dir", ckpt, "--data_dir", data, "--out_dir", out, "--quantize", quantize, "--template",
-            "plain", "--loss", "dpo", "--beta", "0.1", "--learning_rate", "3e-3", "--epochs", "1",
-            "--micro_batch_size", "8", "--eval_interval", "20", "--eval_iters", "10", "--save_interval", "1000",
-            "--lora_r", "16", "--lora_alpha", "32", "--lora_key", "true", "--lora_projection", "true",
-            "--lora_mlp", "true", "--warmup_steps", "5"]
+            "plain", "--loss", loss, "--beta", beta, "--learning_rate", learning_rate, "--epochs", epochs,
+            "--micro_batch_size", micro_batch_size, "--eval_interval", 25,
+            "--eval_iters", -(-n_val // micro_batch_size), "--save_interval", 100000, "--lora_r", lora_r,
+            "--lora_alpha", 2 * lora_r, "--lora_key", "true", "--lora_projection", "true", "--lora_mlp", "true",
+            "--warmup_steps", 10, "--lora_dropout", 0.0]
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, str(ROOT / "finetune" / "dpo.py"), *map(str, args)], capture_output=True,
                        text=True)
     if r.returncode:
         raise SystemExit(r.stderr[-3000:])
-    import csv
-
-    rows = [row for row in csv.DictReader(open(out / "metrics.csv")) if row["val_loss"]]
-    first, last = rows[0], rows[-1]
-    n_train = sum(1 for _ in open(data / "train.jsonl"))
-    print(f"demo model (lit_qlora/demo, {quantize}), DPO beta 0.1, 1 epoch of {n_train} pairs, "
-          f"{time.perf_counter() - t0:.0f} s\nCPU: {cpu_description()}")
-    print("\n| held-out pairs (80) | start (iter 0) | end (iter " + last["iter"] + ") |\n|---|---|---|")
-    for k in ("val_rewards/accuracies", "val_rewards/margins", "val_loss"):
-        print(f"| {k} | {float(first[k]):.3f} | {float(last[k]):.3f} |")
-    before = preferred_share(ckpt, None, data, quantize)
-    after = preferred_share(ckpt, out / "lit_model_lora_finetuned.pth", data, quantize)
-    print(f"| log p(chosen) > log p(rejected) | {before:.3f} | {after:.3f} |")
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    vals = [row for row in rows if row["val_loss"]]
+    losses = [float(row["loss"]) for row in rows if row["loss"]]
+    first, last = vals[0], vals[-1]
+    print(f"demo model (lit_qlora/demo, {quantize}), {loss} beta {beta:g}, lr {learning_rate:g} (10 warm-up steps, "
+          f"cosine), LoRA r {lora_r} alpha {2 * lora_r} on every layer but the head, {epochs} epoch(s) of {n_train} "
+          f"pairs, micro batch {micro_batch_size}; {n_val} held-out pairs; {time.perf_counter() - t0:.0f} s\n"
+          f"CPU: {cpu_description()}\nout: {out}")
+    k = min(10, len(losses) // 2)
+    print(f"train loss: mean of the first {k} steps {statistics.mean(losses[:k]):.3f}, of the last {k} "
+          f"{statistics.mean(losses[-k:]):.3f}")
+    print(f"\n| held-out pairs ({n_val}) | start (iter 0) | end (iter {last['iter']}) |\n|---|---|---|")
+    for key in ("val_loss", "val_rewards/accuracies", "val_rewards/margins"):
+        print(f"| {key} | {float(first[key]):.3f} | {float(last[key]):.3f} |")
+    kinds = [json.loads(line)["kind"] for line in open(data / "val.jsonl")]
+    before = held_out_logps(ckpt, None, data, quantize)
+    after = held_out_logps(ckpt, out / "lit_model_lora_finetuned.pth", data, quantize)
+    ratio = after - before  # the rewards / beta: the log-ratios to the reference (the base)
+    won = ratio[:, 0] > ratio[:, 1]
+    print("\nBy kind of rejected answer: the reward accuracy at the end (chosen's log-ratio above rejected's), and the "
+          "share of pairs whose chosen answer has the higher log-probability before and after (a longer answer "
+          "starts behind: it sums more tokens)\n\n| held-out pairs | reward accuracy | log p(chosen) > log p(rejected) "
+          "before | after |\n|---|---|---|---|")
+    for kind in (None, *KINDS):
+        sel = torch.tensor([kind is None or k_ == kind for k_ in kinds])
+        name = "all" if kind is None else f"rejected {kind}"
+        print(f"| {name} ({int(sel.sum())}) | {won[sel].float().mean():.3f} | "
+              f"{(before[sel, 0] > before[sel, 1]).float().mean():.3f} | "
+              f"{(after[sel, 0] > after[sel, 1]).float().mean():.3f} |")
 
 
 def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str = "auto", pairs: int = 4,
          length: int = 256, steps: int = 3, out_dir: str = "", variants: str = ",".join(VARIANTS),
-         accuracy: bool = False) -> None:
-    """Write the random-weight checkpoint once (in `out_dir`), then run each variant in a fresh process."""
+         checkpointing: bool = False, accuracy: bool = False, loss: str = "dpo", learning_rate: float = 1e-3,
+         beta: float = 0.1, epochs: int = 2, lora_r: int = 16) -> None:
+    """Write the random-weight checkpoint once (in `out_dir`), then run each variant in a fresh process
+    (`checkpointing`: every variant with activation checkpointing, finetune's --activation_checkpointing).
+    `accuracy`: the held-out before / after run instead (its settings: loss .. lora_r, micro batch `pairs`)."""
     if accuracy:
-        return accuracy_run(quantize, out_dir)
+        return accuracy_run(quantize, out_dir, loss, learning_rate, beta, epochs, lora_r, pairs)
     if model == "demo":  # lit_qlora/demo's shape (4 layers, 256 wide, 384 tokens): seconds per variant
         from lit_qlora.demo import DEMO_CONFIG
 
@@ -229,13 +280,13 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
     if not (folder / LIT_WEIGHTS).is_file():
         write_random_checkpoint(folder, config)
     precision, _ = resolve_precision(precision, "cpu")
-    print(f"model: {config.name} shape, random weights, {quantize}, {precision}, LoRA r 8 on every target, AdamW; "
-          f"{pairs} pairs (DPO) / {pairs} rows (SFT) of {length} tokens (half prompt)\nCPU: {cpu_description()} "
-          "(shared machine: times are noisy)")
+    print(f"model: {config.name} shape, random weights, {quantize}, {precision}, LoRA r 8 on every target, AdamW, "
+          f"activation checkpointing {'on' if checkpointing else 'off'}; {pairs} pairs (DPO) / {pairs} rows (SFT) of "
+          f"{length} tokens (half prompt)\nCPU: {cpu_description()} (shared machine: times are noisy)")
     results = []
     for v in variants.split(","):
         r = subprocess.run([sys.executable, __file__, "--child", v, str(folder), quantize, precision, str(pairs),
-                            str(length), str(steps)], capture_output=True, text=True)
+                            str(length), str(steps), str(checkpointing)], capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"variant {v} failed:\n{r.stderr[-3000:]}")
@@ -250,7 +301,7 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        v, folder, q, prec, n, length, steps = sys.argv[2:]
-        child(v, folder, q, prec, int(n), int(length), int(steps))
+        v, folder, q, prec, n, length, steps, ckpt = sys.argv[2:]
+        child(v, folder, q, prec, int(n), int(length), int(steps), ckpt == "True")
     else:
         run_cli(main)

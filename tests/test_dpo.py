@@ -4,6 +4,7 @@ the uninterrupted one, the adapter in generate/lora.py and in PEFT, a run from a
 that adapter), and the bad inputs refused in one line with nothing written."""
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -48,8 +49,8 @@ def dpo_args(setup, out, **kw) -> list[str]:
     return h.train_args(setup, out, **{"eval_max_new_tokens": None, **kw})
 
 
-def run_dpo(setup, out, check=True, **kw):
-    r = h.run_script(DPO, dpo_args(setup, out, **kw))
+def run_dpo(setup, out, check=True, timeout=180, **kw):
+    r = h.run_script(DPO, dpo_args(setup, out, **kw), timeout=timeout)
     if check:
         assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr}"
     return r
@@ -146,6 +147,57 @@ def test_from_an_sft_adapter_the_reference_is_that_adapter(setup, tmp_path):
     torch.testing.assert_close(ref, torch.stack([lp.chosen, lp.rejected], 1), atol=1e-4, rtol=1e-5)
 
 
+def style_pairs(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """A preference a tiny model can learn and carry to prompts it was not trained on: answer with a color rather
+    than an animal (helpers_train's words). Each prompt names one word and gets two pairs, a random color chosen and
+    a random animal rejected; the held-out pairs are those of a third of the words, so no held-out prompt is trained
+    on. Before training, which answer the random base prefers is chance."""
+    rng = random.Random(seed)
+    words = [w for ws in h.KINDS.values() for w in ws]
+    rng.shuffle(words)
+    rows = {w: [{"prompt": f"a word after {w}", "chosen": f" {rng.choice(h.KINDS['color'])}",
+                 "rejected": f" {rng.choice(h.KINDS['animal'])}"} for _ in range(2)] for w in words}
+    n_val = len(words) // 3
+    return [r for w in words[n_val:] for r in rows[w]], [r for w in words[:n_val] for r in rows[w]]
+
+
+def test_held_out_preference_accuracy_rises(setup, tmp_path):
+    """DPO on a bnb.nf4 base, 44 training pairs (style_pairs): on the 22 held-out pairs (prompts never trained on)
+    the share whose chosen answer the model gives the higher log-probability goes from chance (the random base) to
+    nearly all, and the reward
+    accuracy (TRL's val_rewards/accuracies: chosen's log-ratio above rejected's) from 0 (policy = reference: ties)
+    to nearly all, with the held-out loss below ln 2."""
+    train, val = style_pairs()
+    data = tmp_path / "pairs"
+    data.mkdir()
+    for name, rows in (("train.jsonl", train), ("val.jsonl", val)):
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    run_dpo(setup, out, data_dir=data, max_iters=20, micro_batch_size=8, batch_size=8, learning_rate=1e-2,
+            eval_interval=20, eval_iters=5, save_interval=20, quantize="bnb.nf4", lora_mlp=True, lora_head=True,
+            timeout=600)
+    with open(out / "metrics.csv") as f:  # (h.read_metrics leaves out row 0, the starting validation)
+        vals = [r for r in csv.DictReader(f) if r["val_loss"]]
+    first, last = vals[0], vals[-1]
+    assert int(first["iter"]) == 0 and int(last["iter"]) == 20
+    assert float(first["val_rewards/accuracies"]) == 0.0 and abs(float(first["val_loss"]) - math.log(2)) < 1e-5
+    ref = torch.load(out / "reference_logps.pt")["val"]  # the base's held-out log-probabilities
+    before = float((ref[:, 0] > ref[:, 1]).float().mean())
+    tok = Tokenizer(setup["ckpt"])
+    _, held_out, _ = pf.load_pairs(data, tok, DataSettings(128, template="plain"))
+    adapter = Adapter.load(out / "lit_model_lora_finetuned.pth")
+    model = load_model(setup["ckpt"], precision="32-true", quantize="bnb.nf4", lora=adapter.config)
+    adapter.load_into(model)
+    with torch.no_grad():
+        lp = pf.batch_logps(model.eval(), pf.collate_pairs(held_out, pad_id=tok.eos_id))
+    after = float((lp.chosen > lp.rejected).float().mean())
+    accuracy = float(last["val_rewards/accuracies"])
+    print(f"held-out ({len(held_out)}): log p(chosen) > log p(rejected) {before:.3f} -> {after:.3f}; reward "
+          f"accuracy 0 -> {accuracy:.3f}, loss {float(first['val_loss']):.3f} -> {float(last['val_loss']):.3f}")
+    assert 0.2 <= before <= 0.8
+    assert after >= 0.9 and accuracy >= 0.9 and float(last["val_loss"]) < 0.5
+
+
 def write_bad(folder, rows):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -155,17 +207,17 @@ def write_bad(folder, rows):
 @pytest.mark.parametrize("case", ["same", "missing", "long_prompt", "other_base", "packing", "loss"])
 def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case):
     good = make_pairs(6)
-    kw, expect = {}, ""
+    kw, expect = {}, ()
     data = setup["data"]
     if case == "same":
         data = write_bad(tmp_path / "d", [*good[:2], {"prompt": "kind cat", "chosen": " x", "rejected": " x"}])
-        expect = "row 3 of"
+        expect = "row 3 of", "chosen and rejected are the same"
     elif case == "missing":
         data = write_bad(tmp_path / "d", [*good[:1], {"prompt": "kind cat", "chosen": " x"}])
-        expect = "row 2 of"
+        expect = "row 2 of", "has no 'rejected' field"
     elif case == "long_prompt":
         data = write_bad(tmp_path / "d", [*good[:3], {"prompt": "kind " * 200, "chosen": " a", "rejected": " b"}])
-        expect = "row 4 of"
+        expect = "row 4 of", "the prompt is", "--max_seq_length 64"
     elif case == "other_base":
         from helpers import make_tiny_hf_model
 
@@ -178,18 +230,18 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case)
         ensure_converted(other, quiet=True)
         lora = LoRAConfig(r=2, alpha=4)
         Adapter.of_model(load_model(other, precision="32-true", lora=lora), lora).save(tmp_path / "other.pth")
-        kw, expect = dict(lora_path=tmp_path / "other.pth"), "was trained on"
+        kw, expect = dict(lora_path=tmp_path / "other.pth"), ("was trained on",)
     elif case == "packing":
-        kw, expect = dict(packing="true"), "--packing"
+        kw, expect = dict(packing="true"), ("--packing",)
     else:
-        kw, expect = dict(loss="kto"), "--loss"
+        kw, expect = dict(loss="kto"), ("--loss",)
     before = h.snapshot(data)
     out = tmp_path / "out"
     capsys.readouterr()  # (what building the other model printed)
     code = run_here(dpo_args(setup, out, data_dir=data, max_seq_length=64, **kw))
     err = capsys.readouterr().err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and all(e in lines[0] for e in expect), err
     assert not out.exists() or not any(out.iterdir())  # (as finetune/lora.py: at most the empty --out_dir)
     assert h.snapshot(data) == before
 

@@ -16,6 +16,7 @@ from helpers import converted_tiny, hf_model, lora_cfg, randomize_lora
 from lit_qlora import preference as pf
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
+from lit_qlora.quant_mode import QuantMode
 
 trl = pytest.importorskip("trl")
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
@@ -31,11 +32,20 @@ def tiny(tmp_path_factory):
     return converted_tiny(tmp_path_factory, "llama", "pref-llama")
 
 
-@pytest.fixture(scope="module")
-def policy(tiny):
-    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(), seed=0)
+@pytest.fixture(scope="module", params=["frozen_head", "head_lora"])
+def policy(tiny, request):
+    """The frozen dense head (the default: per-position log-probabilities made in forward, no logits kept,
+    losses.head_cross_entropy) and a head with a LoRA (its logits kept for backward)."""
+    targets = dict(query=True, key=True, value=True, projection=True, mlp=True, head=request.param == "head_lora")
+    model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(**targets), seed=0)
     randomize_lora(model, seed=3)  # policy != base
     return model.train()
+
+
+def quantized_layers(model) -> list:
+    import bitsandbytes as bnb
+
+    return [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
 
 
 def make_pairs(seed: int = 0, n: int = 3) -> list[dict]:
@@ -174,6 +184,118 @@ def test_loss_and_gradients_equal_trl(policy, loss):
         torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
+@pytest.mark.parametrize("quantize", QuantMode.names())
+def test_every_quantize_mode_reference_is_the_base_and_losses_equal_trl(tiny, quantize):
+    """On each --quantize base: a fresh adapter's log-probabilities (what finetune/dpo.py keeps as the reference) are
+    those of the same quantized base with no LoRA layers at all, so the first DPO loss is ln 2; once the policy
+    moves, the DPO loss, rewards and LoRA gradients on the quantized model equal TRL's DPOTrainer loss code on it
+    (fp32), and every LoRA weight gets a gradient through the quantized layers."""
+    targets = dict(query=True, key=True, value=True, projection=True, mlp=True)
+    pairs = make_pairs(seed=2)
+    batch = pf.collate_pairs(pairs)
+    base = load_model(tiny.folder, precision="32-true", quantize=quantize, seed=0).eval()
+    policy = load_model(tiny.folder, precision="32-true", quantize=quantize, lora=lora_cfg(**targets), seed=0)
+    assert len(quantized_layers(base)) == len(quantized_layers(policy)) > 0
+    with torch.no_grad():
+        want = pf.batch_logps(base, batch, share=False)  # the base alone, whole rows
+        got = pf.batch_logps(policy.eval(), batch)
+    torch.testing.assert_close(got.chosen, want.chosen, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.rejected, want.rejected, atol=1e-5, rtol=0)
+    first, _, _ = pf.pair_losses("dpo", got, want.chosen, want.rejected, beta=BETA)
+    assert abs(float(first.mean()) - math.log(2)) < 1e-6
+    randomize_lora(policy, seed=3)
+    policy.train()
+    ref = (want.chosen, want.rejected)
+    mine, my_stats = ours(policy, "dpo", batch, ref)
+    my_grads = grads(policy)
+    theirs, their_stats = trl_dpo(policy, "sigmoid", batch, ref)
+    their_grads = grads(policy)
+    assert abs(float(mine) - float(theirs)) <= 1e-5, (float(mine), float(theirs))
+    for k in my_stats:
+        assert abs(my_stats[k] - their_stats[k]) <= 1e-5, (k, my_stats[k], their_stats[k])
+    assert len(my_grads) == 2 * len(lora_modules(policy))
+    for k in my_grads:
+        assert float(my_grads[k].abs().max()) > 0, k  # a gradient reaches every LoRA weight
+        torch.testing.assert_close(my_grads[k], their_grads[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def sharing_pairs(vocab: int = 320, seed: int = 4) -> list[dict]:
+    """Pairs whose shared beginnings differ in kind: a prompt of one token (nothing to share), answers that begin
+    with the same two tokens (shared past the prompt), a chosen answer that is the start of the rejected one."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i, (n_prompt, n_c, n_r) in enumerate([(5, 4, 6), (1, 3, 2), (7, 5, 5), (3, 2, 4)]):
+        prompt = torch.randint(0, vocab, (n_prompt,), generator=g)
+        c, r = torch.randint(0, vocab, (n_c,), generator=g), torch.randint(0, vocab, (n_r,), generator=g)
+        if i == 2:
+            r[:2] = c[:2]
+        if i == 3:
+            r[:2] = c
+        pair = {"index": i}
+        for side, answer in (("chosen", c), ("rejected", r)):
+            ids = torch.cat([prompt, answer])
+            labels = ids.clone()
+            labels[:n_prompt] = -100
+            pair[f"{side}_ids"], pair[f"{side}_labels"] = ids, labels
+        pairs.append(pair)
+    return pairs
+
+
+def shared_vs_separate(model, pairs: list[dict]) -> None:
+    """batch_logps with each pair's common beginning computed once equals the rows computed whole: the sequences'
+    log-probabilities and token counts, and the trainable weights' gradients of a weighted sum of them."""
+    batch = pf.collate_pairs(pairs)
+    weights = torch.randn(2, len(pairs), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for share in (True, False):
+        model.zero_grad()
+        lp = pf.batch_logps(model, batch, share=share)
+        ((lp.chosen * weights[0]).sum() + (lp.rejected * weights[1]).sum()).backward()
+        out[share] = (lp, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    (a, ga), (b, gb) = out[True], out[False]
+    for k in ("chosen", "rejected"):
+        torch.testing.assert_close(getattr(a, k), getattr(b, k), atol=1e-5, rtol=1e-6)
+        assert torch.equal(getattr(a, k + "_tokens"), getattr(b, k + "_tokens"))
+    assert max(float(g.abs().max()) for g in gb.values()) > 1e-4
+    for n in gb:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
+    # what was shared: the prompt but its last token (2 pairs), plus the two common answer tokens (pair 2), plus the
+    # chosen answer inside the rejected one (pair 3); the one-token prompt shares nothing
+    flat, _, _ = pf.share_prefixes(batch)
+    assert flat["input_ids"].size(1) == int(batch["lengths"].sum()) - (4 + 0 + 8 + 4)
+
+
+def test_shared_prompts_equal_separate_rows(policy):
+    """The training forward (chosen and rejected after one copy of their prompt) against the rows computed whole,
+    on the tiny Llama with LoRA (frozen head and head LoRA)."""
+    shared_vs_separate(policy, sharing_pairs())
+
+
+@pytest.mark.parametrize("kind", ["window", "softcap"])
+def test_shared_prompts_under_masks(kind):
+    """The same where attention takes a mask: a sliding window shorter than the pairs (one [T, T] mask for the row,
+    packed_attention_mask with the prefixes) and Gemma 2's soft-capped attention (its own kernel, the branch's mask)."""
+    from lit_qlora.config import Config
+    from lit_qlora.lora import apply_lora
+    from lit_qlora.model import GPT
+
+    config = Config(name="t", block_size=64, vocab_size=320, n_layer=2, n_head=4, n_embd=32, n_query_groups=2,
+                    intermediate_size=48, mlp_class="LLaMAMLP", norm_class="RMSNorm", bias=False,
+                    rotary_percentage=1.0, parallel_residual=False,
+                    sliding_window_size=5 if kind == "window" else None,
+                    attn_softcap=2.0 if kind == "softcap" else None)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    apply_lora(model, lora_cfg(query=True, value=True, mlp=True))
+    randomize_lora(model, seed=1)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    shared_vs_separate(model.train(), sharing_pairs())
+
+
 def test_reference_logps_equal_the_base_model(tiny):
     """A fresh adapter (B = 0), as training starts: its log-probabilities are transformers' base model's, through
     TRL's get_batch_logps; and so the first DPO loss is ln 2."""
@@ -249,6 +371,43 @@ def test_conversation_pairs_are_rendered_as_transformers_does(chat_tok, tmp_path
             assert all(lab == -100 for lab in labels[:len(prompt_ids)])
 
 
+@pytest.mark.parametrize("layout", ["implicit", "ultrafeedback"])
+@pytest.mark.parametrize("store", ["parquet", "datasets_folder"])
+def test_pairs_read_where_hub_datasets_keep_them(chat_tok, tmp_path, store, layout):
+    """Rows as preference sets on the hub store them, in a .parquet file or a `datasets` save_to_disk folder, other
+    columns beside them: chosen and rejected full conversations sharing their leading turns (TRL's implicit-prompt
+    conversational format, Anthropic HH's conversions), or with a prompt field too that they repeat
+    (UltraFeedback-binarized: prompt string, chosen / rejected = [user turn, assistant turn]). The same pairs as
+    the rows {prompt, chosen, rejected} in JSONL."""
+    pytest.importorskip("pyarrow")
+    implicit = {"chosen": CONV["prompt"] + CONV["chosen"], "rejected": CONV["prompt"] + CONV["rejected"]}
+    rows = [{**implicit, "score_chosen": 8.0, "score_rejected": 3.5, "prompt_id": str(i)} for i in range(4)]
+    if layout == "ultrafeedback":
+        implicit = {"prompt": CONV["prompt"][-1]["content"], "chosen": CONV["prompt"][-1:] + CONV["chosen"],
+                    "rejected": CONV["prompt"][-1:] + CONV["rejected"]}
+        rows = [{**implicit, "messages": implicit["chosen"], "score_chosen": 8.0, "prompt_id": str(i)}
+                for i in range(4)]
+        want_rows = [{"prompt": CONV["prompt"][-1:], "chosen": CONV["chosen"], "rejected": CONV["rejected"]}] * 4
+    else:
+        want_rows = [CONV] * 4
+    want, _, _ = pf.load_pairs(write_rows(tmp_path / "jsonl", want_rows), chat_tok, settings(split=0.0))
+    folder = tmp_path / store
+    if store == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows), folder / "train_prefs-00000-of-00001.parquet")
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    got, _, _ = pf.load_pairs(folder, chat_tok, settings(split=0.0))
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        for k in ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"):
+            assert torch.equal(a[k], b[k]), k
+
+
 def test_string_pairs_mask_the_prompt(tmp_path):
     from helpers_tokenizer import make_hf_bpe_tokenizer
 
@@ -271,6 +430,8 @@ def test_string_pairs_mask_the_prompt(tmp_path):
 @pytest.mark.parametrize("row,expect", [
     ({"prompt": "p", "chosen": "a"}, "row 2 of {f} has no 'rejected' field"),
     ({"prompt": "p", "chosen": "a", "rejected": "a"}, "row 2 of {f}: chosen and rejected are the same"),
+    ({"prompt": "p", "chosen": "word " * 80 + "yes", "rejected": "word " * 80 + "no"},
+     "row 2 of {f}: chosen and rejected are the same 64 tokens within --max_seq_length 64"),  # cut: the same tokens
     ({"prompt": "p " * 300, "chosen": "a", "rejected": "b"}, "row 2 of {f}: the prompt is"),
     ({"prompt": "p", "chosen": "", "rejected": "b"}, "row 2 of {f} has an empty 'chosen' field"),
     ({"prompt": "p", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}, "row 2 of {f}: turn 2"),

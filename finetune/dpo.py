@@ -79,6 +79,9 @@ def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tup
                         "the answers are compared); leave it out")
     if args.data.data_sources is not None:
         raise UserError("--data_sources is not read by finetune/dpo.py yet; pass one --data_dir of pairs")
+    if args.data.streaming:
+        raise UserError("--streaming does not apply to finetune/dpo.py: the reference log-probabilities of every pair "
+                        "are computed before the first step; leave --streaming out")
     if args.pref.lora_path is not None:
         _sft_adapter(args).check_base(config, args.pref.lora_path)
     settings = DataSettings(max_seq_length, template=args.data.template)

@@ -61,6 +61,7 @@ from lit_qlora.quantize import (
     memory_report,
     validation_mode,
 )
+from lit_qlora.streaming import StreamBatches, StreamPlan, plan_stream
 from lit_qlora.templates import CHAT
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.tracking import RunWatch
@@ -110,7 +111,7 @@ class Inputs:
     micro_batch_size: int  # resolved (`auto` becomes a number)
     batch_size: int
     max_seq_length: int
-    train_data: list
+    train_data: list | StreamPlan  # the samples, or what --streaming reads them from
     val_data: list
     data_meta: dict
     resume_path: Optional[Path]
@@ -143,7 +144,7 @@ class Session:
     model: torch.nn.Module  # set up by Fabric (DDP-wrapped with several devices): used for training forwards
     gpt: torch.nn.Module  # the plain GPT: generation, saving
     optimizer: torch.optim.Optimizer
-    stream: BatchStream
+    stream: BatchStream | StreamBatches
     args: FinetuneArgs
     inputs: Inputs
     max_steps: int
@@ -242,6 +243,8 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
     check_disk_space(out_dir, checkpoint_bytes(n_lora))
     max_seq_length = min(data.max_seq_length or config.block_size, config.block_size)
     train_data, val_data, data_meta = objective.load_data(args, tokenizer, config, max_seq_length)
+    if isinstance(train_data, StreamPlan):  # the held-out samples validation reads: only these are tokenized up front
+        val_data = train_data.validation(tokenizer, args.eval.eval_iters * micro * world)
     return Inputs(given, precision_why, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length,
                   train_data, val_data, data_meta, resume_path, resume_state, objective, aux_coef)
 
@@ -269,6 +272,13 @@ def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: i
     settings = DataSettings(max_seq_length, template=d.template, mask_inputs=d.mask_inputs, ignore_index=IGNORE_INDEX,
                             instruction_key=d.prompt_column, input_key=d.input_column, output_key=d.response_column,
                             messages_column=d.messages_column)
+    if d.streaming:  # nothing tokenized here: what to read (check_inputs tokenizes the validation part)
+        if args.train.max_iters is None:
+            raise UserError("--streaming needs --max_iters (how many steps an epoch makes is not known without reading "
+                            "the whole source); pass e.g. --max_iters 1000")
+        plan, meta = plan_stream(d.data_dir if d.data_sources is None else None, d.data_sources, tokenizer, settings,
+                                 args.run.seed)
+        return plan, [], meta
     if d.data_sources is not None:
         return ensure_mixture(d.data_sources, tokenizer, settings, args.run.seed)
     return ensure_prepared(d.data_dir, tokenizer, settings)
@@ -334,7 +344,8 @@ def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, bat
     run = args.run
     return dict(lora=asdict(args.lora.config()), precision=run.precision, quantize=quantize, micro_batch_size=micro,
                 batch_size=batch_size, optimizer=args.train.optimizer, seed=run.seed, packing=args.data.packing,
-                checkpoint_dir=str(run.checkpoint_dir), router_aux_loss_coef=router_aux_loss_coef)
+                streaming=args.data.streaming, checkpoint_dir=str(run.checkpoint_dir),
+                router_aux_loss_coef=router_aux_loss_coef)
 
 
 def main(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> None:
@@ -392,17 +403,7 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     model = fabric.setup_module(gpt, move_to_device=False)
     optimizer = fabric.setup_optimizers(optimizer)
     world = fabric.world_size
-    stream = BatchStream(inputs.train_data, batch_size=inputs.micro_batch_size * world, seed=run.seed,
-                         pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX, packing=args.data.packing,
-                         max_seq_length=inputs.max_seq_length)
-    # optimizer steps per epoch: samples per batch, or packed micro-batches (on all devices) per step
-    if args.data.packing:
-        per_step = inputs.batch_size // (inputs.micro_batch_size * world)
-        units = count_packed_batches(inputs.train_data, inputs.micro_batch_size * world, inputs.max_seq_length)
-    else:
-        per_step, units = inputs.batch_size, len(inputs.train_data)
-    steps_per_epoch = max(1, -(-units // per_step))
-    max_steps = t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
+    stream, max_steps = train_stream(args, inputs, world)
     head_quantized = inputs.quantize is not None and bool(run.quantize_lm_head)
     template = inputs.data_meta.get("template", args.data.template)
     train_info = dict(precision=run.precision, quantize=inputs.quantize, quantize_lm_head=head_quantized,
@@ -414,6 +415,23 @@ def build_model(fabric: L.Fabric, args: FinetuneArgs, inputs: Inputs) -> Session
     return Session(fabric, model, gpt, optimizer, stream, args, inputs, max_steps,
                    inputs.batch_size // (inputs.micro_batch_size * world), train_info, report,
                    rss_after_load, rss_before_load, load_peak_rss)
+
+
+def train_stream(args: FinetuneArgs, inputs: Inputs, world: int) -> tuple[BatchStream | StreamBatches, int]:
+    """The stream of global micro-batches (every device's rows) and the number of optimizer steps."""
+    t, kw = args.train, dict(pad_id=inputs.tokenizer.eos_id or 0, ignore_index=IGNORE_INDEX,
+                             packing=args.data.packing, max_seq_length=inputs.max_seq_length)
+    if isinstance(inputs.train_data, StreamPlan):  # --streaming: read and tokenized as it trains; --max_iters steps
+        return inputs.train_data.batches(inputs.tokenizer, inputs.micro_batch_size * world, **kw), t.max_iters
+    stream = BatchStream(inputs.train_data, batch_size=inputs.micro_batch_size * world, seed=args.run.seed, **kw)
+    # optimizer steps per epoch: samples per batch, or packed micro-batches (on all devices) per step
+    if args.data.packing:
+        per_step = inputs.batch_size // (inputs.micro_batch_size * world)
+        units = count_packed_batches(inputs.train_data, inputs.micro_batch_size * world, inputs.max_seq_length)
+    else:
+        per_step, units = inputs.batch_size, len(inputs.train_data)
+    steps_per_epoch = max(1, -(-units // per_step))
+    return stream, t.max_iters if t.max_iters is not None else t.epochs * steps_per_epoch
 
 
 def restore(s: Session) -> None:
@@ -447,7 +465,9 @@ def fit(s: Session) -> None:
                                e.early_stopping_min_delta, e.save_best, s.step, enabled=fabric.global_rank == 0)
     stop = StopRequest()
     rows = f" rows of {s.inputs.max_seq_length} packed tokens" if args.data.packing else ""
-    fabric.print(f"Training {s.max_steps} iterations: {len(s.inputs.train_data)} samples, batch "
+    data = s.inputs.train_data
+    fabric.print(f"Training {s.max_steps} iterations: "
+                 f"{data.describe() if isinstance(data, StreamPlan) else f'{len(data)} samples'}, batch "
                  f"{s.inputs.batch_size}{rows} (micro {s.inputs.micro_batch_size} x {world} devices x {s.accum} "
                  f"accumulation), lr {args.train.learning_rate}", file=sys.stderr)
     if s.step == 0 and args.eval.eval_iters > 0:  # the starting point, so the curve shows what training changed
@@ -742,7 +762,9 @@ def summarize(s: Session) -> None:
                    row_fill=sum(s.iter_tokens) / s.row_slots if s.row_slots else None,
                    first_train_loss=s.losses[0] if s.losses else None, rss_after_load_gb=s.rss_after_load,
                    trainable_params=r["trainable_params"], quantized_params=r["quantized_params"],
-                   quantized_bytes=r["quantized_bytes"], data_mixture=s.inputs.data_meta.get("mixture"),
+                   quantized_bytes=r["quantized_bytes"],
+                   data_mixture=s.stream.mixture() if isinstance(s.stream, StreamBatches) else
+                   s.inputs.data_meta.get("mixture"),
                    bits_per_quantized_param=r["bits_per_quantized_param"], dense_bytes=r["dense_bytes"],
                    ranks=per_rank, **({"expert_load": expert_load_summary(s)} if tracks_routing(s) else {}))
     summary.update(s.watch.summary() if s.watch else {})

@@ -12,14 +12,16 @@ import sys
 from argparse import ArgumentError
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
 from lit_qlora.lora import LORA_INITS, LoRAConfig
+from lit_qlora.precision import PRECISION_CHOICES
 from lit_qlora.preference import LOSSES
-from lit_qlora.readers import read_yaml
+from lit_qlora.quant_mode import QuantMode
+from lit_qlora.readers import check_path, read_yaml
 from lit_qlora.tracking import parse_loggers
 from lit_qlora.utils import UserError
 
@@ -75,6 +77,11 @@ class RunArgs:
     """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlruns/); default: --out_dir."""
 
     def __post_init__(self) -> None:
+        for flag in ("checkpoint_dir", "out_dir", "logger_dir"):
+            check_path(getattr(self, flag), f"--{flag}")
+        QuantMode.parse(self.quantize)  # an unknown name: one line, when the flags are read (as a --config file's)
+        if self.precision not in PRECISION_CHOICES:
+            raise UserError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -112,6 +119,16 @@ class DataArgs:
     --data_dir accepts, each prepared as --data_dir would be. The weighted sources share as many samples as they hold
     together, in proportion to the weights; epochs: that many passes over it. Sampled by --seed; the realized mixture
     is in metrics.json; validation: every source's."""
+    streaming: bool = False
+    """Train on the data as it is read instead of tokenizing all of it first (a source larger than memory): samples
+    tokenized ahead in a bounded buffer, in the source's own order (no shuffling: shuffle it beforehand), padded or
+    packed; needs --max_iters. Validation: the source's validation file, else the ~5% of its records a hash of
+    (--seed, file name, row) holds out. --resume enters a JSONL file at its byte offset, a parquet file at its row
+    group. With --data_sources, each sample is drawn from a source by weight (weights only)."""
+
+    def __post_init__(self) -> None:
+        for flag in ("data_dir", "data_sources"):
+            check_path(getattr(self, flag), f"--{flag}")
 
 
 @dataclass
@@ -281,6 +298,7 @@ class PreferenceArgs:
     settings replace the --lora_* flags."""
 
     def __post_init__(self) -> None:
+        check_path(self.lora_path, "--lora_path")
         if self.loss not in LOSSES:
             raise UserError(f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         if not self.beta > 0:
@@ -346,7 +364,25 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
     except ArgumentError as e:
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
-    return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+    _refuse_nulls(ns, preference, sources)
+    try:
+        return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+    except UserError as e:
+        if not sources:
+            raise
+        raise UserError(f"{e} (flags from --config {', '.join(sources)})") from None
+
+
+def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:
+    """A null in a --config file (YAML `~`, JSON null) reaches a flag as None without jsonargparse's type check (on the
+    command line `--lora_r null` is refused): a flag that has no "left out" meaning (its type is not Optional) is
+    refused in one line naming it, never run with None (a null --lora_key trained without the key adapter)."""
+    for group in _groups(preference):
+        for name, hint in get_type_hints(group).items():
+            if ns[name] is None and type(None) not in get_args(hint):
+                where = f" in --config {', '.join(sources)}" if sources else ""
+                raise UserError(f"--{name} is null{where}; give it a value or leave it out for its default "
+                                "(--help lists every flag)")
 
 
 # what hyperparameters.json records beside the flags: the LoRA settings as one object (also there as lora_* flags) and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -284,8 +285,17 @@ def convert_hf_checkpoint(checkpoint_dir: Path, dtype: Optional[torch.dtype] = N
              for k, ks, _ in plan]
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for (key, hf_keys, build), (_, _, dt) in zip(plan, specs):
-            t = build([src.get(k) for k in hf_keys])
+        for (key, hf_keys, build), (_, shape, dt) in zip(plan, specs):
+            parts = [src.get(k) for k in hf_keys]
+            try:
+                t = build(parts)
+            except (RuntimeError, ValueError):  # a split or reshape the config's sizes do not fit
+                t = None
+            if t is None or tuple(t.shape) != tuple(shape):
+                got = ", ".join(f"{k} {tuple(p.shape)}" for k, p in zip(hf_keys, parts))
+                raise UserError(f"the weights in {checkpoint_dir} do not fit {cfg_file}: {got} cannot make {key} of "
+                                f"shape {tuple(shape)}, the shape its sizes give; the config and the weights are of "
+                                "different models (or one is damaged): download the model again")
             yield key, t.to(dt)
 
     write_safetensors_stream(checkpoint_dir / LIT_WEIGHTS, specs, stream())
@@ -389,7 +399,22 @@ def ensure_converted(checkpoint_dir: Path, quiet: bool = False, verify: bool = F
     config = Config.from_file(cfg)  # a UserError naming the file and the field when it is damaged
     if verify:
         check_checkpoint(checkpoint_dir, config)
+    if hf:
+        check_matches_hf_config(checkpoint_dir, config)
     return config
+
+
+def check_matches_hf_config(checkpoint_dir: Path, config: Config) -> None:
+    """A converted config must be what the folder's config.json maps to (its name and the export-only `hf_extra`
+    aside): a model_config.json that says otherwise (a softmax scale a Llama has not, a stale conversion by another
+    version) is refused in one line naming the field, never trained or sampled on."""
+    hf_file = Path(checkpoint_dir) / "config.json"
+    theirs = asdict(Config.from_hf_config(hf_file))
+    for key, value in asdict(config).items():
+        if key not in ("name", "hf_extra") and theirs.get(key) != value:
+            raise UserError(f"{Path(checkpoint_dir) / LIT_CONFIG}: {key} is {value!r}, but {hf_file} gives "
+                            f"{theirs.get(key)!r}; the conversion does not belong to its config.json (damaged, or "
+                            f"made by another version): delete {LIT_CONFIG} and {LIT_WEIGHTS} there to convert again")
 
 
 def random_weight(name: str, shape: torch.Size, generator: torch.Generator, std: float = 0.02,

@@ -272,7 +272,7 @@ def _convert_moe(peft: PeftFolder, config: Config, lit_meta: Optional[dict], lor
     """The checked target_parameters LoRAs (`peft.moe`) into our tensors and their (rank, scaling) into `ranks`. A
     gate_up_proj LoRA of rank R gives fc_1 and fc_2 each rank R with the same A (its first and second halves of
     rows of B), or back the two LoRAs of rank r our own export made of them (block-diagonal)."""
-    if not peft.moe:  # (a model without experts has no moe_params in its family spec)
+    if not peft.moe:  # a dense model, or no target_parameters: nothing to convert (and no moe_params to read)
         return
     E, inner, r = config.moe_n_expert, config.moe_intermediate_size, int((lit_meta or {}).get("r", 0))
     interleaved = family(config)["moe_params"].get("interleaved")
@@ -630,7 +630,8 @@ def _read_peft_config(folder: Path) -> dict:
         raise UserError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder (saved with save_pretrained) or a "
                         ".pth adapter file")
     fix = "save the adapter again with PEFT's save_pretrained"
-    pc = check_fields(read_json(path, dict, "PEFT adapter config", fix), path, _PEFT_FIELDS, fix=fix)
+    # peft_type required, as PEFT's own PeftConfig.from_pretrained requires it (every save_pretrained writes it)
+    pc = check_fields(read_json(path, dict, "PEFT adapter config", fix), path, _PEFT_FIELDS, ("peft_type",), fix=fix)
     tm = pc.get("target_modules")
     check_value(tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm)),
                 path, "target_modules", tm, "a module name, a regex or a list of names", fix)
@@ -641,7 +642,7 @@ def _read_peft_config(folder: Path) -> dict:
     check_value(layers is None or (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0)
                 or (isinstance(layers, list) and all(isinstance(i, int) and i >= 0 for i in layers)),
                 path, "layers_to_transform", layers, "a layer index or a list of them", fix)
-    if pc.get("peft_type", "LORA") != "LORA":
+    if pc["peft_type"] != "LORA":
         raise UserError(f"{folder} is a {pc.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be "
                         "loaded")
     if pc.get("lora_bias") or pc.get("bias", "none") not in ("none", None):

@@ -126,7 +126,7 @@ def checked_records(rows: list[tuple[Path, int, Any]], s: DataSettings) -> list:
         return [Conversation(normalize_conversation(rec, row, f), f"row {row} of {f}") for f, row, rec in rows]
     flags = {s.instruction_key: "--prompt_column", s.output_key: "--response_column"}
     for f, row, rec in rows:
-        check_record(rec, (s.instruction_key, s.output_key), f"row {row} of {f}", flags)
+        check_record(rec, (s.instruction_key, s.output_key), f"row {row} of {f}", flags, optional=(s.input_key,))
     return [rec for _, _, rec in rows]
 
 
@@ -149,7 +149,7 @@ def prepare_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettin
     if s.template == CHAT:
         return chat_samples(records, tokenizer, s, allow_empty)
     tmpl = get_template(s.template)
-    check_records(records, (s.instruction_key, s.output_key))
+    check_records(records, (s.instruction_key, s.output_key), optional=(s.input_key,))
     if tokenizer.eos_id is None:
         raise UserError("the tokenizer has no eos token, so the model could not learn where a response ends; "
                         "set eos_token in the checkpoint's tokenizer_config.json")
@@ -191,7 +191,7 @@ def chat_samples(records: list[dict], tokenizer: TokenizerLike, s: DataSettings,
         elif is_conversation_record(rec) or not isinstance(rec, dict):
             messages = normalize_conversation(rec, i, "the data")
         else:
-            check_records([rec], (s.instruction_key, s.output_key), "the data")
+            check_records([rec], (s.instruction_key, s.output_key), "the data", optional=(s.input_key,))
             messages = ct.instruction_messages(text_of(rec[s.instruction_key]), text_of(rec.get(s.input_key)),
                                                text_of(rec[s.output_key]))
         try:

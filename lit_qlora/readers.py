@@ -28,11 +28,35 @@ from lit_qlora.utils import UserError
 # the largest size any one model dimension may have (a vocabulary, a layer width, a context length): larger ones are
 # not models but damaged numbers, and their products would overflow
 MAX_SIZE = 2**31 - 1
+MAX_EPS = 0.01  # the largest norm epsilon a config may give
 # safetensors' own bound on a header (100 MB); a larger one is refused before it is read
 MAX_SAFETENSORS_HEADER = 100_000_000
 # bytes per element of every dtype the safetensors format names
 SAFETENSORS_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                            "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+MAX_NAME, MAX_PATH = 255, 4096  # bytes: the longest file name and path Linux (and most file systems) look up
+
+
+def check_path(path: Any, what: str) -> None:
+    """That a path a flag or a file names can be looked up at all (None passes): no NUL byte, no name longer than 255
+    bytes, no more than 4096 in all. Otherwise a UserError naming `what` (a damaged --config file can hold megabytes
+    where a folder belongs; the file system would answer with an error that is no user's message)."""
+    if path is None:
+        return
+    text = str(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = b"\0"  # not even bytes: as unusable as a NUL
+    shown = repr(text if len(text) <= 60 else text[:57] + "...")
+    if b"\0" in raw:
+        raise UserError(f"{what} {shown} is not a usable path (it holds a NUL byte or unencodable text); fix the path")
+    longest = max(len(part) for part in raw.split(b"/"))
+    if len(raw) > MAX_PATH or longest > MAX_NAME:
+        raise UserError(f"{what} {shown} is not a usable path ({len(raw)} bytes, its longest name {longest}; file "
+                        f"systems allow {MAX_NAME} per name and {MAX_PATH} in all); fix the path")
 
 
 def check_file(path: Path, what: str = "file", fix: str = "check the path") -> Path:
@@ -156,7 +180,8 @@ def parse_csv(text: str, where: str, fix: str) -> list[dict]:
 # number > 0 | "fraction" a finite number in [0, 1] | "str" | "bool" | "object" | "list" | "ids" null, an int >= 0 or a
 # list of them | "str_or_object" a string or an object (a special token of tokenizer_config.json)
 _EXPECTED = {"size": f"an integer from 1 to {MAX_SIZE}", "count": f"an integer from 0 to {MAX_SIZE}",
-             "number": "a finite number", "positive": "a finite number > 0", "fraction": "a number from 0 to 1",
+             "number": "a finite number", "positive": "a finite number > 0",
+             "eps": f"a number in (0, {MAX_EPS:g}] (models use 1e-5 or 1e-6)", "fraction": "a number from 0 to 1",
              "str": "a string", "bool": "true or false", "object": "an object", "list": "a list",
              "ids": "a token id, a list of them or null", "str_or_object": "a string or an object",
              "template": "a string or a list of objects", "int": "an integer", "float": "a number"}
@@ -179,6 +204,8 @@ def _fits(kind: str, v: Any) -> bool:
         return _is_number(v)
     if kind == "positive":
         return _is_number(v) and v > 0
+    if kind == "eps":  # a norm's epsilon: models use 1e-5 or 1e-6 (BERT 1e-12); 2.5 would rescale every activation
+        return _is_number(v) and 0 < v <= MAX_EPS
     if kind == "fraction":
         return _is_number(v) and 0 <= v <= 1
     if kind == "str":
@@ -297,14 +324,36 @@ def safetensors_header(path: Path, fix: str = "convert the checkpoint again (del
 
 
 # ---- torch files ---------------------------------------------------------------------------------------------------
-def load_torch(path: Path, what: str = "checkpoint", fix: str = "use an earlier checkpoint", mmap: bool = False) -> Any:
-    """A torch file loaded on CPU with `weights_only=True`. Any failure to unpickle it is the file's: damaged, cut
-    short, or not a torch file."""
+def torch_zip_damage(path: Path) -> Optional[str]:
+    """The first entry of a torch file (a zip archive since torch 1.6) whose bytes fail the CRC-32 the archive stores
+    for them, else None. torch.load never checks these sums: a flipped bit in a tensor's bytes loads as another
+    number. A file the zipfile module cannot open is left to torch.load, which says what is wrong with it."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except Exception:  # noqa: BLE001 - not a zip zipfile can read: torch.load's error is the one to show
+        return None
+
+
+def load_torch_checked(path: Path, mmap: bool = False) -> Any:
+    """torch.load on CPU, `weights_only=True`, after the archive's CRC-32 sums are checked (a mismatch is a
+    ValueError naming the entry); every other failure is torch.load's own exception."""
     import torch
 
+    bad = torch_zip_damage(path)
+    if bad is not None:
+        raise ValueError(f"its entry {bad} fails the CRC-32 check stored for it (bytes changed on disk)")
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def load_torch(path: Path, what: str = "checkpoint", fix: str = "use an earlier checkpoint", mmap: bool = False) -> Any:
+    """A torch file loaded on CPU with `weights_only=True`, its CRC-32 sums checked. Any failure to unpickle it is
+    the file's: damaged, cut short, or not a torch file."""
     path = check_file(path, what, fix)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return load_torch_checked(path, mmap=mmap)
     except Exception as e:  # a torn zip, a foreign pickle, random bytes: all the file's fault
         detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         raise UserError(f"{what} {path} is not readable ({type(e).__name__}{': ' + detail if detail else ''}); "
@@ -346,9 +395,8 @@ def check_config_values(cfg: Any, where: str = "the model config") -> None:
     for name in _CONFIG_COUNTS:
         v = getattr(cfg, name)
         check_value(_fits("count", v), where, name, v, _EXPECTED["count"], fix)
-    for name in ("rope_base", "norm_eps"):
-        v = getattr(cfg, name)
-        check_value(_fits("positive", v), where, name, v, _EXPECTED["positive"], fix)
+    check_value(_fits("positive", cfg.rope_base), where, "rope_base", cfg.rope_base, _EXPECTED["positive"], fix)
+    check_value(_fits("eps", cfg.norm_eps), where, "norm_eps", cfg.norm_eps, _EXPECTED["eps"], fix)
     for name in _CONFIG_OPTIONAL_POSITIVE:
         v = getattr(cfg, name)
         check_value(v is None or _fits("positive", v), where, name, v, _EXPECTED["positive"] + " or null", fix)
@@ -390,8 +438,8 @@ HF_CONFIG_FIELDS = {
     "vocab_size": "size", "num_hidden_layers": "size", "num_attention_heads": "size", "hidden_size": "size",
     "intermediate_size": "size", "num_key_value_heads": "size", "head_dim": "size", "max_position_embeddings": "size",
     "ffn_hidden_size": "size", "num_kv_heads": "size", "sliding_window": "size", "num_ln_in_parallel_attn": "size",
-    "rope_theta": "positive", "rms_norm_eps": "positive", "layer_norm_eps": "positive",
-    "layer_norm_epsilon": "positive", "partial_rotary_factor": "fraction", "rotary_pct": "fraction",
+    "rope_theta": "positive", "rms_norm_eps": "eps", "layer_norm_eps": "eps",
+    "layer_norm_epsilon": "eps", "partial_rotary_factor": "fraction", "rotary_pct": "fraction",
     "rope_scaling": "object", "rope_parameters": "object", "hidden_act": "str", "hidden_activation": "str",
     "activation": "str", "tie_word_embeddings": "bool", "use_parallel_residual": "bool", "bias": "bool",
     "attention_bias": "bool", "mlp_bias": "bool", "use_sliding_window": "bool", "new_decoder_architecture": "bool",

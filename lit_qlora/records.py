@@ -143,13 +143,8 @@ def _jsonl_lines(lines: list[str], path: Path, first: int = 1) -> Iterator[tuple
 def _parquet_rows(path: Path, skip: int = 0) -> Iterator[tuple[int, Any, Place]]:
     """A row group at a time (pyarrow), after the first `skip` rows (whole row groups before them not read): a
     parquet file is never held in memory whole."""
-    pq = optional_module("pyarrow.parquet", f"reading {path.name}")
-    try:
-        pf = pq.ParquetFile(path)
-        n_groups = pf.num_row_groups
-    except Exception as e:  # not parquet, cut short, a torn footer: all the file's fault
-        raise UserError(f"{path} is not a readable parquet file ({_detail(e)}); it may be damaged or cut short: "
-                        "re-copy or re-export it") from None
+    pf = _open_parquet(path)
+    n_groups = pf.num_row_groups
     row = 0
     for g in range(n_groups):
         n = pf.metadata.row_group(g).num_rows
@@ -165,6 +160,24 @@ def _parquet_rows(path: Path, skip: int = 0) -> Iterator[tuple[int, Any, Place]]
             row += 1
             if row > skip:
                 yield row, rec, (row, 0, 0)
+
+
+def _open_parquet(path: Path) -> Any:
+    pq = optional_module("pyarrow.parquet", f"reading {path.name}")
+    try:
+        pf = pq.ParquetFile(path)
+        _ = pf.metadata.num_rows, pf.num_row_groups  # the footer, read now: a damaged one fails here
+        return pf
+    except Exception as e:  # not parquet, cut short, a torn footer: all the file's fault
+        raise UserError(f"{path} is not a readable parquet file ({_detail(e)}); it may be damaged or cut short: "
+                        "re-copy or re-export it") from None
+
+
+def parquet_rows(path: Path | str) -> int:
+    """The rows a parquet file holds, from its footer alone (no row group read): a file cut short, or not parquet,
+    is a one-line UserError naming it."""
+    check_file(Path(path), "data file", "check the path")
+    return int(_open_parquet(Path(path)).metadata.num_rows)
 
 
 def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
@@ -191,27 +204,31 @@ def _detail(e: Exception) -> str:
 
 
 # ---- records ---------------------------------------------------------------------------------------------------------
-def load_records(path: Path | str, required: tuple[str, ...] = ("instruction", "output")) -> list[dict]:
-    """Every record of a data file (see `iter_rows`). Every record must have the `required` fields; anything wrong is
-    a one-line UserError."""
+def load_records(path: Path | str, required: tuple[str, ...] = ("instruction", "output"),
+                 optional: tuple[str, ...] = ("input",)) -> list[dict]:
+    """Every record of a data file (see `iter_rows`). Every record must have the `required` fields, and they and the
+    `optional` ones (where present) must be text (`check_text`); anything wrong is a one-line UserError."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"data file {path} does not exist; check the path")
     records = [rec for _, rec in iter_rows(path)]
     if not records:
         raise UserError(f"data file {path} holds no records; add some or pick another file")
-    check_records(records, required, path)
+    check_records(records, required, path, optional)
     return records
 
 
-def check_records(records: list, required: tuple[str, ...], source: Path | str = "the data") -> None:
+def check_records(records: list, required: tuple[str, ...], source: Path | str = "the data",
+                  optional: tuple[str, ...] = ("input",)) -> None:
     for i, rec in enumerate(records):
-        check_record(rec, required, f"record {i} in {source}")
+        check_record(rec, required, f"record {i} in {source}", optional=optional)
 
 
-def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[str, str] | None = None) -> None:
-    """That `rec` is an object with every `required` field (not null); a one-line UserError naming `where` and the
-    flag that names the field (`flags`: field -> flag; default: the instruction fields' column flags)."""
+def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[str, str] | None = None,
+                 optional: tuple[str, ...] = ("input",)) -> None:
+    """That `rec` is an object with every `required` field (not null), and that those and the `optional` fields
+    present are text (`check_text`); a one-line UserError naming `where` and the flag that names the field (`flags`:
+    field -> flag; default: the instruction fields' column flags)."""
     if not isinstance(rec, dict):
         raise UserError(f"{where} is a {type(rec).__name__}, not an object; make every record an object")
     for key in required:
@@ -219,6 +236,26 @@ def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[st
             flag = (flags or {}).get(key) or _key_flag(key)
             raise UserError(f"{where} has no {key!r} field (it has: {', '.join(map(str, rec)) or 'nothing'}); add it, "
                             f"or name the right field with {flag}")
+    for key in (*required, *optional):
+        check_text(rec.get(key), key, where)
+
+
+EXACT_INT = 2**53  # integers JSON readers agree on to the digit (IEEE doubles hold them exactly)
+
+
+def check_text(value: Any, key: str, where: str) -> None:
+    """A field the model reads as text: a string, null (absent), or an integer within 2^53, whose digits are its text
+    ("12 + 7" -> 19). Anything else is a one-line UserError: a float's text is not what the file says (1e-9 reads back
+    as 1e-09), a larger integer is not the same number in every JSON reader, a boolean, list or object is no text."""
+    if value is None or isinstance(value, str):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and -EXACT_INT < value < EXACT_INT:
+        return
+    kind = {bool: "a boolean", list: "a list", dict: "an object", float: "a float", int: "an integer beyond 2^53"}.get(
+        type(value), f"a {type(value).__name__}")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise UserError(f"{where}: {key!r} is {kind} ({shown}), not text; write it as a string (in quotes) or fix the "
+                    "record")
 
 
 def _key_flag(key: str) -> str:
@@ -228,7 +265,7 @@ def _key_flag(key: str) -> str:
 
 
 def text_of(value: Any) -> str:
-    # CSV gives strings already; JSON may hold numbers ("12 + 7" -> 19), which are fine as text.
+    # CSV gives strings already; JSON may hold integers ("12 + 7" -> 19), which are fine as text (`check_text`).
     return "" if value is None else str(value)
 
 

@@ -187,7 +187,7 @@ class MixEntry:
 def read_mixture(path: Path | str) -> list[MixEntry]:
     """The entries of a --data_sources file: a JSON or YAML list of {path, weight} or {path, epochs} objects (a
     relative path is read from the file's folder). Anything else is a one-line UserError naming the entry."""
-    from lit_qlora.readers import check_fields, read_yaml
+    from lit_qlora.readers import check_fields, check_path, read_yaml
 
     path = Path(path)
     fix = "write a list of {path, weight} or {path, epochs} entries"
@@ -211,6 +211,7 @@ def read_mixture(path: Path | str) -> list[MixEntry]:
             which = "both weight and epochs" if "weight" in e else "neither weight nor epochs"
             raise UserError(f"{where} has {which}; give it one of them (a positive number)")
         p = e["path"]
+        check_path(p, f"the path of {where}")
         if not Path(p).is_absolute() and (path.parent / p).exists():
             p = str(path.parent / p)
         entries.append(MixEntry(p, e.get("weight"), e.get("epochs")))

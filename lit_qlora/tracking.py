@@ -210,11 +210,14 @@ REPORT_MD, REPORT_PNG = "report.md", "report.png"
 
 def _read_optional_json(path: Path) -> dict:
     from lit_qlora.readers import read_json
+    from lit_qlora.training import METRICS_JSON, check_metrics_json
 
     if not path.is_file():
         return {}
+    fix = "the report is written without it"
     try:
-        return read_json(path, dict, fix="the report is written without it")
+        data = read_json(path, dict, fix=fix)
+        return check_metrics_json(data, path, fix) if path.name == METRICS_JSON else data
     except UserError as e:
         print(f"warning: {e}", file=sys.stderr)
         return {}
@@ -235,7 +238,7 @@ def _fmt(v: Any, spec: str = ".4g", unit: str = "") -> str:
         return "-"
     try:
         return f"{v:{spec}}{unit}"
-    except (TypeError, ValueError):  # a hand-edited metrics.json: shown as it is
+    except (TypeError, ValueError):  # not reached by metrics.json's figures (checked when read): a settings value
         return f"{v}{unit}"
 
 
@@ -266,6 +269,8 @@ def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]
     best = min(zip(vloss, vit)) if vloss else None
     lines = [f"# Run report: {out_dir}", ""]
     status = "finished" if m else "in progress (no metrics.json yet)"
+    if not m and (out_dir / "metrics.json").exists():
+        status = "finished, but its metrics.json is damaged (see the warning): its figures are left out"
     if m.get("stopped_early"):
         status = f"stopped early at iteration {m.get('stopped_at_iter')} (patience {m.get('early_stopping_patience')})"
     lines += [f"Model **{m.get('model', hp.get('checkpoint_dir', '?'))}**, {status}.", ""]

@@ -22,7 +22,8 @@ import torch
 from lit_qlora.adapter import ADAPTER_FORMAT
 from lit_qlora.lora import LoRAConfig, lora_state_dict
 from lit_qlora.quantize import load_bnb
-from lit_qlora.readers import check_fields, read_csv_rows
+from lit_qlora.readers import check_fields, load_torch_checked, read_csv_rows
+from lit_qlora.streaming import check_stream_state
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -118,13 +119,19 @@ def save_checkpoint(path: Path, payload: dict, keep: int = 3) -> None:
             old.unlink(missing_ok=True)
 
 
+def _why(e: Exception) -> str:
+    """An exception as a few words on one line: its type and the start of its first line."""
+    first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 def load_latest_checkpoint(out_dir: Path) -> tuple[Optional[Path], Optional[dict]]:
     """Newest checkpoint that loads intact; a damaged newest one is reported and the previous one used."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_torch_checked(path)
         except Exception as e:  # torn or corrupted file: fall back
-            print(f"warning: {path} is damaged ({type(e).__name__}); trying the previous one", file=sys.stderr)
+            print(f"warning: {path} is damaged ({_why(e)}); trying the previous one", file=sys.stderr)
             continue
         if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
             print(f"warning: {path} is not a resumable checkpoint; trying the previous one", file=sys.stderr)
@@ -154,7 +161,10 @@ def check_checkpoint_state(state: dict, where: object) -> None:
     fix = "use an earlier checkpoint (or --resume auto)"
     Adapter.from_payload(state, where)
     r = check_fields(state["resume"], f"{where} resume", _RESUME_FIELDS, ("step", "optimizer", "data", "rng"), fix)
-    check_fields(r["data"], f"{where} resume.data", _DATA_FIELDS, ("epoch", "position"), fix)
+    if isinstance(r["data"], dict) and "streaming" in r["data"]:  # --streaming: a place in the source's files
+        check_stream_state(r["data"], f"{where} resume.data", fix)
+    else:
+        check_fields(r["data"], f"{where} resume.data", _DATA_FIELDS, ("epoch", "position"), fix)
     rng = r["rng"]
     try:
         torch.Generator().set_state(rng["torch"])
@@ -215,6 +225,61 @@ def check_disk_space(out_dir: Path, needed_bytes: int) -> None:
 
 
 # ---- metrics ------------------------------------------------------------------------------------
+METRICS_JSON = "metrics.json"
+MEMORY_KINDS = ("peak RSS", "cuda max allocated")
+# metrics.json's figures that reports show, as finetune/lora.py's summarize writes them: the kind of each, the most a
+# real run can reach (memory in GB, seconds, tokens/s), and the keys every metrics.json has had
+_METRICS_FIELDS = {"model": "str", "precision": "str", "quantize": "str", "optimizer": "str",
+                   "micro_batch_size": "size", "batch_size": "size", "devices": "size", "num_nodes": "size",
+                   "iterations": "count", "max_seq_length": "size", "activation_checkpointing": "bool",
+                   "compile": "bool", "packing": "bool", "training_time_s": "number", "tokens_per_sec": "number",
+                   "peak_memory_gb": "number", "rss_after_load_gb": "number", "memory_kind": "str",
+                   "first_train_loss": "float", "final_train_loss": "float", "final_val_loss": "float",
+                   "best_val_loss": "float", "skipped_steps": "count", "fp16_overflow_skips": "count",
+                   "real_token_share": "fraction", "row_fill": "fraction", "trainable_params": "count",
+                   "quantized_params": "count", "quantized_bytes": "count", "dense_bytes": "count",
+                   "bits_per_quantized_param": "number", "stopped_early": "bool", "stopped_at_iter": "count",
+                   "early_stopping_patience": "count", "best_iter": "count", "best_adapter": "str"}
+_METRICS_REQUIRED = ("model", "precision", "quantize", "optimizer", "micro_batch_size", "iterations",
+                     "training_time_s", "peak_memory_gb", "memory_kind", "trainable_params")
+_METRICS_KEYS = (*_METRICS_REQUIRED, "batch_size", "devices", "max_seq_length", "lora", "activation_checkpointing",
+                 "tokens_per_sec", "final_train_loss", "final_val_loss", "first_train_loss", "rss_after_load_gb",
+                 "quantized_bytes", "bits_per_quantized_param", "dense_bytes")  # in every metrics.json (some null)
+_METRICS_BOUNDS = {"training_time_s": 1e9, "tokens_per_sec": 1e12, "peak_memory_gb": 1e6, "rss_after_load_gb": 1e6,
+                   "bits_per_quantized_param": 64}
+_METRICS_ABOVE_ZERO = ("peak_memory_gb", "rss_after_load_gb")  # a process that loaded a model holds some memory
+
+
+def check_metrics_json(m: dict, where: object, fix: str) -> dict:
+    """A metrics.json object as finetune/lora.py writes it (`m`, read by `readers.read_json`): every figure a report
+    shows of its kind, within what a run can reach (no negative time, no 1e308 GB), the settings among the values
+    they can take, a loss non-negative (or NaN / inf: a diverged run). A UserError naming the field otherwise."""
+    from lit_qlora.precision import PRECISIONS
+    from lit_qlora.quant_mode import QuantMode
+
+    check_fields(m, where, {**_METRICS_FIELDS, "lora": "object"}, _METRICS_REQUIRED, fix)
+    missing = next((k for k in _METRICS_KEYS if k not in m), None)
+    if missing:
+        raise UserError(f"{where} has no {missing!r} (every metrics.json finetune/lora.py writes has it); {fix}")
+    for key, most in _METRICS_BOUNDS.items():
+        v = m.get(key)
+        if v is not None and not 0 <= v <= most:
+            raise UserError(f"{where}: {key} is {v!r}, expected a number from 0 to {most:g}; {fix}")
+        if v is not None and key in _METRICS_ABOVE_ZERO and v == 0:
+            raise UserError(f"{where}: {key} is {v!r}, but a run that loaded a model holds memory (above 0 GB); {fix}")
+    for key in ("first_train_loss", "final_train_loss", "final_val_loss", "best_val_loss"):
+        v = m.get(key)
+        if v is not None and v < 0:
+            raise UserError(f"{where}: {key} is {v!r}, expected a loss (0 or more, or NaN for a diverged run); {fix}")
+    choices = {"precision": PRECISIONS, "quantize": ("none", *(q.value for q in QuantMode)), "optimizer": OPTIMIZERS,
+               "memory_kind": MEMORY_KINDS}
+    for key, allowed in choices.items():
+        if m.get(key) is not None and m[key] not in allowed:
+            shown = m[key] if len(m[key]) <= 40 else m[key][:37] + "..."
+            raise UserError(f"{where}: {key} is {shown!r}, expected one of {', '.join(allowed)}; {fix}")
+    return m
+
+
 class MetricsLog:
     """Per-iteration metrics in out_dir/metrics.csv (and TensorBoard when it is installed)."""
 
@@ -356,9 +421,9 @@ def find_resume(out_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], O
     if not path.is_file():
         raise UserError(f"--resume {path}: no such checkpoint; pass --resume auto or an iter-*.pth file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_checked(path)
     except Exception as e:
-        raise UserError(f"--resume {path}: the checkpoint is damaged ({type(e).__name__}); pass an earlier one or "
+        raise UserError(f"--resume {path}: the checkpoint is damaged ({_why(e)}); pass an earlier one or "
                         "--resume auto") from None
     if not (isinstance(state, dict) and state.get("format") == ADAPTER_FORMAT and "resume" in state):
         raise UserError(f"--resume {path} is not a resumable checkpoint of finetune/lora.py; pass an iter-*.pth file")

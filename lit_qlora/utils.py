@@ -1,6 +1,7 @@
 """Small helpers shared by the scripts: the user-error path, atomic writes, memory figures."""
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -38,6 +39,15 @@ def run_main(main: Callable[[], Any]) -> Any:
         if debug_enabled():
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:  # a path too long to look up is always one a user gave (a flag, a file)
+            raise
+        if debug_enabled():
+            traceback.print_exc()
+        name = str(e.filename)
+        print(f"error: {name[:60] + '...' if len(name) > 60 else name} is too long a path for the file system "
+              f"({len(name)} characters); fix the path (a damaged --config file?)", file=sys.stderr)
         sys.exit(2)
 
 

@@ -34,25 +34,29 @@ CSV_FIELDS = ["model", "setting", "precision", "quantize", "optimizer", "micro_b
 CELL_FILE_FIELDS = {  # the fields report.py formats, by file: a value of another type leaves the file out
     "cell.json": {"model": "str", "setting": "str"},
     "status.json": {"status": "str", "exit_code": "int", "error": "str", "stage": "str"},
-    "metrics.json": {"iterations": "int", "peak_memory_gb": "float", "training_time_s": "float",
-                     "tokens_per_sec": "float", "first_train_loss": "float", "final_train_loss": "float",
-                     "final_val_loss": "float", "micro_batch_size": "int", "precision": "str", "quantize": "str",
-                     "optimizer": "str", "activation_checkpointing": "bool", "memory_kind": "str"},
-    "generate_metrics.json": {"tokens_per_sec": "float", "memory_gb": "float"},
-}
+    "generate_metrics.json": {"tokens_per_sec": "number", "memory_gb": "number"},
+}  # metrics.json: lit_qlora.training.check_metrics_json (every figure of its kind and within what a run reaches)
 
 
 def _read_json(path: Path) -> Optional[dict]:
     """A cell file's JSON object; None when there is none. A damaged one (not text, not JSON, not an object) is
     reported in a warning line naming it and left out: the cell shows as incomplete."""
     from lit_qlora.readers import check_fields, read_json
+    from lit_qlora.training import METRICS_JSON, check_metrics_json
     from lit_qlora.utils import UserError
 
     if not os.path.lexists(path):
         return None
     fix = "the cell is shown without it"
     try:
-        return check_fields(read_json(path, dict, fix=fix), path, CELL_FILE_FIELDS.get(path.name, {}), fix=fix)
+        data = read_json(path, dict, fix=fix)
+        if path.name == METRICS_JSON:
+            return check_metrics_json(data, path, fix)
+        data = check_fields(data, path, CELL_FILE_FIELDS.get(path.name, {}), fix=fix)
+        if path.name == "generate_metrics.json" and any(v is not None and v < 0 for v in data.values()
+                                                        if isinstance(v, (int, float))):
+            raise UserError(f"{path} holds a negative figure; {fix}")
+        return data
     except UserError as e:
         print(f"warning: {e}", file=sys.stderr)
         return None

@@ -17,7 +17,9 @@ runs a damaged file through the real script as a subprocess.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -242,12 +244,6 @@ def _files(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _read_hf_config(d: Path):
-    from lit_qlora.config import Config
-
-    return Config.from_hf_config(d / "hf_only" / "config.json")
-
-
 def _read_tokenizer(d: Path):
     from lit_qlora.tokenizer import Tokenizer
 
@@ -343,6 +339,14 @@ def _read_chat(d: Path):
     return load_conversation_rows(d / "chat.jsonl")
 
 
+def _run_report(d: Path):
+    """scripts/report.py OUT_DIR: one run's report.md (no plots)."""
+    from lit_qlora.tracking import run_report
+
+    md, _ = run_report(d / "run", plots=False)
+    return md.read_text()
+
+
 def _report(d: Path):
     """scripts/report.py over a matrix of one cell: the table, the CSV and the plots."""
     import runpy
@@ -357,7 +361,7 @@ def _report(d: Path):
 
 # kind -> (file relative to the case folder, reading path)
 KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
-    "hf_config": ("hf_only/config.json", _read_hf_config),
+    "hf_config": ("hf_only/config.json", _convert),  # what reads it: the conversion, with the weights it describes
     "generation_config": ("ckpt/generation_config.json", _read_tokenizer),
     "tokenizer_config": ("ckpt/tokenizer_config.json", _read_tokenizer),
     "safetensors_hf": ("hf_only/model.safetensors", _convert),
@@ -376,8 +380,9 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "chat_jsonl": ("chat.jsonl", _read_chat),
     "report_metrics_json": ("matrix/tiny/32-true/metrics.json", _report),
     "report_metrics_csv": ("matrix/tiny/32-true/metrics.csv", _report),
+    "run_report_metrics_json": ("run/metrics.json", _run_report),
 }
-JSON_KINDS = {"report_metrics_json", "peft_config",
+JSON_KINDS = {"report_metrics_json", "run_report_metrics_json", "peft_config",
               "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
               "alpaca_json", "chat_jsonl"}
 
@@ -420,9 +425,14 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     what = corrupt(target, kind, rng)
     before = _snapshot(d, target)
     outcome, detail = "accepted", ""
+    said = io.StringIO()
     try:
-        reading = _reading(read(d), d)
+        with contextlib.redirect_stderr(said):
+            reading = _reading(read(d), d)
         detail = "same reading" if reading == pristine_reading(pristine, kind, work) else "reads differently"
+        warned = [ln for ln in said.getvalue().splitlines() if ln.startswith("warning: ") and target.name in ln]
+        if detail == "reads differently" and warned:  # not silent: the reader said what it left out or used instead
+            detail = "reads differently, said so"
     except UserError as e:
         msg = str(e)
         outcome, detail = ("refused", msg) if "\n" not in msg and msg.strip() else ("traceback", "multi-line: " + msg)
@@ -436,7 +446,7 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     changed = sorted(k for k in before if before[k] != after.get(k))
     if changed:
         outcome, detail = "changed", f"modified {changed[:3]}"
-    damage = _text_diff(original, target) if detail == "reads differently" else ""
+    damage = _text_diff(original, target) if detail.startswith("reads differently") else ""
     shutil.rmtree(d, ignore_errors=True)
     return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail, "damage": damage}
 
@@ -529,8 +539,8 @@ def main() -> None:
     for r in results:
         if r["outcome"] in ("traceback", "changed"):
             print(f"{r['kind']} seed {r['seed']} ({r['corruption']}): {r['outcome']}: {r['detail']}")
-        if args.show_accepted and r["detail"] == "reads differently":
-            print(f"accepted, reads differently: {r['kind']} seed {r['seed']} ({r['corruption']}): {r['damage']}")
+        if args.show_accepted and r["detail"].startswith("reads differently"):
+            print(f"accepted, {r['detail']}: {r['kind']} seed {r['seed']} ({r['corruption']}): {r['damage']}")
     print(table(results))
     shutil.rmtree(base, ignore_errors=True)
 

@@ -13,11 +13,12 @@ import yaml
 
 from lit_qlora import demo
 from lit_qlora.args import GROUPS, finetune_parser, parse_finetune_args
+from lit_qlora.utils import UserError
 
-FLAG_COUNT = 65  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
+FLAG_COUNT = 66  # the 45 flags finetune/lora.py had before the groups (none renamed, none lost) + packing, num_nodes,
 # lora_rslora, loraplus_lr_ratio, lora_dora, logger, logger_dir, early_stopping_patience, early_stopping_min_delta,
 # save_best, lora_init, loftq_iters,
-# prompt_column, input_column, response_column, messages_column, data_sources, lora_experts, lora_router,
+# prompt_column, input_column, response_column, messages_column, data_sources, streaming, lora_experts, lora_router,
 # router_aux_loss_coef
 
 
@@ -131,3 +132,46 @@ def test_a_config_file_without_a_model_never_falls_back_to_the_demo(tmp_path, te
     with pytest.raises(UserError, match="sets no checkpoint_dir") as e:
         parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag, value", [("checkpoint_dir", "/tmp/" + "a" * 5000), ("data_dir", "d/" + "n" * 300),
+                                         ("out_dir", "out\x00x"), ("data_sources", "x" * 4100)])
+def test_a_path_no_file_system_can_look_up_is_one_line(tmp_path, flag, value):
+    """A --config file whose path value became megabytes long (the file fuzzer, seeds 12002-12015: 'File name too
+    long' tracebacks), a 300-byte name, a NUL byte: refused when the arguments are built, naming the flag. A script
+    reading a too-long path elsewhere (generate/base.py's own flags) says so in one line too."""
+    from helpers import run_in_process
+
+    (tmp_path / "run.yaml").write_text(json.dumps({"checkpoint_dir": "ckpt", "data_dir": "data", flag: value}))
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert f"--{flag}" in str(e.value) and "not a usable path" in str(e.value) and "\n" not in str(e.value)
+    r = run_in_process(h.GENERATE_BASE, "--checkpoint_dir", "/tmp/" + "a" * 5000, "--prompt", "x")
+    h.assert_one_line_error(r, "too long a path")
+
+
+@pytest.mark.parametrize("text", ["lora_key: null", "lora_r: ~", "precision: null", '{"learning_rate": null}'])
+def test_a_null_where_a_flag_has_no_left_out_meaning_is_refused(tmp_path, text):
+    """hyperparameters.json with lora_key false -> null (the file fuzzer, seed 13006) was taken by --config and ran
+    with lora_key None (jsonargparse type-checks a null on the command line, not in a config file); a null for a flag
+    whose left-out value means something (--max_iters, --resume) still passes."""
+    (tmp_path / "run.yaml").write_text(f"checkpoint_dir: ckpt\n{text}\n" if ":" in text and "{" not in text
+                                       else json.dumps({"checkpoint_dir": "ckpt", **json.loads(text)}))
+    flag = text.strip("{").split(":")[0].strip('"')
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert f"--{flag} is null in --config {tmp_path / 'run.yaml'}" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "ok.yaml").write_text("checkpoint_dir: ckpt\nmax_iters: null\nresume: null\n")
+    assert parse_finetune_args(["--config", str(tmp_path / "ok.yaml")]).train.max_iters is None
+
+
+@pytest.mark.parametrize("line, expect", [("quantize: 1e+308", "unknown --quantize '1e+308'"),
+                                          ("precision: bf32-true", "unknown --precision 'bf32-true'")])
+def test_an_unknown_quantize_or_precision_in_a_config_file_is_refused_when_read(tmp_path, line, expect):
+    """hyperparameters.json with quantize null -> 1e+308 (the file fuzzer, seed 13029; YAML reads 1e+308 as text) was
+    taken when the flags were read, and refused only later by finetune's checks: now refused as the arguments are
+    built, naming the flag and the --config file."""
+    (tmp_path / "run.yaml").write_text(f"checkpoint_dir: ckpt\n{line}\n")
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
+    assert expect in str(e.value) and f"--config {tmp_path / 'run.yaml'}" in str(e.value)

@@ -75,7 +75,8 @@ def test_an_unknown_hf_architecture_in_our_config_is_refused(tmp_path):
     ("attn_softcap", 0), ("final_softcap", float("nan")), ("rope_local_base", "10000"), ("attention_scale", -1.0),
     ("layer_types", ["sliding_attention"]), ("layer_types", ["sliding_attention", "linear_attention"]),
     ("nope_layers", [5]), ("moe_dense_layers", [0.5]), ("norm_fp32_scale", None), ("attn_sinks", 1),
-    ("moe_bias", "true"), ("moe_mxfp4", None), ("moe_swiglu_limit", 0), ("moe_swiglu_alpha", "1.702")])
+    ("moe_bias", "true"), ("moe_mxfp4", None), ("moe_swiglu_limit", 0), ("moe_swiglu_alpha", "1.702"),
+    ("norm_eps", 2.5)])  # found by the file fuzzer (seed 11016): an epsilon that rescales every activation loaded
 def test_every_field_of_our_model_config_is_checked(tmp_path, field, value):
     """Each field of model_config.json that changes the math is refused in one line naming it when its value is of
     the wrong type or out of range (a 2-layer config: layer lists have 2 entries, layer numbers are 0 or 1)."""
@@ -92,6 +93,25 @@ def test_every_field_of_our_model_config_is_checked(tmp_path, field, value):
     with pytest.raises(UserError, match=field) as e:
         Config.from_file(path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", 2.5), ("rms_norm_eps", 0.5), ("rms_norm_eps", 0)])
+def test_a_norm_epsilon_no_model_has_is_refused_in_config_json(tmp_path, key, value):
+    """config.json's rms_norm_eps of 2.5 (the fuzzer, seed 11016) loaded as a valid model: refused in one line naming
+    the file and the field; 1e-5 and 1e-12 (BERT-like) load."""
+    import json
+
+    from helpers import TINY_HF_CONFIGS
+
+    from lit_qlora.utils import UserError
+
+    cfg = {**TINY_HF_CONFIGS["llama"], "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    for ok in (1e-5, 1e-12):
+        Config.from_hf_config({**cfg, key: ok})
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    with pytest.raises(UserError, match=key) as e:
+        Config.from_hf_config(tmp_path / "config.json")
+    assert "\n" not in str(e.value) and str(tmp_path / "config.json") in str(e.value)
 
 
 # keras-team/keras-hub: keras_hub/src/models/gemma3/gemma3_presets.py, the text-only presets' "params" (Google's

@@ -114,14 +114,19 @@ def broken_folders(tmp_path_factory) -> Path:
     sd = load_file(tensor / "model.safetensors")
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, tensor / "model.safetensors", metadata={"format": "pt"})
+    for name, change in (("no_kv_heads", "num_key_value_heads"), ("other_mlp", {"intermediate_size": 96})):
+        make_tiny_hf_model("llama", base / name)  # 4 heads, 2 key/value heads, MLP 128 wide
+        cfg = json.loads((base / name / "config.json").read_text())
+        cfg.pop(change) if isinstance(change, str) else cfg.update(change)  # a valid config of another model
+        (base / name / "config.json").write_text(json.dumps(cfg))
     return base
 
 
 @pytest.mark.parametrize("case", ["missing_folder", "no_config", "unsupported", "missing_shard", "missing_tensor",
-                                  "export_unconverted", "export_missing_folder"])
+                                  "export_unconverted", "export_missing_folder", "no_kv_heads", "other_mlp"])
 def test_script_errors_are_one_line(broken_folders, case):
     b = broken_folders
-    script, args, expect = {
+    script, args, *expect = {
         "missing_folder": (HF_SCRIPT, ["--checkpoint_dir", b / "nope"], str(b / "nope")),
         "no_config": (HF_SCRIPT, ["--checkpoint_dir", b / "empty"], str(b / "empty" / "config.json")),
         "unsupported": (HF_SCRIPT, ["--checkpoint_dir", b / "bert"],
@@ -131,8 +136,14 @@ def test_script_errors_are_one_line(broken_folders, case):
         "export_unconverted": (LIT_SCRIPT, ["--checkpoint_dir", b / "tensor", "--out_dir", b / "x"],
                                str(b / "tensor" / LIT_CONFIG)),
         "export_missing_folder": (LIT_SCRIPT, ["--checkpoint_dir", b / "nope", "--out_dir", b / "x"], str(b / "nope")),
+        # config.json and the weights of two different models: the tensors do not fit the shapes the config gives
+        "no_kv_heads": (HF_SCRIPT, ["--checkpoint_dir", b / "no_kv_heads"],
+                        "model.layers.0.self_attn.k_proj.weight (32, 64)", "transformer.h.0.attn.qkv.weight of shape "
+                        "(192, 64)", str(b / "no_kv_heads" / "config.json")),
+        "other_mlp": (HF_SCRIPT, ["--checkpoint_dir", b / "other_mlp"], "model.layers.0.mlp.gate_proj.weight (128, 64)",
+                      "of shape (96, 64)"),
     }[case]
-    assert_one_line_error(run_in_process(script, *args), expect)
+    assert_one_line_error(run_in_process(script, *args), *expect)
 
 
 def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
@@ -161,6 +172,27 @@ def test_scripts_in_a_fresh_interpreter(broken_folders, tmp_path):
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k].bfloat16()) for k in original)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("field, value", [("attention_scale", 2.5), ("rope_base", 20000.0), ("norm_class", "LayerNorm"),
+                                          ("tie_embeddings", True)])
+def test_a_conversion_its_config_json_does_not_give_is_refused(tmp_path, field, value):
+    """model_config.json of a converted folder with a value of the right kind that its config.json does not give (the
+    file fuzzer, seed 12003: attention_scale 2.5 on a Llama loaded and changed every attention): refused in one line
+    naming the field and both files; the pristine conversion loads."""
+    from lit_qlora.convert import ensure_converted
+    from lit_qlora.utils import UserError
+
+    make_tiny_hf_model("llama", tmp_path)
+    ensure_converted(tmp_path, quiet=True, verify=True)
+    data = json.loads((tmp_path / LIT_CONFIG).read_text())
+    data[field] = value
+    (tmp_path / LIT_CONFIG).write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        ensure_converted(tmp_path, quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{tmp_path / LIT_CONFIG}: {field} is {value!r}" in msg
+    assert str(tmp_path / "config.json") in msg and "convert again" in msg
 
 
 @pytest.mark.parametrize("layout", ["published", "in-memory names"])

@@ -115,6 +115,21 @@ def test_peft_import_refuses_what_it_cannot_represent(lora_llama, tmp_path):
         import_peft(folder, lora_llama.config)
 
 
+def test_an_adapter_config_without_peft_type_is_refused_as_peft_refuses_it(lora_llama, tmp_path):
+    """adapter_config.json replaced by {"a": 1} (the file fuzzer, seed 12000) loaded with default settings; PEFT's
+    own PeftConfig.from_pretrained refuses a config without peft_type, and so do we, in one line naming the file."""
+    from peft import PeftConfig
+
+    folder = _save_peft(lora_llama, tmp_path, target_modules=["q_proj", "v_proj"])
+    (folder / "adapter_config.json").write_text(json.dumps({"a": 1}))
+    with pytest.raises(TypeError, match="peft_type"):
+        PeftConfig.from_pretrained(str(folder))
+    with pytest.raises(UserError) as e:
+        import_peft(folder, lora_llama.config)
+    assert "\n" not in str(e.value) and str(folder / "adapter_config.json") in str(e.value)
+    assert "'peft_type'" in str(e.value)
+
+
 def test_export_peft_script(lora_llama, tmp_path):
     model = load_model(lora_llama.folder, precision="32-true", lora=lora_cfg(), seed=0)
     Adapter.of_model(model, lora_cfg()).save(tmp_path / "adapter.pth")
@@ -124,3 +139,15 @@ def test_export_peft_script(lora_llama, tmp_path):
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
     assert sorted(cfg["target_modules"]) == sorted(PEFT_TARGETS["llama"])
     assert cfg["rank_pattern"] == {} and cfg["alpha_pattern"] == {}
+
+
+def test_a_dense_adapter_whose_config_has_another_revision_still_imports(lora_llama, tmp_path):
+    """adapter_config.json with revision null -> true (the file fuzzer, seed 13046, after the MoE LoRA merge): the
+    import reached the experts' conversion on a dense model (AttributeError on its moe_params); the LoRA weights
+    import as they do with the config as saved."""
+    folder = _save_peft(lora_llama, tmp_path, target_modules=["q_proj", "v_proj"])
+    want, _, _ = import_peft(folder, lora_llama.config)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "revision": True}))
+    got, _, _ = import_peft(folder, lora_llama.config)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

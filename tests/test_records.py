@@ -57,3 +57,39 @@ def test_split_deterministic():
     for bad in (1.0, -0.1):
         with pytest.raises(UserError):
             split(recs, bad, seed=1)
+
+
+@pytest.mark.parametrize("field,value", [("output", 10**18), ("output", 1e18), ("output", 2.5), ("output", True),
+                                         ("output", float("nan")), ("instruction", [1, 2]), ("input", {"a": 1}),
+                                         ("input", False), ("output", -(2**53))])
+def test_a_value_that_is_not_text_is_refused_where_text_belongs(tmp_path, field, value):
+    """A number's text is kept only where it is exact: an integer within 2^53 (every JSON reader reads it to the same
+    digits). A float (1e-9 would read back as 1e-09), a huge integer, a boolean, a list or an object where an
+    instruction, input or output belongs is refused in one line naming the record, the field and what it holds,
+    by load_records and by the prepare path (which names the file and row)."""
+    from dataclasses import replace
+
+    from helpers_data import CharTokenizer
+
+    from lit_qlora.prepare import DataSettings, prepare_files
+
+    recs = [dict(r) for r in RECORDS]
+    recs[1][field] = value
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(recs))
+    with pytest.raises(UserError) as e:
+        load_records(path)
+    assert_one_line_message(e, "record 1", repr(field), "not text", "as a string")
+    s = replace(DataSettings(64, template="alpaca"), test_split_fraction=0.0)
+    with pytest.raises(UserError) as e:
+        prepare_files(path, None, CharTokenizer(), tmp_path / "prep", s)
+    assert_one_line_message(e, f"row 2 of {path}", repr(field), "not text")
+
+
+def test_integer_answers_are_text():
+    recs = [{"instruction": "12 + 7", "input": "", "output": 19}, {"instruction": "2^53 - 1", "output": 2**53 - 1},
+            {"instruction": "x", "input": 0, "output": "-1"}]
+    from lit_qlora.records import check_records, text_of
+
+    check_records(recs, ("instruction", "output"))
+    assert [text_of(r["output"]) for r in recs] == ["19", "9007199254740991", "-1"]

@@ -672,3 +672,45 @@ def test_nan_policy_skip_skips_steps_then_gives_up(train_setup, tmp_path):
         state = torch.load(path, map_location="cpu", weights_only=False)
         assert all(torch.isfinite(v).all() for v in state["lora"].values())
     assert not (out / "lit_model_lora_finetuned.pth").exists()
+
+
+def _flip_a_tensor_byte(path: Path) -> str:
+    """One bit flipped in the middle of the largest tensor's bytes of a torch file (a zip of stored entries): what
+    torch.load reads back as another number. Returns the entry's name."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    return info.filename
+
+
+def test_a_changed_byte_in_a_torch_files_tensors_is_found_by_its_crc(prev_run, capfd):
+    """An adapter .pth with one flipped bit in a tensor (the file fuzzer, seeds 13001 / 13007: loaded silently, since
+    torch.load never checks the zip's CRC-32 sums) is refused in one line naming the file and the entry; the newest
+    training checkpoint so damaged is passed over for the previous one, said so, and --resume naming it refuses it."""
+    from lit_qlora.config import Config
+    from lit_qlora.training import find_resume
+
+    config = Config.from_file(Path(json.loads((prev_run / "hyperparameters.json").read_text())["checkpoint_dir"])
+                              / "model_config.json")
+    adapter = prev_run / "lit_model_lora_finetuned.pth"
+    entry = _flip_a_tensor_byte(adapter)
+    assert torch.load(adapter, weights_only=True)  # what torch itself does with it: loads
+    with pytest.raises(UserError) as e:
+        Adapter.load(adapter, config)
+    assert str(adapter) in str(e.value) and entry in str(e.value) and "CRC-32" in str(e.value)
+    assert "\n" not in str(e.value)
+    previous = list_checkpoints(prev_run)[-1]
+    newest = previous.with_name("iter-999999.pth")  # the run keeps one: a newer copy of it is the one damaged
+    shutil.copy(previous, newest)
+    _flip_a_tensor_byte(newest)
+    path, state = load_latest_checkpoint(prev_run)
+    assert path == previous and state is not None
+    assert f"{newest} is damaged (ValueError: its entry" in capfd.readouterr().err
+    with pytest.raises(UserError, match="CRC-32"):
+        find_resume(prev_run, str(newest))

@@ -311,7 +311,7 @@ def test_a_mixture_trains_reports_and_resumes(train_setup, tmp_path):
     assert h.max_abs_diff(h.load_lora(a / final), h.load_lora(b / final)) < 1e-6
 
 
-# ---- streaming (the data side; finetune --streaming is not wired yet) ----------------------------------------------
+# ---- streaming: the sample stream (finetune --streaming: tests/test_streaming.py) -----------------------------------
 def _stream(src, tok, s, **kw):
     from lit_qlora.streaming import SampleStream, record_tokenizer, source_rows_from
 

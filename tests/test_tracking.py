@@ -236,3 +236,43 @@ def test_demo_generate_shows_question_answers_and_report(train_setup, trained_ru
     assert base.stdout != tuned.stdout  # the adapter changed the answer
     assert lines[3] == f"Run report: {Path('out/lora/demo/report.md')} (curves: {Path('out/lora/demo/report.png')})"
     assert (run / "report.md").is_file() and (run / "report.png").is_file()
+
+
+@pytest.mark.parametrize("change", [{"iterations": -1}, {"iterations": "12"}, {"peak_memory_gb": 1e308},
+                                    {"training_time_s": -5.0}, {"tokens_per_sec": float("inf")},
+                                    {"precision": "x"}, {"quantize": "bnb.nf5"}, {"optimizer": 3},
+                                    {"memory_kind": "peak"}, {"final_train_loss": -1.0}, {"micro_batch_size": 0},
+                                    {"trainable_params": 2.5}, "iterations", "peak_memory_gb",
+                                    "final_val_loss",  # the fuzzer, seed 11008: a deleted figure was shown as "-"
+                                    {"peak_memory_gb": 0}, {"rss_after_load_gb": 0.0}])  # seed 13010: 0 GB shown
+def test_wrong_figures_in_metrics_json_are_left_out_of_both_reports(trained_run, tmp_path, capsys, change):
+    """A metrics.json figure of the wrong kind, out of what a run can reach, a setting no run has, or a figure
+    deleted: the run report (scripts/report.py OUT_DIR) and the matrix report (scripts/report.py OUT_ROOT) both say
+    so in a warning naming the file and the field, and show none of that file's figures (never the wrong one)."""
+    import runpy
+
+    from lit_qlora.tracking import run_report
+
+    m = json.loads((trained_run[0] / "metrics.json").read_text())
+    field = change if isinstance(change, str) else next(iter(change))
+    if isinstance(change, str):
+        del m[change]
+    else:
+        m.update(change)
+    out = tmp_path / "run"
+    shutil.copytree(trained_run[0], out)
+    (out / "metrics.json").write_text(json.dumps(m))
+    md_path, _ = run_report(out, plots=False)
+    md = md_path.read_text()
+    warning = capsys.readouterr().err
+    assert f"warning: {out / 'metrics.json'}" in warning and field in warning, warning
+    assert "metrics.json is damaged" in md and "| Peak memory | - |" in md and "| Iterations | " in md
+    cell = tmp_path / "matrix" / "tiny" / "32-true"
+    cell.mkdir(parents=True)
+    shutil.copy(out / "metrics.json", cell / "metrics.json")
+    (cell / "status.json").write_text(json.dumps({"status": "ok", "exit_code": 0}))
+    report = runpy.run_path(str(h.ROOT / "scripts" / "report.py"))
+    (row,) = report["collect"](tmp_path / "matrix")
+    warning = capsys.readouterr().err
+    assert f"warning: {cell / 'metrics.json'}" in warning and field in warning, warning
+    assert row["peak_memory_gb"] is None and row["iterations"] is None and row["training_time_s"] is None

@@ -36,8 +36,9 @@ DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", bl
                    n_head=4, n_query_groups=2, n_embd=256, intermediate_size=704, norm_eps=1e-5)
 
 
-def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT) -> Path:
-    """Write the demo model and tokenizer into `folder` unless they are there already."""
+def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT, pretrain: bool = True) -> Path:
+    """Write the demo model and tokenizer into `folder` unless they are there already (`pretrain` False: the random
+    weights, for benchmarks where what the model knows does not matter)."""
     folder = Path(folder)
     ready = folder / ".demo-ready"  # written last: a build killed halfway is redone
     if ready.is_file() and (folder / LIT_WEIGHTS).is_file():
@@ -47,7 +48,8 @@ def ensure_demo_checkpoint(folder: Path = DEMO_CHECKPOINT) -> Path:
     _write_tokenizer(folder)
     config = Config(**DEMO_CONFIG)
     write_random_checkpoint(folder, config, seed=1234)
-    _pretrain(folder, config)
+    if pretrain:
+        _pretrain(folder, config)
     ready.write_text("")
     return folder
 

@@ -3,7 +3,7 @@
     python finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data_dir data/pairs \\
         --quantize bnb.nf4 --loss dpo --beta 0.1 --lora_path out/sft/lit_model_lora_finetuned.pth
 
---data_dir holds JSON / JSONL rows {prompt, chosen, rejected}, strings or messages (lit_qlora/preference.py). The
+--data_dir holds JSON / JSONL rows {prompt, chosen, rejected}, strings or messages (lit_qlora/train/preference.py). The
 phases are finetune/lora.py's (setup -> check_inputs -> main -> build_model -> restore -> fit -> summarize, with its
 flags, checkpoints, --resume, DDP, NaN guard and metrics.csv); this script gives them its Objective: pairs instead of
 samples, the preference loss of each step, validation on the held-out pairs, and the rewards TRL logs
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from lit_qlora import preference as pf
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
 from lit_qlora.convert import ensure_converted
-from lit_qlora.prepare import DataSettings
-from lit_qlora.quantize import validation_mode
+from lit_qlora.data.prepare import DataSettings
+from lit_qlora.quant.quantize import validation_mode
 from lit_qlora.readers import load_torch
-from lit_qlora.training import head_chunk
+from lit_qlora.train import preference as pf
+from lit_qlora.train.training import head_chunk
 from lit_qlora.utils import UserError, atomic_torch_save, run_main
 
 _spec = importlib.util.spec_from_file_location("finetune_lora", Path(__file__).resolve().parent / "lora.py")
@@ -68,7 +68,7 @@ def _sft_adapter(args: FinetuneArgs) -> Adapter:
 
 
 def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
-    """The pairs (lit_qlora.preference.load_pairs), after the flags that do not apply to them."""
+    """The pairs (lit_qlora.train.preference.load_pairs), after the flags that do not apply to them."""
     if args.data.packing:
         raise UserError("--packing does not apply to preference pairs (a pair's two rows are unpadded into one "
                         "forward already); leave --packing out")

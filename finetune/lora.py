@@ -30,9 +30,12 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lit_qlora import demo
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.batching import BatchStream, collate, count_packed_batches, unpad
-from lit_qlora.chat_template import stop_ids
 from lit_qlora.convert import ensure_converted
+from lit_qlora.data.batching import BatchStream, collate, count_packed_batches, unpad
+from lit_qlora.data.chat_template import stop_ids
+from lit_qlora.data.prepare import DataSettings, ensure_mixture, ensure_prepared
+from lit_qlora.data.streaming import StreamBatches, StreamPlan, plan_stream
+from lit_qlora.data.templates import CHAT
 from lit_qlora.distributed import (
     check_same_start,
     check_strategy,
@@ -51,21 +54,18 @@ from lit_qlora.loader import load_model, load_model_sharded
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
-from lit_qlora.prepare import DataSettings, ensure_mixture, ensure_prepared
-from lit_qlora.prequantized import load_note
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import (
+from lit_qlora.quant.prequantized import load_note
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import (
     assert_trainable_4bit,
     check_quantize,
     format_memory_report,
     memory_report,
     validation_mode,
 )
-from lit_qlora.streaming import StreamBatches, StreamPlan, plan_stream
-from lit_qlora.templates import CHAT
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.tracking import RunWatch
-from lit_qlora.training import (
+from lit_qlora.train.tracking import RunWatch
+from lit_qlora.train.training import (
     FINAL_ADAPTER,
     OPTIMIZERS,
     MetricsLog,
@@ -150,7 +150,7 @@ class Session:
     max_steps: int
     accum: int
     train_info: dict  # recorded in every adapter file: how it was trained
-    report: dict  # the loaded model's memory report (lit_qlora.quantize.memory_report)
+    report: dict  # the loaded model's memory report (lit_qlora.quant.quantize.memory_report)
     rss_after_load: float  # GiB
     rss_before_load: float = 0.0  # GiB
     load_peak_rss: float = 0.0  # GiB, the process's peak RSS once the model is loaded (loading included)
@@ -165,7 +165,7 @@ class Session:
     overflow_skips: int = 0  # updates the fp16 GradScaler skipped
     overflows_in_a_row: int = 0
     val_loss: Optional[float] = None
-    watch: Optional[RunWatch] = None  # trackers and early stopping (lit_qlora/tracking.py), set by fit
+    watch: Optional[RunWatch] = None  # trackers and early stopping (lit_qlora/train/tracking.py), set by fit
     # a mixture of experts: the tokens routed to each expert of each MoE layer [layers, E] (all devices), summed
     # over the run's steps (kept in checkpoints) and of the last step, and the tokens they were counted over
     expert_load: Optional[torch.Tensor] = None

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from lit_qlora import demo
-from lit_qlora.chat_template import encode_chat, stop_ids
+from lit_qlora.data.chat_template import encode_chat, stop_ids
+from lit_qlora.data.templates import CHAT
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import (
     StreamPrinter,
@@ -31,7 +32,6 @@ from lit_qlora.inference import (
     prompt_template,
     resolve_generation_precision,
 )
-from lit_qlora.templates import CHAT
 from lit_qlora.utils import run_cli
 
 

@@ -23,7 +23,7 @@ from lit_qlora.inference import (
     resolve_generation_precision,
     run_prompts,
 )
-from lit_qlora.tracking import run_report
+from lit_qlora.train.tracking import run_report
 from lit_qlora.utils import UserError, run_cli
 
 

@@ -5,7 +5,7 @@
 
 POST /v1/chat/completions and /v1/completions (streaming by server-sent events with "stream": true), GET /v1/models
 and /health. The request's "model" picks the base (--model_name, default the checkpoint folder's name) or an adapter
-by its NAME. One base is loaded; every adapter is applied unmerged over it (lit_qlora/serve.py). Requests are served
+by its NAME. One base is loaded; every adapter is applied unmerged over it (server/serve.py). Requests are served
 one at a time in arrival order.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Optional
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.inference import load_for_inference, pick_device, resolve_generation_precision, say
-from lit_qlora.serve import AdapterBank, Engine, Server, parse_lora_paths, serve
-from lit_qlora.serve_http import create_app
+from lit_qlora.server.serve import AdapterBank, Engine, Server, parse_lora_paths, serve
+from lit_qlora.server.serve_http import create_app
 from lit_qlora.utils import UserError, run_cli
 
 

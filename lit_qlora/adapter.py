@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.config import Config
+from lit_qlora.export.peft_interop import export_peft, import_peft
 from lit_qlora.lora import (
     LORA_INITS,
     RESIDUAL_INITS,
@@ -38,7 +39,6 @@ from lit_qlora.lora import (
     lora_targets,
     meta_model,
 )
-from lit_qlora.peft_interop import export_peft, import_peft
 from lit_qlora.readers import check_config_dict, check_fields, load_torch
 from lit_qlora.utils import UserError, atomic_torch_save
 
@@ -209,7 +209,7 @@ class Adapter:
         its base (its --quantize and --precision, recorded in `train`; a fused qkv part by part): a LoftQ adapter's
         base."""
         from lit_qlora.precision import parse_precision
-        from lit_qlora.quantize import dequantize_weight, make_quantized_linear, quantize_into, quantized_parts
+        from lit_qlora.quant.quantize import dequantize_weight, make_quantized_linear, quantize_into, quantized_parts
 
         mode, precision = self.train.get("quantize"), self.train.get("precision") or "32-true"
         if not mode:

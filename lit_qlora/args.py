@@ -19,10 +19,10 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 from lit_qlora import demo
 from lit_qlora.lora import LORA_INITS, LoRAConfig
 from lit_qlora.precision import PRECISION_CHOICES
-from lit_qlora.preference import LOSSES
-from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.readers import check_path, read_yaml
-from lit_qlora.tracking import parse_loggers
+from lit_qlora.train.preference import LOSSES
+from lit_qlora.train.tracking import parse_loggers
 from lit_qlora.utils import UserError
 
 
@@ -71,7 +71,7 @@ class RunArgs:
     """Print a machine-readable `BENCH_JSON {...}` line with per-iteration figures at the end."""
     logger: Optional[str] = None
     """Experiment trackers besides metrics.csv, comma-separated: csv, tensorboard, wandb (offline unless W&B is
-    configured), mlflow (lit_qlora/tracking.py). Each logs the hyperparameters, the resolved precision, every row of
+    configured), mlflow (train/tracking.py). Each logs the hyperparameters, the resolved precision, every row of
     metrics.csv, the memory report and the adapter paths."""
     logger_dir: Optional[Path] = None
     """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlruns/); default: --out_dir."""
@@ -285,7 +285,7 @@ class PreferenceArgs:
     """Preference tuning (finetune/dpo.py)"""
 
     loss: str = "dpo"
-    """dpo, ipo, orpo or simpo (lit_qlora/preference.py; as TRL's DPOTrainer sigmoid / ipo, ORPOTrainer, CPOTrainer
+    """dpo, ipo, orpo or simpo (train/preference.py; as TRL's DPOTrainer sigmoid / ipo, ORPOTrainer, CPOTrainer
     simpo)."""
     beta: float = 0.1
     """dpo/ipo: how far the policy may move from the reference (IPO's tau); orpo: the odds-ratio term's weight

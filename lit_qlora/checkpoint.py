@@ -16,7 +16,7 @@ import torch
 
 from lit_qlora.config import Config
 from lit_qlora.lora import meta_model
-from lit_qlora.mxfp4 import Mxfp4Tensor, stored_shapes
+from lit_qlora.quant.mxfp4 import Mxfp4Tensor, stored_shapes
 from lit_qlora.readers import safetensors_header as check_safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
@@ -161,7 +161,7 @@ def write_safetensors_stream(path: Path, specs: list[TensorSpec], tensors: Itera
 # ---- our tensors and the folder check ---------------------------------------------------------------
 def lit_param_shapes(config: Config) -> dict[str, torch.Size]:
     """Our state-dict keys and shapes as stored in a checkpoint (a tied head is stored once, as the embedding; with
-    `moe_mxfp4` each expert stack's weight as its MXFP4 blocks and scales, lit_qlora/mxfp4.py)."""
+    `moe_mxfp4` each expert stack's weight as its MXFP4 blocks and scales, lit_qlora/quant/mxfp4.py)."""
     sd = {k: v.shape for k, v in meta_model(config).state_dict().items()}
     if config.tie_embeddings:
         sd.pop("lm_head.weight", None)

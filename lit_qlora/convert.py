@@ -76,7 +76,7 @@ def qkv_to_hf(config: Config, layout: str, fused: torch.Tensor) -> list[torch.Te
 
 
 # ---- experts stored as two fused tensors per layer (gpt-oss; the family spec's `fused_experts`) -----------------
-# our parameter -> the suffix of the HF tensor it is read from (MXFP4 blocks and scales: lit_qlora/mxfp4.py)
+# our parameter -> the suffix of the HF tensor it is read from (MXFP4 blocks and scales: lit_qlora/quant/mxfp4.py)
 FUSED_SUFFIX = {"weight": "", "bias": "_bias", "weight_blocks": "_blocks", "weight_scales": "_scales"}
 # our expert stack -> (the HF tensor, which half of its interleaved gate | up columns, or None)
 FUSED_SOURCE = {"mlp.experts.fc_1": ("gate_up", 0), "mlp.experts.fc_2": ("gate_up", 1),

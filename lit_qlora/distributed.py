@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.lora import lora_state_dict
-from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.utils import UserError
 
 STRATEGIES = ("auto", "ddp", "fsdp")

@@ -14,15 +14,15 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.chat_template import common_prefix_len, encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.convert import ensure_converted
-from lit_qlora.decode4bit import enable_fast_decode
+from lit_qlora.data.chat_template import common_prefix_len, encode_chat, instruction_messages, stop_ids, template_of
+from lit_qlora.data.templates import CHAT, check_template_name, get_template
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
-from lit_qlora.prequantized import load_note
-from lit_qlora.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
-from lit_qlora.templates import CHAT, check_template_name, get_template
+from lit_qlora.quant.decode4bit import enable_fast_decode
+from lit_qlora.quant.prequantized import load_note
+from lit_qlora.quant.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, memory_used_gb
 
@@ -84,7 +84,7 @@ def load_for_inference(checkpoint_dir: Path, lora_path: Optional[Path], quantize
 
 
 def fast_cpu_4bit_decoding(model) -> int:
-    """For a CPU model that is never trained again: its 4-bit layers decode through lit_qlora/decode4bit.py's
+    """For a CPU model that is never trained again: its 4-bit layers decode through lit_qlora/quant/decode4bit.py's
     kernel (read the packed weights, no dense copy per token), and bitsandbytes' packed AVX512-BF16 layout is
     allowed for any layer the kernel cannot take. Returns the number of layers on the kernel."""
     enable_cpu_inference_packing(model, True)

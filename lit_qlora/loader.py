@@ -32,10 +32,10 @@ from lit_qlora.lora import (
     residual_init,
 )
 from lit_qlora.model import GPT, ExpertWeights
-from lit_qlora.mxfp4 import Mxfp4Tensor, join_stacks
 from lit_qlora.precision import parse_precision
-from lit_qlora.prequantized import StoredQuantization, open_stored
-from lit_qlora.quantize import (
+from lit_qlora.quant.mxfp4 import Mxfp4Tensor, join_stacks
+from lit_qlora.quant.prequantized import StoredQuantization, open_stored
+from lit_qlora.quant.quantize import (
     FileEmbedding,
     QuantizedExpertWeights,
     StoredEmbedding,
@@ -89,7 +89,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     elsewhere keeps a 16-bit embedding as stored while computing in fp32 (`StoredEmbedding`).
 
     On CPU, quantized layers are read from the checkpoint's stored quantization when it has a matching one
-    (lit_qlora/prequantized.py; `use_stored=False`: quantize regardless); `model.stored_quantization` names the file
+    (quant/prequantized.py; `use_stored=False`: quantize regardless); `model.stored_quantization` names the file
     read, or is None, and `model.layers_quantized_at_load` counts the quantized layers that were not read from it."""
     device = torch.device(device)
     prec = parse_precision(precision)

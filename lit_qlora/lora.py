@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora import cpu_half
 from lit_qlora.config import Config
+from lit_qlora.kernels import cpu_half
 from lit_qlora.model import GPT, linear
 from lit_qlora.utils import UserError
 
@@ -310,7 +310,7 @@ class LoRAExperts(nn.Module):
     computes base(x, e) + scaling * B_e A_e dropout(x) on the rows routed to it, each expert with its own pair,
     `lora_A` [E, r, in] and `lora_B` [E, out, r]. Experts without tokens in a step get no update (zero gradient), as
     their base is not run. Why a pair per expert rather than one shared by all: tutorials/finetune_lora.md (measured);
-    it is also the layout PEFT's target_parameters gives stacked experts (lit_qlora/peft_interop.py)."""
+    it is also the layout PEFT's target_parameters gives stacked experts (lit_qlora/export/peft_interop.py)."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, rslora: bool = False,
                  init: str = "default") -> None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from lit_qlora import cpu_half
+from lit_qlora.kernels import cpu_half
 
 HEAD_CHUNK_ELEMENTS = 2**24  # logits per chunk of head_cross_entropy: 64 MiB in fp32 whatever the vocabulary
 

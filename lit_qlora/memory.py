@@ -11,7 +11,7 @@ mirrors what actually exists during training:
   64-value block, or with double quantization one uint8 absmax per block + fp32 scales per 256 blocks; int8:
   one byte per value + one fp32 scale per output row), see `QuantMode.layer_bytes`; a mixture of experts stores
   every expert (one such layer per expert and projection) and keeps its router dense;
-- dense weights in the dtypes of `lit_qlora.quantize.Precision` (under *-mixed frozen Linear weights are in
+- dense weights in the dtypes of `lit_qlora.quant.quantize.Precision` (under *-mixed frozen Linear weights are in
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
@@ -48,16 +48,16 @@ import psutil
 import torch
 import torch.nn as nn
 
-from lit_qlora import cpu_half
 from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
-from lit_qlora.cpu_attention import RECOMPUTE_BELOW
+from lit_qlora.kernels import cpu_half
+from lit_qlora.kernels.cpu_attention import RECOMPUTE_BELOW
 from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
 from lit_qlora.losses import head_chunk_rows
 from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import Precision, parse_precision
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import CPU_QUANTIZE_CHUNK, quantized_parts
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import CPU_QUANTIZE_CHUNK, quantized_parts
 from lit_qlora.utils import UserError
 
 GiB = 2**30
@@ -175,8 +175,8 @@ class _Dims:
     a: int  # bytes of a matmul output (the compute dtype)
     r: int  # bytes of the residual stream and norm outputs (fp32 under *-mixed: embeddings stay fp32)
     mask: int  # bytes per element of nn.Dropout's mask: 1 on CUDA (bool), 0 on CPU (the input's dtype)
-    cpu_attention: bool  # lit_qlora.cpu_attention's path (CPU, bf16-true training)
-    cpu_half: bool  # lit_qlora.cpu_half's fp32 kernels (CPU without native 16-bit matmuls, *-true): wins over the above
+    cpu_attention: bool  # lit_qlora.kernels.cpu_attention's path (CPU, bf16-true training)
+    cpu_half: bool  # kernels.cpu_half's fp32 kernels (CPU without native 16-bit matmuls, *-true): wins over the above
     mixed: bool
     lora_dropout: bool
     t: int = 4  # bytes of a trainable (LoRA) weight: DoRA's factor and the sum it multiplies are in that dtype

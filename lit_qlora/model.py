@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from lit_qlora import cpu_attention, cpu_half
 from lit_qlora.config import Config
+from lit_qlora.kernels import cpu_attention, cpu_half
 from lit_qlora.losses import chunked_cross_entropy, head_cross_entropy
 
 
@@ -663,7 +663,7 @@ def per_expert(m: nn.Module):
 
 class ExpertWeights(nn.Module):
     """One projection of every expert of a layer: `weight` [E, out, in] (and `bias` [E, out], gpt-oss); expert e
-    computes x @ weight[e]^T + bias[e]. lit_qlora/quantize.py swaps it for bitsandbytes layers, one per expert."""
+    computes x @ weight[e]^T + bias[e]. lit_qlora/quant/quantize.py swaps it for bitsandbytes layers, one per expert."""
 
     def __init__(self, n_expert: int, out_features: int, in_features: int, bias: bool = False) -> None:
         super().__init__()

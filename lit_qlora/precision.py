@@ -118,7 +118,7 @@ def resolve_precision(precision: str, device_type: str) -> tuple[str, str]:
 def slow_precision_warning(precision: str, device_type: str) -> Optional[str]:
     """A one-line warning for a 16-bit precision asked for on a CPU without native support for it, else None.
 
-    *-true precisions run their matmuls by fp32 kernels there (lit_qlora/cpu_half.py): slightly slower than 32-true.
+    *-true precisions run their matmuls by fp32 kernels there (kernels/cpu_half.py): slightly slower than 32-true.
     *-mixed ones go through autocast's 16-bit kernels: several times slower."""
     if device_type != "cpu" or precision == "32-true":
         return None

@@ -1,4 +1,4 @@
-"""Benchmarks behind the 4-bit decode kernel (lit_qlora/decode4bit.py); figures, not tests.
+"""Benchmarks behind the 4-bit decode kernel (lit_qlora/quant/decode4bit.py); figures, not tests.
 
     python scripts/bench_decode_kernel.py layers [--rows 1,16,32] [--threads 1] [--compiled true] [--shapes 4096x4096]
     python scripts/bench_decode_kernel.py paired --folder CKPT [--precision 32-true] [--threads 1] [--rounds 3]
@@ -63,8 +63,13 @@ def layers(rows: str = "1", threads: int = 1, modes: str = "bnb.nf4,bnb.nf4-dq,b
            compiled: bool = False, shapes: str = "1536x576,49152x576") -> None:
     """Time one layer per shape (`out x in`, comma-separated), dtype and row count (see the module docstring). On a
     CPU with AVX512-BF16 also bitsandbytes' own fast path ("bnb packed": its repacked layout and gemv kernel)."""
-    from lit_qlora import decode4bit as d
-    from lit_qlora.quantize import enable_cpu_inference_packing, make_quantized_linear, quantize_into, quiet_bnb_import
+    from lit_qlora.quant import decode4bit as d
+    from lit_qlora.quant.quantize import (
+        enable_cpu_inference_packing,
+        make_quantized_linear,
+        quantize_into,
+        quiet_bnb_import,
+    )
 
     has_avx512bf16 = quiet_bnb_import().functional.has_avx512bf16
 
@@ -147,8 +152,8 @@ def _alternate(settings: dict, rounds: int) -> dict[str, float]:
 
 def paired(folder: str, precision: str = "32-true", threads: int = 1, rounds: int = 3, new_tokens: int = 32) -> None:
     """Dense, nf4 on the kernel, nf4 without it and transformers' nf4, alternating in one process."""
-    from lit_qlora import decode4bit as d
     from lit_qlora.loader import load_model
+    from lit_qlora.quant import decode4bit as d
 
     torch.set_num_threads(threads)
     dense = load_model(Path(folder), precision=precision).eval()

@@ -33,15 +33,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lit_qlora import preference as pf  # noqa: E402
-from lit_qlora.batching import collate, unpad  # noqa: E402
 from lit_qlora.checkpoint import LIT_WEIGHTS  # noqa: E402
 from lit_qlora.config import Config  # noqa: E402
 from lit_qlora.convert import write_random_checkpoint  # noqa: E402
+from lit_qlora.data.batching import collate, unpad  # noqa: E402
 from lit_qlora.loader import load_model  # noqa: E402
 from lit_qlora.lora import LoRAConfig  # noqa: E402
 from lit_qlora.precision import resolve_precision  # noqa: E402
-from lit_qlora.training import head_chunk, shift_labels  # noqa: E402
+from lit_qlora.train import preference as pf  # noqa: E402
+from lit_qlora.train.training import head_chunk, shift_labels  # noqa: E402
 from lit_qlora.utils import run_cli, tune_cpu_allocator  # noqa: E402
 
 VARIANTS = ("sft", "sft_2x", "dpo", "dpo_rows", "dpo_2fwd")
@@ -157,8 +157,8 @@ def demo_pairs(folder: Path, val_fraction: float = 0.2, seed: int = 0) -> Path:
     side, so no held-out prompt is trained on)."""
     import random
 
+    from lit_qlora.data.records import split
     from lit_qlora.demo import DEMO_DATA_FILE
-    from lit_qlora.records import split
 
     records = json.loads(DEMO_DATA_FILE.read_text())
     rng = random.Random(seed)
@@ -194,7 +194,7 @@ def demo_pairs(folder: Path, val_fraction: float = 0.2, seed: int = 0) -> Path:
 def held_out_logps(checkpoint: Path, adapter: Path | None, data: Path, quantize: str) -> torch.Tensor:
     """[n_val, 2]: the (chosen, rejected) log-probabilities of the held-out pairs under the model (with `adapter`)."""
     from lit_qlora.adapter import Adapter
-    from lit_qlora.prepare import DataSettings
+    from lit_qlora.data.prepare import DataSettings
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(checkpoint)

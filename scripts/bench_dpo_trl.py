@@ -17,7 +17,7 @@ validation):
 TRL's defaults that would change the comparison are set to ours: gradient checkpointing off (TRL's default is on:
 --checkpointing true turns it on for both sides), bf16 autocast off under 32-true, weight decay 0. TRL keeps its
 QLoRA choice of bf16 LoRA weights. Both sides get the pairs as token ids (TRL's own tokenization is bypassed, so the
-tokens are the same): the pairs as lit_qlora.preference.load_pairs reads them, in the order finetune/dpo.py draws
+tokens are the same): the pairs as lit_qlora.train.preference.load_pairs reads them, in the order finetune/dpo.py draws
 them (its PairStream with --seed), which TRL follows with train_sampling_strategy "sequential".
 
 Figures per side: median step time after the first step, tokens/s of the steps (real tokens of chosen + rejected rows:
@@ -110,9 +110,9 @@ def make_pairs(data: Path, n: int, length: int, vocab: int, seed: int = 0) -> No
 def write_batches(folder: Path, data: Path, a: argparse.Namespace) -> Path:
     """The pairs as token ids, in the order finetune/dpo.py draws them (PairStream, --seed), split as TRL's collator
     takes them (prompt_ids, chosen_ids, rejected_ids), and the validation pairs."""
-    from lit_qlora import preference as pf
-    from lit_qlora.prepare import DataSettings
+    from lit_qlora.data.prepare import DataSettings
     from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.train import preference as pf
 
     train, val, _ = pf.load_pairs(data, Tokenizer(folder), DataSettings(a.max_seq_length, template="plain"))
     stream = pf.PairStream(train, batch_size=a.pairs, seed=a.seed)

@@ -66,7 +66,7 @@ def write_checkpoint(folder: Path, config: Config) -> None:
 
 def write_data(folder: Path, checkpoint: Path, seq_length: int, n_train: int = 64, n_val: int = 4) -> None:
     """A prepared dataset (train.pt, val.pt, prepare_config.json) of random samples of exactly seq_length tokens."""
-    from lit_qlora.prepare import CONFIG_NAME
+    from lit_qlora.data.prepare import CONFIG_NAME
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(checkpoint)

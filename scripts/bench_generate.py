@@ -13,7 +13,7 @@ Settings:
   none                  dense weights
   bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8
                         our model loaded as generate/*.py loads it with --quantize_lm_head true: 4-bit layers
-                        on the decode kernel of lit_qlora/decode4bit.py (`inference.fast_cpu_4bit_decoding`);
+                        on the decode kernel of lit_qlora/quant/decode4bit.py (`inference.fast_cpu_4bit_decoding`);
                         the output layer 4-bit, for a tied model the embedding read from it (TiedEmbedding4bit)
   <mode>:nokernel       the same without the kernel, and with a dense embedding: bitsandbytes dequantizes every
                         weight per call (its packed layout where the CPU has AVX512-BF16): generation before both
@@ -204,7 +204,7 @@ def child(folder: str, setting: str, precision: str, new_tokens: int, prompt_len
 
 def hf_available() -> bool:
     try:
-        from lit_qlora.quantize import load_bnb
+        from lit_qlora.quant.quantize import load_bnb
 
         load_bnb()  # its import-time notes silenced
         import transformers  # noqa: F401

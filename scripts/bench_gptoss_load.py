@@ -91,7 +91,7 @@ def peak() -> int:
 
 def child(folder: str, what: str) -> None:
     """Fresh process: convert, or load with --quantize `what`; one JSON line of figures."""
-    from lit_qlora.quantize import memory_report, quiet_bnb_import
+    from lit_qlora.quant.quantize import memory_report, quiet_bnb_import
 
     if what == "convert":
         from lit_qlora.convert import convert_hf_checkpoint

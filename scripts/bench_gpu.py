@@ -10,7 +10,7 @@ its weights on the device, one tensor at a time (normal, std 0.02; norms at 1), 
 soon as it exists, so the bf16 model never exists whole when it is quantized.
 
 - ours: `GPT` + LoRA (r 8, alpha 16, dropout 0.05 on query, key, value and projection), Linear layers swapped for
-  bitsandbytes ones (`lit_qlora.quantize.swap_linears`, output layer included unless `--quantize_lm_head false`),
+  bitsandbytes ones (`lit_qlora.quant.quantize.swap_linears`, output layer included unless `--quantize_lm_head false`),
   filled as `lit_qlora.loader.load_model` fills them. Step: forward with finetune/lora.py's `lm_head_chunk`,
   `chunked_cross_entropy` (mean over the targets), backward, AdamW on the LoRA weights (lr 3e-4), zero_grad.
 - hf: `LlamaForCausalLM` (from `lit_qlora.convert.to_hf_config`). 4-bit is made the way
@@ -27,7 +27,7 @@ soon as it exists, so the bf16 model never exists whole when it is quantized.
 Both peers train on the same random token batch (fixed seed) for `--iters` iterations; each iteration is timed
 between two `torch.cuda.synchronize()`. s/iter is the median after 2 warm-up iterations. Peak memory is
 `torch.cuda.max_memory_allocated` (and `max_memory_reserved`) over the whole cell, building included; on CPU it is
-the peak RSS. Weights GB is measured from the tensors (`lit_qlora.quantize.memory_report`). GB = 10^9 bytes.
+the peak RSS. Weights GB is measured from the tensors (`lit_qlora.quant.quantize.memory_report`). GB = 10^9 bytes.
 
 Goal (for the 7B shape on CUDA): ours nf4-dq peak <= 12 GB and s/iter <= 1.15 x ours bf16, both better than HF's
 nf4-dq in the same run. A cell that fails (OOM included) is a row of the table, not the end of the run.
@@ -101,7 +101,7 @@ def peak_gb(device: torch.device) -> tuple[float, Optional[float]]:
 
 
 def weights_gb(model: nn.Module) -> float:
-    from lit_qlora.quantize import memory_report
+    from lit_qlora.quant.quantize import memory_report
 
     r = memory_report(model)
     return (r["quantized_bytes"] + r["dense_bytes"]) / GB
@@ -124,7 +124,7 @@ def build_ours(config: Config, quantize: Optional[str], device: torch.device, qu
 def ours_cell(config: Config, quantize: Optional[str], device: torch.device, batch: torch.Tensor,
               args: argparse.Namespace) -> tuple[nn.Module, Callable[[], torch.Tensor], str]:
     from lit_qlora.losses import chunked_cross_entropy
-    from lit_qlora.training import head_chunk, shift_labels
+    from lit_qlora.train.training import head_chunk, shift_labels
 
     model = build_ours(config, quantize, device, args.quantize_lm_head)
     model.activation_checkpointing = args.activation_checkpointing
@@ -259,8 +259,8 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     result: dict = dict(cell=cell, peer=peer, setting=setting, ok=False, note="", device=str(device))
     try:
-        from lit_qlora.quantize import quiet_bnb_import
-        from lit_qlora.training import make_optimizer
+        from lit_qlora.quant.quantize import quiet_bnb_import
+        from lit_qlora.train.training import make_optimizer
 
         if device.type == "cuda":
             result["device_name"] = torch.cuda.get_device_name(device)

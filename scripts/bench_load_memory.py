@@ -40,7 +40,7 @@ def vm_hwm_bytes() -> int:
 def child(ckpt: str, quantize: str) -> None:
     """Runs in the fresh process: load once and print one JSON line of figures."""
     from lit_qlora.loader import load_model
-    from lit_qlora.quantize import memory_report, quiet_bnb_import
+    from lit_qlora.quant.quantize import memory_report, quiet_bnb_import
 
     if quantize != "none":
         quiet_bnb_import()  # bitsandbytes' import cost belongs to the runtime, not to the load

@@ -81,12 +81,12 @@ def peft_worker(cfg: dict) -> None:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from lit_qlora.batching import BatchStream
     from lit_qlora.config import Config
     from lit_qlora.convert import ensure_converted
-    from lit_qlora.prepare import DataSettings, ensure_prepared
+    from lit_qlora.data.batching import BatchStream
+    from lit_qlora.data.prepare import DataSettings, ensure_prepared
     from lit_qlora.tokenizer import Tokenizer
-    from lit_qlora.training import lr_at
+    from lit_qlora.train.training import lr_at
 
     torch.manual_seed(cfg["seed"])
     ckpt = Path(cfg["checkpoint_dir"])
@@ -133,12 +133,12 @@ def start_worker(cfg: dict) -> None:
     distribution (finetune's batches, as the PEFT worker takes them)."""
     import torch
 
-    from lit_qlora.batching import BatchStream
     from lit_qlora.convert import ensure_converted
+    from lit_qlora.data.batching import BatchStream
+    from lit_qlora.data.prepare import DataSettings, ensure_prepared
     from lit_qlora.loader import load_model
     from lit_qlora.lora import LoRAConfig, lora_modules
-    from lit_qlora.prepare import DataSettings, ensure_prepared
-    from lit_qlora.quantize import dequantize_weight
+    from lit_qlora.quant.quantize import dequantize_weight
     from lit_qlora.tokenizer import Tokenizer
 
     ckpt = Path(cfg["checkpoint_dir"])

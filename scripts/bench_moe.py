@@ -74,7 +74,7 @@ def ids_hash(idx: torch.Tensor) -> str:
 def train_ours(folder: Path, a: argparse.Namespace):
     from lit_qlora.loader import load_model
     from lit_qlora.lora import LoRAConfig
-    from lit_qlora.training import head_chunk
+    from lit_qlora.train.training import head_chunk
     from lit_qlora.utils import tune_cpu_allocator
 
     tune_cpu_allocator()  # as finetune/lora.py does on CPU

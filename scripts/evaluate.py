@@ -57,7 +57,7 @@ def main(
         out_dir: where results.json, results.md and the per-sample files go.
         log_samples: also write each document's requests and responses (lm-eval's samples_<task>_<date>.jsonl).
     """
-    from lit_qlora.evaluate import LitLM, run_tasks  # needs lm-eval: a one-line error without it
+    from lit_qlora.train.evaluate import LitLM, run_tasks  # needs lm-eval: a one-line error without it
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.gguf_export import export_gguf
+from lit_qlora.export.gguf_export import export_gguf
 from lit_qlora.utils import run_cli
 
 

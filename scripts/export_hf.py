@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lit_qlora.merge import export_hf
+from lit_qlora.export.merge import export_hf
 from lit_qlora.utils import run_cli
 
 

@@ -11,7 +11,7 @@ model_config.json and the tokenizer files: use it as --checkpoint_dir of generat
 import sys
 from pathlib import Path
 
-from lit_qlora.merge import merge_checkpoint
+from lit_qlora.export.merge import merge_checkpoint
 from lit_qlora.utils import run_cli
 
 

@@ -4,7 +4,7 @@
 """
 from pathlib import Path
 
-from lit_qlora.prepare import DataSettings, prepare_dataset
+from lit_qlora.data.prepare import DataSettings, prepare_dataset
 from lit_qlora.utils import run_cli
 
 

@@ -58,8 +58,8 @@ def category(key: str, shapes: list, vocab: int) -> str:
 
 def data_batch(args: argparse.Namespace, tokenizer_dir: Path) -> dict:
     """Batch `batch_index` of the training order finetune/lora.py would use on --data_dir (padded, with lengths)."""
-    from lit_qlora.batching import BatchStream
-    from lit_qlora.prepare import DataSettings, ensure_prepared
+    from lit_qlora.data.batching import BatchStream
+    from lit_qlora.data.prepare import DataSettings, ensure_prepared
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_dir)
@@ -78,10 +78,10 @@ def random_batch(args: argparse.Namespace, vocab: int) -> dict:
 
 def ours(args: argparse.Namespace, device: torch.device):
     """(step function, vocabulary size, batch) for our model, stepped as finetune/lora.py steps it."""
-    from lit_qlora.batching import unpad
+    from lit_qlora.data.batching import unpad
     from lit_qlora.loader import load_model
     from lit_qlora.lora import LoRAConfig
-    from lit_qlora.training import head_chunk, shift_labels
+    from lit_qlora.train.training import head_chunk, shift_labels
     from lit_qlora.utils import tune_cpu_allocator
 
     if device.type == "cpu":

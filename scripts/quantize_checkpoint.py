@@ -5,7 +5,7 @@
 
 On a CPU, bitsandbytes' quantizer costs far more than reading the weights (SmolLM2-135M to nf4: 4.0 s against 0.2 s
 for a dense load; minutes for a 7B model), and generate/*.py, chat and finetune/lora.py paid it at every start. This
-writes `<checkpoint_dir>/lit_model.<quantize>.<dtype>.safetensors` (lit_qlora/prequantized.py says what is in it);
+writes `<checkpoint_dir>/lit_model.<quantize>.<dtype>.safetensors` (lit_qlora/quant/prequantized.py says what is in it);
 every later CPU load of that folder with the same --quantize and a --precision computing in the same dtype reads it
 (the "Loaded" line names it). The output layer is stored too, for generation's 4-bit head. Run it again after
 converting or merging into the folder again: a stale file is noticed and ignored (one line says so); while the file
@@ -20,9 +20,9 @@ from lit_qlora.checkpoint import LIT_WEIGHTS
 from lit_qlora.convert import ensure_converted
 from lit_qlora.loader import load_model
 from lit_qlora.precision import parse_precision, resolve_precision
-from lit_qlora.prequantized import stored_mismatch, stored_path, write_stored
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import check_quantize
+from lit_qlora.quant.prequantized import stored_mismatch, stored_path, write_stored
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import check_quantize
 from lit_qlora.utils import UserError, run_cli
 
 

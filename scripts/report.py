@@ -5,7 +5,7 @@
 
 A run folder (it holds metrics.csv) gets one page: out_dir/report.md with the figures (losses, best validation,
 tokens/s, time, peak memory, adapters) and the settings, and out_dir/report.png with the loss and validation curves,
-the learning rate, tokens/s per iteration and the memory (lit_qlora.tracking.run_report).
+the learning rate, tokens/s per iteration and the memory (lit_qlora.train.tracking.run_report).
 
 Reads OUT_ROOT/<model>/<setting>/{cell.json, status.json, metrics.json, metrics.csv, generate_metrics.json} and
 writes OUT_ROOT/report.md (also printed), OUT_ROOT/report.csv and, when matplotlib is installed
@@ -35,14 +35,14 @@ CELL_FILE_FIELDS = {  # the fields report.py formats, by file: a value of anothe
     "cell.json": {"model": "str", "setting": "str"},
     "status.json": {"status": "str", "exit_code": "int", "error": "str", "stage": "str"},
     "generate_metrics.json": {"tokens_per_sec": "number", "memory_gb": "number"},
-}  # metrics.json: lit_qlora.training.check_metrics_json (every figure of its kind and within what a run reaches)
+}  # metrics.json: lit_qlora.train.training.check_metrics_json (every figure of its kind and within what a run reaches)
 
 
 def _read_json(path: Path) -> Optional[dict]:
     """A cell file's JSON object; None when there is none. A damaged one (not text, not JSON, not an object) is
     reported in a warning line naming it and left out: the cell shows as incomplete."""
     from lit_qlora.readers import check_fields, read_json
-    from lit_qlora.training import METRICS_JSON, check_metrics_json
+    from lit_qlora.train.training import METRICS_JSON, check_metrics_json
     from lit_qlora.utils import UserError
 
     if not os.path.lexists(path):
@@ -241,7 +241,7 @@ def main() -> None:
         print(f"error: {args.out_root} is not a folder; pass the OUT_ROOT of scripts/run_matrix.sh", file=sys.stderr)
         sys.exit(2)
     if (args.out_root / "metrics.csv").is_file():  # one run of finetune/lora.py
-        from lit_qlora.tracking import run_report
+        from lit_qlora.train.tracking import run_report
         from lit_qlora.utils import run_main
 
         md, png = run_main(lambda: run_report(args.out_root, plots=not args.no_plots))

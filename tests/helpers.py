@@ -267,7 +267,7 @@ def reference_layer(mode: str, w: torch.Tensor, compute_dtype: torch.dtype,
 
 def _packed_parts(layer: torch.nn.Module) -> list[tuple[torch.Tensor, object]]:
     """(packed bytes, QuantState) of each separately quantized part of a loaded 4-bit layer, in row order."""
-    from lit_qlora.quantize import PartsQuantState
+    from lit_qlora.quant.quantize import PartsQuantState
 
     state, data = layer.weight.quant_state, layer.weight.data.reshape(-1).view(torch.uint8)
     if not isinstance(state, PartsQuantState):
@@ -299,7 +299,7 @@ def bnb_dequantized(layer: torch.nn.Module, dtype: torch.dtype = torch.float32) 
 def assert_same_stored(ours: torch.nn.Module, ref: "torch.nn.Module | list[torch.nn.Module]") -> None:
     """`ours` stores what the bitsandbytes layer `ref` stores, or with a list (`reference_layer` with parts) what
     each part's layer stores, part after part."""
-    from lit_qlora.quantize import PartsQuantState
+    from lit_qlora.quant.quantize import PartsQuantState
 
     if isinstance(ref, list):
         parts = _packed_parts(ours)

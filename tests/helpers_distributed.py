@@ -121,8 +121,8 @@ def sharded_load_worker(rank: int, world: int, port: int, cases: list[dict], out
     from lit_qlora.loader import load_model, load_model_sharded
     from lit_qlora.lora import load_lora_weights
     from lit_qlora.memory import estimate_training_memory
-    from lit_qlora.quantize import memory_report
-    from lit_qlora.training import all_finite
+    from lit_qlora.quant.quantize import memory_report
+    from lit_qlora.train.training import all_finite
 
     mesh = init_device_mesh("cpu", (world,))
     results = []

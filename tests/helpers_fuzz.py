@@ -291,7 +291,7 @@ def _export_hf(d: Path):
 
 
 def _resume(d: Path):
-    from lit_qlora.training import check_out_dir, find_resume
+    from lit_qlora.train.training import check_out_dir, find_resume
 
     check_out_dir(d / "run", "auto")
     path, state = find_resume(d / "run", "auto")
@@ -299,7 +299,7 @@ def _resume(d: Path):
 
 
 def _resume_named(d: Path):
-    from lit_qlora.training import find_resume
+    from lit_qlora.train.training import find_resume
 
     path, state = find_resume(d / "run", str(d / "run" / "checkpoints" / "iter-000002.pth"))
     return path and path.name, state and state["resume"]["step"]
@@ -310,7 +310,7 @@ def _parsed_flags(config_file: Path) -> dict:
     check_inputs opens them next (a damaged path is refused there, not trained on)."""
     from lit_qlora.args import parse_finetune_args
     from lit_qlora.convert import ensure_converted
-    from lit_qlora.sources import resolve
+    from lit_qlora.data.sources import resolve
 
     args = parse_finetune_args(["--config", str(config_file)])
     ensure_converted(args.run.checkpoint_dir, quiet=True)
@@ -328,20 +328,20 @@ def _read_hparams(d: Path):
 
 
 def _read_alpaca(d: Path):
-    from lit_qlora.records import load_records
+    from lit_qlora.data.records import load_records
 
     return load_records(d / "data" / "tasks.json")
 
 
 def _read_chat(d: Path):
-    from lit_qlora.chat_template import load_conversation_rows
+    from lit_qlora.data.chat_template import load_conversation_rows
 
     return load_conversation_rows(d / "chat.jsonl")
 
 
 def _run_report(d: Path):
     """scripts/report.py OUT_DIR: one run's report.md (no plots)."""
-    from lit_qlora.tracking import run_report
+    from lit_qlora.train.tracking import run_report
 
     md, _ = run_report(d / "run", plots=False)
     return md.read_text()

@@ -12,8 +12,8 @@ from lit_qlora.config import Config
 from lit_qlora.convert import write_random_checkpoint
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.lora import LoRAConfig, lora_modules
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.training import find_resume
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.train.training import find_resume
 from lit_qlora.utils import UserError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_qlora.batching import BatchStream, collate, count_packed_batches, epoch_order, pack_window
+from lit_qlora.data.batching import BatchStream, collate, count_packed_batches, epoch_order, pack_window
 from lit_qlora.utils import UserError
 
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 from helpers_chat import SCRIPTED_FALLBACK, SCRIPTED_REPLY, load_template
 
-from lit_qlora import chat_template as ct
 from lit_qlora.adapter import Adapter
+from lit_qlora.data import chat_template as ct
 from lit_qlora.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -105,7 +105,7 @@ def test_finetune_on_conversations_uses_and_records_the_chat_template(chat_run, 
     samples = [line.split("| sample: ", 1)[1] for line in stderr.splitlines() if "| sample: " in line]
     assert samples == [repr(SCRIPTED_REPLY)] * 2, stderr
     # the prepared samples are transformers' ids of the conversations
-    from lit_qlora.prepare import load_prepared
+    from lit_qlora.data.prepare import load_prepared
 
     cache = next(setup["data"].glob(".prepared-*"))
     train, val, meta = load_prepared(cache)
@@ -167,7 +167,7 @@ def test_chat_picks_the_adapters_template(scripted_chat, tmp_path):
 
 # ---- 4. merged and exported folders chat like the original --------------------------------------------------
 def test_merged_and_exported_folders_render_the_same_tokens(chat_run, tmp_path):
-    from lit_qlora.merge import export_hf, merge_checkpoint
+    from lit_qlora.export.merge import export_hf, merge_checkpoint
 
     setup, out, _ = chat_run
     folder, adapter = setup["ckpt"], out / "lit_model_lora_finetuned.pth"

@@ -1,4 +1,4 @@
-"""lit_qlora.chat_template against transformers (the reference; never imported by the package).
+"""lit_qlora.data.chat_template against transformers (the reference; never imported by the package).
 
 1. Rendering and ids equal `apply_chat_template(tokenize=False / True)` token for token for 11 real templates
    (tests/fixtures/chat_templates/SOURCES.md), single and multi-turn, with and without a system message (both
@@ -21,7 +21,7 @@ import jinja2
 import pytest
 from helpers_chat import load_template, make_chat_checkpoint, make_sp_without_byte_fallback
 
-from lit_qlora import chat_template as ct
+from lit_qlora.data import chat_template as ct
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError
 

@@ -1,4 +1,4 @@
-"""16-bit matmuls by fp32 kernels on CPUs without native 16-bit support (lit_qlora/cpu_half.py).
+"""16-bit matmuls by fp32 kernels on CPUs without native 16-bit support (lit_qlora/kernels/cpu_half.py).
 
 What is shown here, on any CPU (the routing is forced or the CPU's kind faked):
 1. linear, attention and the 4-bit layers compute what the documented rule says (fp32 products of the 16-bit values,
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from helpers import lora_cfg, random_tokens, randomize_lora
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_qlora import cpu_half
+from lit_qlora.kernels import cpu_half
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
-from lit_qlora.quantize import make_quantized_linear, quantize_into, quiet_bnb_import
+from lit_qlora.quant.quantize import make_quantized_linear, quantize_into, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402

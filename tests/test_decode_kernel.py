@@ -1,4 +1,4 @@
-"""The 4-bit decode kernel (lit_qlora/decode4bit.c + decode4bit.py) against bitsandbytes' own dequantization.
+"""The 4-bit decode kernel (lit_qlora/quant/decode4bit.c + decode4bit.py) against bitsandbytes' own dequantization.
 
 What is shown here:
 1. the kernel reproduces bitsandbytes' fp32 dequantized weights bit for bit (one-hot activations), for nf4, nf4-dq,
@@ -28,19 +28,19 @@ import torch
 import torch.nn as nn
 from helpers import bnb_dequantized, hf_model
 
-from lit_qlora.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
+from lit_qlora.quant.quantize import TiedEmbedding4bit, make_quantized_linear, quantize_into, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
 
-from lit_qlora import decode4bit as d  # noqa: E402
+from lit_qlora.quant import decode4bit as d  # noqa: E402
 
 CPU = torch.device("cpu")
 MODES_4BIT = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
 # (out, in): whole blocks; odd out_features; in % 64 == 32 (blocks straddle rows, bitsandbytes' 2-D CPU dequantize
 # is wrong there); in % 64 == 36 (straddling, and segments that are not whole 16-byte vectors); a tiny odd one
 SHAPES = [(96, 192), (33, 128), (64, 96), (7, 100), (5, 34)]
-NO_COMPILER = "no C compiler ($CC, cc, gcc or clang) could build lit_qlora/decode4bit.c"
+NO_COMPILER = "no C compiler ($CC, cc, gcc or clang) could build lit_qlora/quant/decode4bit.c"
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -311,7 +311,7 @@ def test_training_code_never_imports_the_kernel():
     users = sorted(str(p.relative_to(root)) for p in [*root.glob("lit_qlora/**/*.py"), *root.glob("finetune/*.py"),
                                                         *root.glob("generate/*.py")]
                    if "decode4bit" in p.read_text() and p.name != "decode4bit.py")
-    assert users == ["lit_qlora/inference.py", "lit_qlora/serve.py"]
+    assert users == ["lit_qlora/inference.py", "lit_qlora/server/serve.py"]
 
 
 # ---- 7. unmerged LoRA layers ----------------------------------------------------------------------
@@ -501,7 +501,7 @@ def family_ckpts(tmp_path_factory):
 def dense_from_bnb(folder, quantized: nn.Module, precision: str) -> nn.Module:
     """The dense model whose every quantized Linear holds bitsandbytes' own dequantization of the same tensors."""
     from lit_qlora.loader import load_model
-    from lit_qlora.quantize import dequantize_weight, parse_precision
+    from lit_qlora.quant.quantize import dequantize_weight, parse_precision
 
     dense = load_model(folder, precision=precision).eval()
     dtype = parse_precision(precision).dtype
@@ -604,7 +604,7 @@ def test_moe_decoding_reads_only_the_active_experts_through_the_kernel(family_ck
     active experts' packed 4-bit weights and scales. (The tokens equal the dense model of bitsandbytes' weights:
     test_greedy_tokens_match_dense_model_of_bnb_weights over the same families.)"""
     from lit_qlora.model import MoE
-    from lit_qlora.quantize import QuantizedExpertWeights
+    from lit_qlora.quant.quantize import QuantizedExpertWeights
 
     folder = family_ckpts(kind)
     model, _ = quantized_for_generation(folder, mode, "32-true", monkeypatch)
@@ -852,7 +852,7 @@ def test_compiled_kernel_is_cached(monkeypatch, tmp_path):
 def test_bf16_prefill_uses_fp32_kernels_without_native_bf16(mode):
     """A prefill through the dense path (`dequantized_linear`) on a CPU without native bf16 (forced here): the weight
     dequantized to fp32 times the bf16 input, rounded once; with bf16 kernels, the bf16 weight instead."""
-    from lit_qlora import cpu_half
+    from lit_qlora.kernels import cpu_half
 
     layer = quantized_layer(mode, 96, 128, dtype=torch.bfloat16)
     x = torch.randn(1, 24, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

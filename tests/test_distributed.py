@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
-from lit_qlora.records import split
-from lit_qlora.training import list_checkpoints
+from lit_qlora.data.records import split
+from lit_qlora.train.training import list_checkpoints
 
 # ---- 1. the sharded loader ---------------------------------------------------------------------------------------
 MEDIUM = dict(name="medium", n_layer=20, n_head=8, n_embd=512, intermediate_size=1408, vocab_size=512, block_size=64)
@@ -132,7 +132,7 @@ def test_each_rank_holds_about_half_the_base(sharded_loads):
     """The medium model: ~64M parameters, 33 MiB at nf4-dq (bf16 embeddings and norms). Loaded sharded over two
     ranks, each rank's resident memory grows by about half of that (its shards, the block scales every rank keeps
     whole, FSDP's bookkeeping), where the unsharded load (what every DDP rank does) grows by all of it; at the peak
-    both add the same working memory of the quantizer (a few MiB on CPU, lit_qlora.quantize.CPU_QUANTIZE_CHUNK)."""
+    both add the same working memory of the quantizer (a few MiB on CPU, quant.quantize.CPU_QUANTIZE_CHUNK)."""
     r0, r1 = sharded_loads["medium nf4-dq bf16"]
     ref = sharded_loads["unsharded medium"]
     full, ref_growth, ref_peak = r0["full_bytes"], ref["rss_growth"], ref["rss_peak_growth"]

@@ -14,11 +14,11 @@ import helpers_train as h
 import pytest
 import torch
 
-from lit_qlora import preference as pf
 from lit_qlora.adapter import Adapter
+from lit_qlora.data.prepare import DataSettings
 from lit_qlora.loader import load_model
-from lit_qlora.prepare import DataSettings
 from lit_qlora.tokenizer import Tokenizer
+from lit_qlora.train import preference as pf
 
 DPO = h.ROOT / "finetune" / "dpo.py"
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")

@@ -1,4 +1,4 @@
-"""scripts/evaluate.py and lit_qlora.evaluate.LitLM against lm-evaluation-harness's own Hugging Face backend.
+"""scripts/evaluate.py and lit_qlora.train.evaluate.LitLM against lm-evaluation-harness's own Hugging Face backend.
 
 Three local tasks (YAMLs + a JSON data file written here; nothing downloads, HF_DATASETS_OFFLINE=1), one per request
 type: multiple choice (loglikelihood), perplexity (loglikelihood_rolling) and generation (generate_until). lm-eval's
@@ -58,7 +58,7 @@ def tasks(tmp_path_factory):
 
 
 def evaluate(lm, tasks: Path) -> dict:
-    from lit_qlora.evaluate import run_tasks
+    from lit_qlora.train.evaluate import run_tasks
 
     return run_tasks(lm, [MC, ROLL, GEN], tasks, log_samples=True)
 
@@ -73,8 +73,8 @@ def reference(train_setup, tasks):
 
 
 def ours(ckpt: Path, lora_path=None, batch_size: int = 3):
-    from lit_qlora.evaluate import LitLM
     from lit_qlora.inference import load_for_inference
+    from lit_qlora.train.evaluate import LitLM
 
     device = torch.device("cpu")
     model, tokenizer, _ = load_for_inference(ckpt, lora_path, None, "32-true", device)

@@ -152,8 +152,8 @@ def test_adapter_on_every_target_exports_to_peft_and_merges_into_an_hf_folder(ki
     from helpers import adapter_of, hf_model, lora_cfg, randomize_lora
     from peft import PeftModel
 
+    from lit_qlora.export.merge import export_hf
     from lit_qlora.loader import load_model
-    from lit_qlora.merge import export_hf
 
     folder = tmp_path / kind
     make_tiny_hf_model(kind, folder, initializer_range=0.2)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lit_qlora.adapter import Adapter
 from lit_qlora.config import Config
 from lit_qlora.precision import parse_precision, resolve_precision
-from lit_qlora.training import list_checkpoints
+from lit_qlora.train.training import list_checkpoints
 
 # ---- 1. every --quantize value, every --optimizer ----------------------------------------------
 # Each quantize value once, the five optimizers spread over them (AdamW also trains in every other test here).

@@ -194,7 +194,7 @@ def test_stream_printer_adds_up_to_decode(backend, tmp_path):
 def test_run_prompts_streams_while_generating(scripted_chat, monkeypatch):
     """--stream writes each piece right after the token that completes it, before the next forward pass; without
     it the text comes at the end. The pieces are recorded with the number of forward passes run so far."""
-    from lit_qlora.chat_template import encode_chat, stop_ids
+    from lit_qlora.data.chat_template import encode_chat, stop_ids
     from lit_qlora.inference import run_prompts
     from lit_qlora.loader import load_model
     from lit_qlora.tokenizer import Tokenizer

@@ -25,7 +25,7 @@ from helpers_train import ROOT, assert_one_line_error, run_script
 from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.convert import convert_hf_checkpoint, lit_to_hf_plan
-from lit_qlora.gguf_export import export_gguf
+from lit_qlora.export.gguf_export import export_gguf
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.tokenizer import Tokenizer

@@ -92,7 +92,7 @@ def test_mxfp4_values_are_the_formats_and_transformers(mxfp4_ckpt):
     (integrations.mxfp4.convert_moe_packed_tensors), bit for bit: every code, extreme scales included."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from lit_qlora.mxfp4 import dequantize
+    from lit_qlora.quant.mxfp4 import dequantize
 
     gen = torch.Generator().manual_seed(1)
     blocks, scales = random_mxfp4(6, 64, gen, scales=(100, 160))  # 2^-27 .. 2^32
@@ -154,8 +154,8 @@ def test_mxfp4_experts_are_requantized_expert_by_expert(mxfp4_ckpt, mode, monkey
     transformers dequantizes it, and the load dequantized one expert's [out, in] at a time (no stack, no model)."""
     from helpers import assert_same_stored, reference_layer
 
-    from lit_qlora import mxfp4
-    from lit_qlora.quantize import QuantizedExpertWeights
+    from lit_qlora.quant import mxfp4
+    from lit_qlora.quant.quantize import QuantizedExpertWeights
 
     folder, _, hf = mxfp4_ckpt
     shapes = []
@@ -218,7 +218,7 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_mxfp4_folder(mxfp4_ck
     from helpers import adapter_of, lora_cfg, randomize_lora
     from peft import PeftModel
 
-    from lit_qlora.merge import export_hf
+    from lit_qlora.export.merge import export_hf
 
     folder, _, hf = mxfp4_ckpt
     lora = lora_cfg(query=True, key=True, value=True, projection=True, head=True)
@@ -245,7 +245,7 @@ def test_expert_and_router_lora_over_mxfp4_experts_export_to_peft_and_merge_dens
     from peft import PeftModel
 
     from lit_qlora.adapter import Adapter
-    from lit_qlora.merge import export_hf
+    from lit_qlora.export.merge import export_hf
 
     folder, _, hf = mxfp4_ckpt
     lora = lora_cfg(query=True, value=True, experts=True, router=True)

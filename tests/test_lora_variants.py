@@ -9,10 +9,10 @@ from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomiz
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import LoRAArgs
+from lit_qlora.export.peft_interop import import_peft
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.lora import LoRAConfig, lora_modules
-from lit_qlora.peft_interop import import_peft
-from lit_qlora.training import loraplus_groups, make_optimizer
+from lit_qlora.train.training import loraplus_groups, make_optimizer
 from lit_qlora.utils import UserError
 
 QV = dict(query=True, value=True)
@@ -162,7 +162,7 @@ def test_dora_with_dropout_equals_peft_on_the_same_mask(mode, monkeypatch):
 
     from lit_qlora import lora as lora_module
     from lit_qlora.lora import LoRALinear
-    from lit_qlora.quantize import dequantize_weight
+    from lit_qlora.quant.quantize import dequantize_weight
 
     g = torch.Generator().manual_seed(4)
     if mode is None:
@@ -221,7 +221,7 @@ def test_dora_over_a_quantized_base_equals_peft_bnb_dora(mode):
     from peft.tuners.lora.bnb import Linear8bitLt as PeftLinear8bitLt
 
     from lit_qlora.lora import LoRALinear
-    from lit_qlora.quantize import dequantize_weight
+    from lit_qlora.quant.quantize import dequantize_weight
 
     g = torch.Generator().manual_seed(3)
     base = reference_layer(mode, torch.randn(48, 64, generator=g) * 0.1, torch.float32)
@@ -325,9 +325,9 @@ def test_unmerged_dora_decodes_through_the_kernel_as_peft_on_bitsandbytes(lora_l
     import transformers
     from peft import PeftModel
 
-    from lit_qlora.decode4bit import DecodeLoRALinear, kernel
     from lit_qlora.generation import generate
     from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.quant.decode4bit import DecodeLoRALinear, kernel
 
     peft_model = _peft_dora_model(lora_llama, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
     peft_model.save_pretrained(tmp_path / "peft")
@@ -429,7 +429,7 @@ def test_residual_bases_are_bitsandbytes_quantizations_of_the_residual(mode, lor
     from safetensors.torch import load_file
 
     from lit_qlora.lora import lora_delta
-    from lit_qlora.quantize import dequantize_weight, quantized_parts
+    from lit_qlora.quant.quantize import dequantize_weight, quantized_parts
 
     stored = load_file(lora_llama.folder / "lit_model.safetensors")
     for init in ["pissa", "olora"] + (["loftq"] if mode != "bnb.int8" else []):
@@ -486,7 +486,7 @@ def test_residual_inits_load_merge_and_export_as_plain_lora(init, quantize, dora
     if init == "loftq":  # merged: the 4-bit residual it trained on, dequantized, + s*B@A: what the layer computed
         from safetensors.torch import load_file
 
-        from lit_qlora.quantize import dequantize_weight
+        from lit_qlora.quant.quantize import dequantize_weight
         stored = load_file(lora_llama.folder / "lit_model.safetensors")
         for name in ("transformer.h.0.attn.qkv", "transformer.h.1.mlp.fc_2"):
             m = lora_modules(model)[name]
@@ -509,7 +509,7 @@ def test_a_run_saved_before_the_variant_fields_resumes():
     under a plain LoRA of the same settings; a different variant is still refused."""
     from dataclasses import asdict
 
-    from lit_qlora.training import check_resume_compatible
+    from lit_qlora.train.training import check_resume_compatible
 
     old = {k: v for k, v in asdict(LoRAConfig()).items() if k in ("r", "alpha", "dropout", "query", "value")}
     state = {"resume": {"settings": {"lora": old}}}

@@ -11,13 +11,13 @@ import pytest
 import torch
 from helpers_train import env
 
-from lit_qlora import cpu_half
 from lit_qlora.config import Config
+from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_size, weight_bytes
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import memory_report
-from lit_qlora.training import head_chunk
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import memory_report
+from lit_qlora.train.training import head_chunk
 from lit_qlora.utils import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, q
     model.activation_checkpointing = ac
     model.train()
     B, T = 2, 64
-    # bf16-true on a CPU with native bf16 (bf16 kernels) and without (fp32 kernels, lit_qlora/cpu_half.py)
+    # bf16-true on a CPU with native bf16 (bf16 kernels) and without (fp32 kernels, lit_qlora/kernels/cpu_half.py)
     for fp32_kernels in (False, True):
         with cpu_half.forced(fp32_kernels):
             measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
@@ -223,7 +223,7 @@ def test_optimizer_state_matches_the_real_optimizer(memory_ckpts, optimizer, pre
     """The planner's optimizer term against the state the optimizer really allocates after a step (8-bit state for
     the large LoRA tensors, fp32 for the small ones; torch's AdamW in the weights' dtype)."""
     from lit_qlora.loader import load_model
-    from lit_qlora.training import make_optimizer
+    from lit_qlora.train.training import make_optimizer
 
     folder, config = memory_ckpts["llama"]
     lora = LoRAConfig(r=16, alpha=16, dropout=0.0, key=True, projection=True, mlp=True, head=True)

@@ -12,9 +12,9 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import LIT_WEIGHTS
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_hf_checkpoint
+from lit_qlora.export.merge import merge_checkpoint
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, lora_modules
-from lit_qlora.merge import merge_checkpoint
 
 
 @pytest.mark.parametrize("which,variant", [("lora_llama", {}), ("lora_tied", {}),

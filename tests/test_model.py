@@ -11,13 +11,13 @@ import pytest
 import torch
 from helpers import VOCAB, random_tokens, randomize_lora
 
-from lit_qlora import cpu_half
-from lit_qlora.batching import collate, collate_packed, unpad
+from lit_qlora.data.batching import collate, collate_packed, unpad
 from lit_qlora.generation import generate
+from lit_qlora.kernels import cpu_half
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.model import GPT
-from lit_qlora.training import shift_labels
+from lit_qlora.train.training import shift_labels
 
 
 @torch.no_grad()
@@ -53,8 +53,8 @@ def _grad_tokens(family_ckpt) -> torch.Tensor:
 def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     """Backward through our model equals transformers' in fp32, and in bf16 it is as close to the fp32 gradient as
     transformers' own bf16 backward is: by bf16 kernels (where attention goes through cpu_attention's backward) and
-    by fp32 kernels on bf16 data (lit_qlora/cpu_half.py)."""
-    from lit_qlora import cpu_attention
+    by fp32 kernels on bf16 data (lit_qlora/kernels/cpu_half.py)."""
+    from lit_qlora.kernels import cpu_attention
     calls = []
     fast = cpu_attention.causal_attention
     monkeypatch.setattr(cpu_attention, "causal_attention", lambda *a: calls.append(1) or fast(*a))
@@ -72,7 +72,7 @@ def test_training_gradients_match_transformers(family_ckpt, monkeypatch):
     # under a float mask (model.sink_attention)
     assert bool(calls) == (bool(full) and model.config.attn_softcap is None and not model.config.attn_sinks)
     calls.clear()
-    with cpu_half.forced(True):  # fp32 kernels on bf16 data (a CPU without native bf16: lit_qlora/cpu_half.py)
+    with cpu_half.forced(True):  # fp32 kernels on bf16 data (a CPU without native bf16: lit_qlora/kernels/cpu_half.py)
         err_fp32_kernels = (_embedding_grads(family_ckpt, idx, torch.bfloat16) - expected).abs().max()
     assert err_fp32_kernels <= 1.5 * err_hf + 1e-3 * expected.abs().max()
     assert not calls
@@ -101,7 +101,7 @@ def test_compiled_blocks_gradients_match_transformers(family_ckpt):
 @pytest.mark.parametrize("T", [7, 100, 200])  # 200: at or above RECOMPUTE_BELOW, ATen's flash backward
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the model takes this path in bf16 only
 def test_cpu_attention_matches_sdpa(T, dtype):
-    from lit_qlora.cpu_attention import causal_attention, usable
+    from lit_qlora.kernels.cpu_attention import causal_attention, usable
     gen = torch.Generator().manual_seed(T)
     q, k, v, g = (torch.randn(2, 4, T, 16, generator=gen) for _ in range(4))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]  # fp32 reference: PyTorch's own SDPA

@@ -13,7 +13,7 @@ from helpers import assert_same_stored, converted_tiny, random_tokens, reference
 
 from lit_qlora.loader import load_model
 from lit_qlora.model import MoE
-from lit_qlora.quantize import QuantizedExpertWeights, dequantize_weight, validation_mode
+from lit_qlora.quant.quantize import QuantizedExpertWeights, dequantize_weight, validation_mode
 
 MODES = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 
@@ -86,7 +86,7 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_hf_folder(moe_ckpt, t
     from helpers import adapter_of, hf_model, lora_cfg, randomize_lora
     from peft import PeftModel
 
-    from lit_qlora.merge import export_hf
+    from lit_qlora.export.merge import export_hf
 
     lora = lora_cfg(**ATTENTION_AND_HEAD)
     model = load_model(moe_ckpt.folder, precision="32-true", lora=lora, seed=0).eval()
@@ -152,7 +152,7 @@ def test_expert_and_router_lora_export_to_peft_and_come_back(moe_ckpt, tmp_path)
     assert back.config == lora and back.lora.keys() == adapter.lora.keys()
     for k, v in adapter.lora.items():
         assert torch.equal(back.lora[k], v), k
-    from lit_qlora.merge import export_hf
+    from lit_qlora.export.merge import export_hf
 
     merged = hf_model(export_hf(moe_ckpt.folder, tmp_path / "hf", adapter))
     assert (merged(idx).logits - expected).abs().max().item() <= 1e-5
@@ -192,7 +192,7 @@ def _peft_grads_as_ours(peft_model, config) -> dict[str, torch.Tensor]:
     """The gradients of PEFT's expert and router LoRAs in our layout (gate_up's block-diagonal pairs split into fc_1
     and fc_2: the blocks our LoRAs have)."""
     from lit_qlora.convert import family
-    from lit_qlora.peft_interop import _our_experts
+    from lit_qlora.export.peft_interop import _our_experts
 
     grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if p.grad is not None}
     E, inner, r = config.moe_n_expert, config.moe_intermediate_size, 4
@@ -297,7 +297,7 @@ def test_router_aux_loss_and_its_gradients_equal_transformers(moe_ckpt, layout):
     padding (segment -1, not counted). The expert load is transformers' routers' top-k choices counted per layer."""
     from helpers import hf_model
 
-    from lit_qlora.batching import collate, collate_packed, unpad
+    from lit_qlora.data.batching import collate, collate_packed, unpad
 
     hf = hf_model(moe_ckpt.folder)
     ours = load_model(moe_ckpt.folder, precision="32-true").eval()
@@ -366,8 +366,8 @@ def test_packed_samples_with_expert_lora_train_exactly_as_alone(moe_ckpt):
     load-balancing loss equal those of the same samples right-padded and unpadded, as training runs them."""
     from helpers import lora_cfg
 
-    from lit_qlora.batching import collate, collate_packed, unpad
-    from lit_qlora.training import shift_labels
+    from lit_qlora.data.batching import collate, collate_packed, unpad
+    from lit_qlora.train.training import shift_labels
 
     model = _trained_like(moe_ckpt.folder, lora_cfg(**EXPERTS_AND_ROUTER), seed=2).train()
     lengths = [13, 20, 9, 11]
@@ -420,8 +420,8 @@ def test_the_training_step_adds_the_aux_loss_as_transformers_computes_it(moe_ckp
 
     from lit_qlora.adapter import Adapter
     from lit_qlora.args import parse_finetune_args
-    from lit_qlora.batching import collate
-    from lit_qlora.training import shift_labels, unlock_out_dir
+    from lit_qlora.data.batching import collate
+    from lit_qlora.train.training import shift_labels, unlock_out_dir
 
     make_hf_bpe_tokenizer(moe_ckpt.folder, vocab_size=VOCAB)
     data, out, coef = tmp_path / "data", tmp_path / "out", 0.5
@@ -472,7 +472,7 @@ def test_an_expert_adapter_is_served_beside_others(moe_ckpt):
     from helpers import adapter_of, lora_cfg
 
     from lit_qlora.loader import load_model_with_adapter
-    from lit_qlora.serve import AdapterBank
+    from lit_qlora.server.serve import AdapterBank
 
     lora = lora_cfg(**EXPERTS_AND_ROUTER)
     adapter = adapter_of(_trained_like(moe_ckpt.folder, lora), lora)
@@ -498,9 +498,9 @@ def test_what_lora_on_a_mixture_does_not_implement_is_refused_in_one_line(moe_ck
     from helpers import adapter_of, lora_cfg
     from safetensors.torch import save_file
 
-    from lit_qlora import peft_interop
     from lit_qlora.adapter import Adapter
     from lit_qlora.config import Config
+    from lit_qlora.export import peft_interop
     from lit_qlora.lora import LoRAConfig, lora_targets
     from lit_qlora.utils import UserError
 
@@ -662,10 +662,10 @@ def test_expert_backward_makes_no_tensor_of_all_routed_rows_per_expert():
 def test_expert_matmul_equals_the_bitsandbytes_layer(mode, in_features, dtype, fp32_kernels):
     """A quantized expert's training matmul (quantize._ExpertMatmul: its own allocation order, see there) computes what
     the expert's bitsandbytes layer computes, forward and the input's gradient, at 32-true and bf16-true (with the CPU's
-    bf16 kernels and with lit_qlora/cpu_half.py's fp32 kernels)."""
-    from lit_qlora import cpu_half
+    bf16 kernels and with lit_qlora/kernels/cpu_half.py's fp32 kernels)."""
+    from lit_qlora.kernels import cpu_half
     from lit_qlora.model import ExpertWeights
-    from lit_qlora.quantize import quantize_experts
+    from lit_qlora.quant.quantize import quantize_experts
 
     dense = ExpertWeights(3, 48, in_features)
     nn.init.normal_(dense.weight, std=0.1)

@@ -8,8 +8,8 @@ import torch
 from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomize_lora, run_script_here
 
 from lit_qlora.adapter import Adapter
+from lit_qlora.export.peft_interop import import_peft
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.peft_interop import import_peft
 from lit_qlora.utils import UserError
 
 PEFT_TARGETS = {

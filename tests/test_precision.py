@@ -53,7 +53,7 @@ def test_a_16_bit_precision_without_native_support_is_warned_about(monkeypatch, 
     assert (warning is None) == native
     if warning:
         assert warning.startswith("warning: --precision bf16-true") and "32-true" in warning and "\n" not in warning
-        assert "fp32 kernels" in warning  # bf16-true's matmuls run by fp32 kernels there (lit_qlora/cpu_half.py)
+        assert "fp32 kernels" in warning  # bf16-true's matmuls run by fp32 kernels there (kernels/cpu_half.py)
     mixed = slow_precision_warning("bf16-mixed", "cpu")
     assert (mixed is None) == native and (native or "several times slower" in mixed)  # autocast's own kernels
     assert slow_precision_warning("16-mixed", "cpu") is not None  # no CPU computes fp16 natively here

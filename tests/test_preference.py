@@ -1,4 +1,4 @@
-"""lit_qlora/preference.py against TRL's own trainer code: for each --loss, the loss and the LoRA gradients equal
+"""lit_qlora/train/preference.py against TRL's own trainer code: for each --loss, the loss and the LoRA gradients equal
 what TRL's DPOTrainer (dpo: loss_type sigmoid, ipo), CPOTrainer (simpo, cpo_alpha 0) and ORPOTrainer (orpo) compute
 on the same batch of the same tiny model, in fp32. TRL's methods run unbound on a bare trainer object holding the
 settings they read; the model they call is our GPT (its full logits), so both sides differentiate the same weights.
@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import converted_tiny, hf_model, lora_cfg, randomize_lora
 
-from lit_qlora import preference as pf
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
-from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.train import preference as pf
 
 trl = pytest.importorskip("trl")
 from trl.experimental.cpo import CPOTrainer  # noqa: E402
@@ -133,7 +133,7 @@ def trl_dpo(model, loss_type: str, batch: dict, ref: tuple) -> tuple[torch.Tenso
 def trl_pairs_batch(pairs: list[dict]) -> dict:
     """CPO/ORPO's tokenized batch: chosen_/rejected_ input_ids, labels (prompt -100) and attention mask. ORPO's NLL
     takes its labels from the attention mask (prompt and completion); the completion mask is given there, so TRL's
-    NLL counts the completion tokens only, as ours does (see lit_qlora/preference.py)."""
+    NLL counts the completion tokens only, as ours does (see lit_qlora/train/preference.py)."""
     out = {}
     for side in ("chosen", "rejected"):
         T = max(len(p[f"{side}_ids"]) for p in pairs)
@@ -336,7 +336,7 @@ def write_rows(folder, rows, name="train.jsonl"):
 
 
 def settings(n: int = 256, **kw):
-    from lit_qlora.prepare import DataSettings
+    from lit_qlora.data.prepare import DataSettings
 
     return DataSettings(n, template=kw.pop("template", "auto"), test_split_fraction=kw.pop("split", 0.25), **kw)
 
@@ -411,7 +411,7 @@ def test_pairs_read_where_hub_datasets_keep_them(chat_tok, tmp_path, store, layo
 def test_string_pairs_mask_the_prompt(tmp_path):
     from helpers_tokenizer import make_hf_bpe_tokenizer
 
-    from lit_qlora.templates import get_template
+    from lit_qlora.data.templates import get_template
     from lit_qlora.tokenizer import Tokenizer
 
     tok = Tokenizer(make_hf_bpe_tokenizer(tmp_path / "tok", vocab_size=320))

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers_data import DEMO, RECORDS, REPO, CharTokenizer, assert_one_line_message, write_json
 
-from lit_qlora.prepare import DataSettings, ensure_prepared, load_prepared, prepare_samples, save_prepared
-from lit_qlora.templates import get_template
+from lit_qlora.data.prepare import DataSettings, ensure_prepared, load_prepared, prepare_samples, save_prepared
+from lit_qlora.data.templates import get_template
 from lit_qlora.utils import UserError
 
 MASKING_RECORDS = [
@@ -148,7 +148,7 @@ def test_ensure_prepared_with_another_process_preparing_the_same_cache(tmp_path,
     """The ranks of a multi-machine run on a shared disk prepare the same cache at once, each rewriting it (its
     config first removed, written last): one that just wrote it may find the config gone when it looks again. It
     returns what it prepared, counts included, without reading the folder back."""
-    import lit_qlora.prepare as prep
+    import lit_qlora.data.prepare as prep
 
     write_json(tmp_path / "alpaca.json", RECORDS * 5)
     save = prep.save_prepared
@@ -293,7 +293,7 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 def test_conversations_are_prepared_as_transformers_renders_them(chatml, tmp_path):
-    from lit_qlora.chat_template import load_conversations
+    from lit_qlora.data.chat_template import load_conversations
 
     tok, ref = chatml
     write_jsonl(tmp_path / "train.jsonl", CHATS)
@@ -363,8 +363,8 @@ def test_template_choice_errors(chatml, tmp_path):
 
 
 def test_prepare_dataset_with_conversations(chatml, tmp_path):
-    from lit_qlora.chat_template import load_conversations
-    from lit_qlora.prepare import prepare_dataset
+    from lit_qlora.data.chat_template import load_conversations
+    from lit_qlora.data.prepare import prepare_dataset
 
     tok, ref = chatml
     data = write_jsonl(tmp_path / "chats.jsonl", CHATS * 4)

@@ -1,4 +1,4 @@
-"""scripts/quantize_checkpoint.py and the loader reading what it stores (lit_qlora/prequantized.py).
+"""scripts/quantize_checkpoint.py and the loader reading what it stores (lit_qlora/quant/prequantized.py).
 
 1. A load that reads the stored file never runs a quantizer, and every layer is bitsandbytes' own quantization of the
    checkpoint's weight (the reference layers of tests/test_quantize.py), for every mode at bf16 and fp32, the tied
@@ -35,9 +35,9 @@ from lit_qlora.checkpoint import LIT_WEIGHTS, read_safetensors, safetensors_spec
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRALinear
 from lit_qlora.precision import parse_precision
-from lit_qlora.prequantized import load_note, stored_path
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import is_quantized, quantized_parts, quiet_bnb_import
+from lit_qlora.quant.prequantized import load_note, stored_path
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import is_quantized, quantized_parts, quiet_bnb_import
 
 quiet_bnb_import()
 import bitsandbytes as bnb  # noqa: E402
@@ -269,7 +269,7 @@ def test_quantize_checkpoint_refuses_bad_input_in_one_line(lora_llama, tmp_path,
 
 def test_a_model_repacked_for_cpu_inference_is_not_stored(lora_llama, tmp_path):
     """bitsandbytes' AVX512-BF16 inference layout (an eval forward may repack a layer) is not what a load reads back."""
-    from lit_qlora.prequantized import write_stored
+    from lit_qlora.quant.prequantized import write_stored
 
     folder = copy_of(lora_llama.folder, tmp_path)
     model = load_model(folder, precision="bf16-true", quantize="bnb.nf4")
@@ -299,7 +299,7 @@ def test_quantize_checkpoint_again_is_a_no_op_while_the_file_matches(lora_llama,
 def test_quantize_checkpoint_says_what_to_do_when_it_cannot_write(lora_llama, tmp_path, monkeypatch, capsys):
     import errno
 
-    import lit_qlora.prequantized as prequantized
+    import lit_qlora.quant.prequantized as prequantized
 
     folder = copy_of(lora_llama.folder, tmp_path)
     args = ("quantize_checkpoint.py", "--checkpoint_dir", folder, "--quantize", "bnb.nf4")

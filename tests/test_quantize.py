@@ -26,15 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_same_stored, bnb_dequantized, reference_layer
 
-from lit_qlora import cpu_half
 from lit_qlora.checkpoint import LIT_CONFIG, LIT_WEIGHTS, lit_param_shapes, read_safetensors, write_safetensors_stream
 from lit_qlora.config import Config
 from lit_qlora.generation import generate
+from lit_qlora.kernels import cpu_half
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, LoRALinear
 from lit_qlora.precision import PRECISIONS, parse_precision
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import (
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import (
     assert_trainable_4bit,
     check_quantize,
     dequantize_weight,
@@ -160,7 +160,7 @@ def test_layer_matches_bnb_reference(mode, dtype):
 @pytest.mark.parametrize("mode", QuantMode.names())
 def test_chunked_cpu_quantization_is_bit_identical(monkeypatch, mode, shape):
     """quantize_into works through big weights a few blocks / rows at a time on CPU (peak memory); force many chunks."""
-    import lit_qlora.quantize as q
+    import lit_qlora.quant.quantize as q
 
     monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
     w = (0.02 * torch.randn(*shape, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
@@ -184,8 +184,8 @@ def test_importing_bitsandbytes_leaves_the_compiler_unloaded():
     code = ("import sys, torch\n"
             "from lit_qlora.config import Config\n"
             "from lit_qlora.lora import meta_model\n"
-            "import lit_qlora.quantize as q\n"
-            "from lit_qlora.quantize import _real_compile, load_bnb, swap_linears\n"
+            "import lit_qlora.quant.quantize as q\n"
+            "from lit_qlora.quant.quantize import _real_compile, load_bnb, swap_linears\n"
             "load_bnb()\n"
             "assert torch.compile is _real_compile\n"
             f"swap_linears(meta_model(Config(**{SMALL!r})), 'bnb.nf4', torch.float32, True)\n"
@@ -208,7 +208,7 @@ def test_importing_bitsandbytes_leaves_the_compiler_unloaded():
 def test_bitsandbytes_kernels_keep_dynamo_off_once_it_is_loaded(monkeypatch):
     """Once TorchDynamo is imported (someone compiles), a kernel goes through torch's own `_disable_dynamo`, so a
     compiled caller never traces into it; before that, the kernel is called as it is."""
-    import lit_qlora.quantize as q
+    import lit_qlora.quant.quantize as q
 
     guarded = []
     monkeypatch.setattr(q, "_real_disable_dynamo",
@@ -222,7 +222,7 @@ def test_bitsandbytes_kernels_keep_dynamo_off_once_it_is_loaded(monkeypatch):
 
 
 def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
-    import lit_qlora.quantize as q
+    import lit_qlora.quant.quantize as q
 
     compiled = []
     monkeypatch.setattr(q, "_real_compile", lambda fn, **kw: compiled.append(kw) or (lambda *a: 10 * fn(*a)))
@@ -237,7 +237,7 @@ def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
 def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch, mode):
     """The loader hands quantize_into a FileTensor (nothing read yet); on CPU it reads the weight a chunk at a time
     from the file (never the whole 16-bit tensor) and stores the same bits as bitsandbytes from the whole tensor."""
-    import lit_qlora.quantize as q
+    import lit_qlora.quant.quantize as q
     from lit_qlora.checkpoint import FileTensor
 
     monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
@@ -259,7 +259,7 @@ def test_quantizing_from_the_file_reads_a_chunk_at_a_time(tmp_path, monkeypatch,
 def test_loader_quantizes_from_the_file_a_chunk_at_a_time(small_ckpt, monkeypatch):
     """load_model on CPU hands each quantized layer's weight to quantize_into unread (a FileTensor), so every read
     of a quantized layer's weight is one chunk; dense tensors (embedding, head, norms) are read whole."""
-    import lit_qlora.quantize as q
+    import lit_qlora.quant.quantize as q
     from lit_qlora.checkpoint import FileTensor
 
     monkeypatch.setattr(q, "CPU_QUANTIZE_CHUNK", 5 * 64)
@@ -280,7 +280,7 @@ def test_generation_reads_an_untied_embedding_from_the_file(tmp_path, stored, pr
     token looked up: no vocabulary x hidden table in memory, lookups (hence logits) bit for bit those of the
     embedding loaded whole, the memory report says where it is, and the file stays open: a checkpoint converted
     again meanwhile (a new file under the same name) does not change the running model."""
-    from lit_qlora.quantize import FileEmbedding
+    from lit_qlora.quant.quantize import FileEmbedding
 
     folder = write_checkpoint(tmp_path / "ckpt", Config(**SMALL), dtype=stored)
     kw = dict(precision=precision, quantize="bnb.nf4", quantize_lm_head=True)
@@ -310,7 +310,7 @@ def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
     an untied bf16 embedding loaded for generation at 32-true stays bf16 (half the memory of fp32), and its lookups,
     hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit compute dtype or an fp32
     checkpoint keep the plain embedding."""
-    from lit_qlora.quantize import StoredEmbedding
+    from lit_qlora.quant.quantize import StoredEmbedding
 
     folder = write_checkpoint(tmp_path / "bf16", Config(**SMALL), dtype=torch.bfloat16)
     fp32 = write_checkpoint(tmp_path / "fp32", Config(**SMALL))

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers_data import RECORDS, assert_one_line_message, write_json
 
-from lit_qlora.records import load_records, split
+from lit_qlora.data.records import load_records, split
 from lit_qlora.utils import UserError
 
 
@@ -71,7 +71,7 @@ def test_a_value_that_is_not_text_is_refused_where_text_belongs(tmp_path, field,
 
     from helpers_data import CharTokenizer
 
-    from lit_qlora.prepare import DataSettings, prepare_files
+    from lit_qlora.data.prepare import DataSettings, prepare_files
 
     recs = [dict(r) for r in RECORDS]
     recs[1][field] = value
@@ -89,7 +89,7 @@ def test_a_value_that_is_not_text_is_refused_where_text_belongs(tmp_path, field,
 def test_integer_answers_are_text():
     recs = [{"instruction": "12 + 7", "input": "", "output": 19}, {"instruction": "2^53 - 1", "output": 2**53 - 1},
             {"instruction": "x", "input": 0, "output": "-1"}]
-    from lit_qlora.records import check_records, text_of
+    from lit_qlora.data.records import check_records, text_of
 
     check_records(recs, ("instruction", "output"))
     assert [text_of(r["output"]) for r in recs] == ["19", "9007199254740991", "-1"]

@@ -37,9 +37,9 @@ import pytest
 import torch
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.prepare import DataSettings, prepare_files
+from lit_qlora.data.prepare import DataSettings, prepare_files
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.training import list_checkpoints, load_latest_checkpoint
+from lit_qlora.train.training import list_checkpoints, load_latest_checkpoint
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 
@@ -479,7 +479,7 @@ def test_compile_without_a_cpp_compiler_is_refused_up_front(train_setup, tmp_pat
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     import lit_qlora.utils as utils
-    from lit_qlora.training import save_checkpoint
+    from lit_qlora.train.training import save_checkpoint
 
     payload = {"format": "lit-qlora-adapter-v1", "lora": {"w": torch.ones(3)}, "resume": {"step": 1}}
     first = tmp_path / "checkpoints" / "iter-000001.pth"
@@ -694,7 +694,7 @@ def test_a_changed_byte_in_a_torch_files_tensors_is_found_by_its_crc(prev_run, c
     torch.load never checks the zip's CRC-32 sums) is refused in one line naming the file and the entry; the newest
     training checkpoint so damaged is passed over for the previous one, said so, and --resume naming it refuses it."""
     from lit_qlora.config import Config
-    from lit_qlora.training import find_resume
+    from lit_qlora.train.training import find_resume
 
     config = Config.from_file(Path(json.loads((prev_run / "hyperparameters.json").read_text())["checkpoint_dir"])
                               / "model_config.json")

@@ -416,7 +416,7 @@ def test_each_adapter_holds_its_own_tensors_once(tmp_path):
     an adapter that is not in place (those exist for the active adapter only)."""
     from lit_qlora.generation import generate
     from lit_qlora.inference import autocast_for, load_for_inference
-    from lit_qlora.serve import AdapterBank
+    from lit_qlora.server.serve import AdapterBank
 
     folder = tmp_path / "tiny-chat"
     make_chat_checkpoint("gemma", folder, load_template("gemma_it"))
@@ -467,7 +467,7 @@ def test_variant_adapters_over_the_shared_base(tmp_path):
     kernel. A LoftQ adapter of several steps, or trained over another quantization, is refused in one line. Red
     with the residual adapters served as they are (their A0/B0 ignored)."""
     from lit_qlora.inference import load_for_inference
-    from lit_qlora.serve import AdapterBank
+    from lit_qlora.server.serve import AdapterBank
     from lit_qlora.utils import UserError
 
     folder = tmp_path / "tiny-chat"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from helpers_data import CharTokenizer, assert_one_line_message
 
-from lit_qlora.prepare import DataSettings, ensure_prepared
-from lit_qlora.records import iter_rows
-from lit_qlora.sources import Source, resolve
+from lit_qlora.data.prepare import DataSettings, ensure_prepared
+from lit_qlora.data.records import iter_rows
+from lit_qlora.data.sources import Source, resolve
 from lit_qlora.utils import UserError
 
 pd = pytest.importorskip("pandas")
@@ -216,7 +216,7 @@ def test_source_names(tmp_path):
 
 # ---- mixtures ------------------------------------------------------------------------------------------------------
 def test_mixture_proportions_and_determinism():
-    from lit_qlora.sources import MixEntry, mix
+    from lit_qlora.data.sources import MixEntry, mix
 
     pools = [[("a", i) for i in range(3000)], [("b", i) for i in range(5000)], [("c", i) for i in range(2000)]]
     entries = [MixEntry("a", weight=0.7), MixEntry("b", weight=0.2), MixEntry("c", weight=0.1)]
@@ -230,7 +230,7 @@ def test_mixture_proportions_and_determinism():
     a = [x for x in mixed if x[0] == "a"]  # upsampled: every record of a twice or thrice, none left out
     assert {n for n in (a.count(x) for x in set(a))} == {2, 3} and len(set(a)) == 3000
 
-    from lit_qlora.sources import mixture_counts
+    from lit_qlora.data.sources import mixture_counts
     thirds = [MixEntry("x", weight=2), MixEntry("y", weight=1)]  # 10 samples at 2:1: 6.67 and 3.33 round to 7 and 3
     assert mixture_counts(thirds, [5, 5]) == [7, 3] and mixture_counts(thirds * 3, [1] * 6) == [1] * 6
 
@@ -242,7 +242,7 @@ def test_mixture_proportions_and_determinism():
 
 
 def test_mixture_files_prepare_every_source(tmp_path):
-    from lit_qlora.prepare import ensure_mixture
+    from lit_qlora.data.prepare import ensure_mixture
 
     df = pd.DataFrame(RECS)
     (tmp_path / "ours").mkdir()
@@ -273,7 +273,7 @@ def test_mixture_files_prepare_every_source(tmp_path):
     ('[]', ["holds no list of sources"]),
 ])
 def test_bad_mixture_files_are_one_line(tmp_path, text, expect):
-    from lit_qlora.sources import read_mixture
+    from lit_qlora.data.sources import read_mixture
 
     (tmp_path / "mix.json").write_text(text)
     with pytest.raises(UserError) as e:
@@ -313,7 +313,7 @@ def test_a_mixture_trains_reports_and_resumes(train_setup, tmp_path):
 
 # ---- streaming: the sample stream (finetune --streaming: tests/test_streaming.py) -----------------------------------
 def _stream(src, tok, s, **kw):
-    from lit_qlora.streaming import SampleStream, record_tokenizer, source_rows_from
+    from lit_qlora.data.streaming import SampleStream, record_tokenizer, source_rows_from
 
     return SampleStream(source_rows_from(src), record_tokenizer(tok, s), **kw)
 
@@ -325,9 +325,9 @@ def _ids(samples) -> list[list[int]]:
 def test_a_stream_gives_the_prepared_samples_in_file_order(tmp_path):
     import torch
 
-    from lit_qlora.batching import collate
-    from lit_qlora.prepare import prepare_samples
-    from lit_qlora.streaming import stream_batches
+    from lit_qlora.data.batching import collate
+    from lit_qlora.data.prepare import prepare_samples
+    from lit_qlora.data.streaming import stream_batches
 
     recs = RECS * 3
     pd.DataFrame(recs[:12]).to_parquet(tmp_path / "a.parquet", row_group_size=5)
@@ -372,7 +372,7 @@ def test_a_resumed_stream_equals_the_uninterrupted_one(tmp_path, monkeypatch, ki
 def test_a_stream_holds_a_bounded_buffer_of_an_endless_source():
     import time
 
-    from lit_qlora.streaming import SampleStream
+    from lit_qlora.data.streaming import SampleStream
 
     made = []
 
@@ -384,7 +384,7 @@ def test_a_stream_holds_a_bounded_buffer_of_an_endless_source():
             yield Path("gen"), i, {"instruction": f"n{i}", "output": "x"}, {"file": 0, "place": [i, 0, 0]}
 
     tok, s = CharTokenizer(), DataSettings(64, template="plain")
-    from lit_qlora.streaming import record_tokenizer
+    from lit_qlora.data.streaming import record_tokenizer
 
     stream = SampleStream(endless, record_tokenizer(tok, s), buffer=5)
     it = iter(stream)

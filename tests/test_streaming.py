@@ -1,4 +1,4 @@
-"""finetune/lora.py --streaming (lit_qlora/streaming.py: StreamPlan, StreamBatches): the streamed batches are the
+"""finetune/lora.py --streaming (lit_qlora/data/streaming.py: StreamPlan, StreamBatches): the streamed batches are the
 batches `BatchStream` makes of the prepared samples in the same order (padded and packed, across epochs, resumed at
 any batch); the held-out validation part is decided record by record; a mixture draws by weight, deterministically,
 and resumes; through the CLI a streamed run equals the non-streamed run over the same order, a run resumed mid-stream
@@ -15,9 +15,9 @@ import pytest
 import torch
 from helpers_data import CharTokenizer, assert_one_line_message
 
-from lit_qlora.batching import BatchStream, count_packed_batches, epoch_order
-from lit_qlora.prepare import DataSettings, prepare_samples
-from lit_qlora.streaming import HELD_OUT, _draw, held_out, plan_stream
+from lit_qlora.data.batching import BatchStream, count_packed_batches, epoch_order
+from lit_qlora.data.prepare import DataSettings, prepare_samples
+from lit_qlora.data.streaming import HELD_OUT, _draw, held_out, plan_stream
 from lit_qlora.utils import UserError
 
 pd = pytest.importorskip("pandas")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from helpers_data import assert_one_line_message
 
-from lit_qlora.templates import get_template
+from lit_qlora.data.templates import get_template
 from lit_qlora.utils import UserError
 
 

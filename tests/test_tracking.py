@@ -172,7 +172,7 @@ def test_unknown_logger_is_one_line():
 def test_missing_package_names_it(monkeypatch):
     import importlib.util
 
-    from lit_qlora import tracking
+    from lit_qlora.train import tracking
     from lit_qlora.utils import UserError
 
     real = importlib.util.find_spec
@@ -251,7 +251,7 @@ def test_wrong_figures_in_metrics_json_are_left_out_of_both_reports(trained_run,
     so in a warning naming the file and the field, and show none of that file's figures (never the wrong one)."""
     import runpy
 
-    from lit_qlora.tracking import run_report
+    from lit_qlora.train.tracking import run_report
 
     m = json.loads((trained_run[0] / "metrics.json").read_text())
     field = change if isinstance(change, str) else next(iter(change))

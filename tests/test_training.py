@@ -1,4 +1,4 @@
-"""Training pieces (lit_qlora/training.py): the optimizers are what their names say, metrics.csv survives resumes."""
+"""Training pieces (train/training.py): the optimizers are what their names say, metrics.csv survives resumes."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +8,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from lit_qlora.training import OPTIMIZERS, MetricsLog, make_optimizer
+from lit_qlora.train.training import OPTIMIZERS, MetricsLog, make_optimizer
 
 # name -> (class, paged, 8-bit state): bitsandbytes keeps 8-bit state only for tensors of 4096 elements or more
 EXPECTED = {"AdamW": (torch.optim.AdamW, False, False), "AdamW8bit": (bnb.optim.AdamW8bit, False, True),

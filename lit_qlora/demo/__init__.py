@@ -16,15 +16,15 @@ from pathlib import Path
 import tokenizers
 import torch
 
-from lit_qlora.batching import collate
 from lit_qlora.checkpoint import LIT_WEIGHTS, write_safetensors_stream
 from lit_qlora.config import Config
 from lit_qlora.convert import write_random_checkpoint
+from lit_qlora.data.batching import collate
+from lit_qlora.data.records import split
+from lit_qlora.data.templates import get_template
 from lit_qlora.loader import load_model
-from lit_qlora.records import split
-from lit_qlora.templates import get_template
 from lit_qlora.tokenizer import Tokenizer
-from lit_qlora.training import shift_labels
+from lit_qlora.train.training import shift_labels
 
 DEMO_CHECKPOINT = Path("checkpoints/lit-qlora/demo")
 DEMO_DATA_DIR = Path("data/demo")

@@ -9,7 +9,7 @@
 * `end_of_turn_ids` finds the token(s) a template ends an assistant turn with; `stop_ids` adds them to the
   checkpoint's eos ids: what generation stops at.
 * `load_conversations` / `load_conversation_rows` read OpenAI-style `messages` and ShareGPT `conversations` records
-  through the one records reader (`lit_qlora.records`, which normalizes them); `instruction_messages` turns an
+  through the one records reader (`lit_qlora.data.records`, which normalizes them); `instruction_messages` turns an
   instruction record into a conversation.
 
 Nothing here imports transformers; the tests compare every result with it.
@@ -29,7 +29,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lit_qlora.records import ROLES, is_conversation_record, iter_rows, normalize_conversation  # noqa: F401
+from lit_qlora.data.records import ROLES, is_conversation_record, iter_rows, normalize_conversation  # noqa: F401
 from lit_qlora.utils import UserError
 
 IGNORE_INDEX = -100
@@ -570,7 +570,7 @@ def end_of_turn_ids(tokenizer: Any, template: str | None = None) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Conversation records: read and normalized by the records reader (lit_qlora.records), named here too
+# Conversation records: read and normalized by the records reader (lit_qlora.data.records), named here too
 
 
 def load_conversation_rows(path: Path | str) -> list[tuple[int, list[dict]]]:

@@ -139,7 +139,7 @@ class RunWatch:
                 lg.log_hyperparams(flat(hparams))
 
     def _replay(self, resume_iter: int) -> None:
-        from lit_qlora.training import MetricsLog
+        from lit_qlora.train.training import MetricsLog
 
         path = self.out_dir / "metrics.csv"
         if not path.is_file():
@@ -210,7 +210,7 @@ REPORT_MD, REPORT_PNG = "report.md", "report.png"
 
 def _read_optional_json(path: Path) -> dict:
     from lit_qlora.readers import read_json
-    from lit_qlora.training import METRICS_JSON, check_metrics_json
+    from lit_qlora.train.training import METRICS_JSON, check_metrics_json
 
     if not path.is_file():
         return {}
@@ -251,7 +251,7 @@ def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]
     """One page about one run of finetune/lora.py: out_dir/report.md (the figures and the settings) and, with
     matplotlib, out_dir/report.png (training and validation loss, learning rate, tokens/s per iteration, memory).
     Reads metrics.csv (required), metrics.json and hyperparameters.json (either may be missing: a run in progress)."""
-    from lit_qlora.training import MetricsLog
+    from lit_qlora.train.training import MetricsLog
 
     out_dir = Path(out_dir)
     if not (out_dir / "metrics.csv").is_file():

@@ -27,8 +27,8 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
+from lit_qlora.export.merge import merged_tensors
 from lit_qlora.families import SPECS
-from lit_qlora.merge import merged_tensors
 from lit_qlora.model import llama3_scale_inv_freq, rope_inv_freq
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_write

@@ -20,10 +20,10 @@ from typing import Any, Optional
 import torch
 
 from lit_qlora.adapter import ADAPTER_FORMAT
+from lit_qlora.data.streaming import check_stream_state
 from lit_qlora.lora import LoRAConfig, lora_state_dict
-from lit_qlora.quantize import load_bnb
+from lit_qlora.quant.quantize import load_bnb
 from lit_qlora.readers import check_fields, load_torch_checked, read_csv_rows
-from lit_qlora.streaming import check_stream_state
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit")
@@ -255,7 +255,7 @@ def check_metrics_json(m: dict, where: object, fix: str) -> dict:
     shows of its kind, within what a run can reach (no negative time, no 1e308 GB), the settings among the values
     they can take, a loss non-negative (or NaN / inf: a diverged run). A UserError naming the field otherwise."""
     from lit_qlora.precision import PRECISIONS
-    from lit_qlora.quant_mode import QuantMode
+    from lit_qlora.quant.quant_mode import QuantMode
 
     check_fields(m, where, {**_METRICS_FIELDS, "lora": "object"}, _METRICS_REQUIRED, fix)
     missing = next((k for k in _METRICS_KEYS if k not in m), None)

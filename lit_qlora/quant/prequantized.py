@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.checkpoint import DTYPES, FileTensor, safetensors_header, safetensors_metadata, write_safetensors_stream
-from lit_qlora.quantize import (
+from lit_qlora.quant.quantize import (
     PartsQuantState,
     four_bit_settings,
     is_quantized,

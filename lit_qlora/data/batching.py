@@ -201,7 +201,7 @@ class BatchStream:
         return batch
 
     def collate_batch(self, samples: list) -> dict[str, Tensor]:
-        """One batch of samples (not packed); a subclass streams other kinds of samples (lit_qlora.preference)."""
+        """One batch of samples (not packed); a subclass streams other kinds of samples (lit_qlora.train.preference)."""
         return collate(samples, **self.collate_kw)
 
     def state_dict(self) -> dict[str, int]:

@@ -28,15 +28,15 @@ import torch
 import torch.nn as nn
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.chat_template import encode_chat, stop_ids, template_of
-from lit_qlora.decode4bit import DecodeLinear4bit, DecodeLoRALinear
+from lit_qlora.data.chat_template import encode_chat, stop_ids, template_of
+from lit_qlora.data.templates import CHAT
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
 from lit_qlora.lora import LoRAExperts, LoRALinear, is_expert_target
 from lit_qlora.precision import parse_precision
-from lit_qlora.quant_mode import QuantMode
-from lit_qlora.quantize import dequantize_weight, is_quantized
-from lit_qlora.templates import CHAT
+from lit_qlora.quant.decode4bit import DecodeLinear4bit, DecodeLoRALinear
+from lit_qlora.quant.quant_mode import QuantMode
+from lit_qlora.quant.quantize import dequantize_weight, is_quantized
 from lit_qlora.utils import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

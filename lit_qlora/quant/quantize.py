@@ -17,13 +17,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from lit_qlora import cpu_half
 from lit_qlora.checkpoint import FileTensor, as_tensor
+from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRALinear
 from lit_qlora.model import ExpertWeights
-from lit_qlora.mxfp4 import Mxfp4Tensor
 from lit_qlora.precision import parse_precision
-from lit_qlora.quant_mode import QuantMode
+from lit_qlora.quant.mxfp4 import Mxfp4Tensor
+from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.utils import UserError, release_freed_memory
 
 
@@ -287,7 +287,7 @@ def _cpu_linear4bit() -> type:
 
     class CPULinear4bit(bnb.nn.Linear4bit):
         """On CPU, two cases take our matmul (`_DequantMatmul`) instead of bitsandbytes': a 16-bit input where the
-        CPU has no native 16-bit matmul (computed by the fp32 kernel, lit_qlora/cpu_half.py), and the widths whose
+        CPU has no native 16-bit matmul (computed by the fp32 kernel, kernels/cpu_half.py), and the widths whose
         rows bitsandbytes' CPU kernels get wrong (`needs_flat_dequantize`)."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -554,7 +554,7 @@ class QuantizedExpertWeights(nn.Module):
         if (not (torch.is_grad_enabled() and x.requires_grad) or x.device.type != "cpu" or x.dim() != 2
                 or not isinstance(layer, bnb.nn.Linear4bit) or torch.is_autocast_enabled("cpu")
                 or x.dtype != layer.compute_dtype):
-            # no gradient (generation: the decode kernel, lit_qlora/decode4bit.py), int8, CUDA, autocast: the layer
+            # no gradient (generation: the decode kernel, quant/decode4bit.py), int8, CUDA, autocast: the layer
             y = layer(x)
         else:
             dtype = torch.float32 if cpu_half.in_fp32(x, layer.out_features) else x.dtype

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_qlora import chat_template as ct
-from lit_qlora.batching import BatchStream, unpad
-from lit_qlora.prepare import DataSettings, resolve_template
-from lit_qlora.records import split
-from lit_qlora.sources import Source, resolve
-from lit_qlora.templates import CHAT, get_template
-from lit_qlora.training import shift_labels
+from lit_qlora.data import chat_template as ct
+from lit_qlora.data.batching import BatchStream, unpad
+from lit_qlora.data.prepare import DataSettings, resolve_template
+from lit_qlora.data.records import split
+from lit_qlora.data.sources import Source, resolve
+from lit_qlora.data.templates import CHAT, get_template
+from lit_qlora.train.training import shift_labels
 from lit_qlora.utils import UserError
 
 LOSSES = ("dpo", "ipo", "orpo", "simpo")

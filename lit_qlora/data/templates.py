@@ -1,7 +1,7 @@
 """Prompt templates: how an instruction record (instruction, optional input) becomes the prompt the model sees.
 
 Besides these, the template `chat` renders conversations with the model's own chat template
-(lit_qlora/chat_template.py); `auto` (the default) picks chat for conversation data and alpaca otherwise.
+(lit_qlora/data/chat_template.py); `auto` (the default) picks chat for conversation data and alpaca otherwise.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def check_template_name(name: str | None, allow_auto: bool = False) -> str | Non
 
 
 def get_template(name: str | PromptTemplate) -> PromptTemplate:
-    """The prompt template named `name` (alpaca or plain); chat is rendered by lit_qlora.chat_template instead."""
+    """The prompt template named `name` (alpaca or plain); chat is rendered by lit_qlora.data.chat_template instead."""
     if isinstance(name, PromptTemplate):
         return name
     if name not in TEMPLATES:

@@ -29,7 +29,7 @@ from lit_qlora.checkpoint import (
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_lit_checkpoint, ensure_converted
 from lit_qlora.lora import is_expert_target
-from lit_qlora.mxfp4 import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, join_stacks
+from lit_qlora.quant.mxfp4 import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, join_stacks
 from lit_qlora.readers import read_json
 from lit_qlora.utils import UserError
 

@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit_qlora import cpu_half
+from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRALinear
-from lit_qlora.quantize import PartsQuantState, has_parts, quiet_bnb_import
+from lit_qlora.quant.quantize import PartsQuantState, has_parts, quiet_bnb_import
 
 bnb = quiet_bnb_import()
 

@@ -22,9 +22,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
-from lit_qlora import chat_template as ct
-from lit_qlora.readers import load_torch, read_json
-from lit_qlora.records import (
+from lit_qlora.data import chat_template as ct
+from lit_qlora.data.records import (
     Conversation,
     check_record,
     check_records,
@@ -34,8 +33,9 @@ from lit_qlora.records import (
     text_of,
     with_messages_column,
 )
-from lit_qlora.sources import Source, mix, read_mixture, resolve
-from lit_qlora.templates import AUTO, CHAT, check_template_name, get_template
+from lit_qlora.data.sources import Source, mix, read_mixture, resolve
+from lit_qlora.data.templates import AUTO, CHAT, check_template_name, get_template
+from lit_qlora.readers import load_torch, read_json
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 

@@ -1,4 +1,4 @@
-"""The HTTP side of lit_qlora/serve.py: the FastAPI app with the OpenAI endpoints. Its own module because FastAPI
+"""The HTTP side of lit_qlora/server/serve.py: the FastAPI app with the OpenAI endpoints. Its own module because FastAPI
 reads the endpoints' annotations at runtime (so no postponed annotations here), and so that the rest of the package
 imports without the `serve` extra installed."""
 import asyncio
@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from lit_qlora.chat_template import stop_ids
-from lit_qlora.serve import APIError, Job, Server, Spec
+from lit_qlora.data.chat_template import stop_ids
+from lit_qlora.server.serve import APIError, Job, Server, Spec
 
 
 def _chunk(kind: str, rid: str, created: int, model: str, choices: list, usage: Any = None,

@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from lit_qlora.batching import collate, collate_packed, pack_window
-from lit_qlora.prepare import DataSettings, TokenizerLike, checked_records, prepare_samples, resolve_template
+from lit_qlora.data.batching import collate, collate_packed, pack_window
+from lit_qlora.data.prepare import DataSettings, TokenizerLike, checked_records, prepare_samples, resolve_template
+from lit_qlora.data.records import is_conversation_record, iter_rows_from, parquet_rows, with_messages_column
+from lit_qlora.data.sources import MixEntry, Source, read_mixture, resolve
+from lit_qlora.data.templates import AUTO, CHAT
 from lit_qlora.readers import check_fields
-from lit_qlora.records import is_conversation_record, iter_rows_from, parquet_rows, with_messages_column
-from lit_qlora.sources import MixEntry, Source, read_mixture, resolve
-from lit_qlora.templates import AUTO, CHAT
 from lit_qlora.utils import UserError
 
 RowsFrom = Callable[[dict], Iterator[tuple[Path, int, Any, dict]]]  # state -> (file, row, record, state after it)

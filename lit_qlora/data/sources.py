@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from lit_qlora.data.records import RAW_SUFFIXES, is_dataset_folder, iter_rows, optional_module
 from lit_qlora.readers import read_json
-from lit_qlora.records import RAW_SUFFIXES, is_dataset_folder, iter_rows, optional_module
 from lit_qlora.utils import UserError
 
 # files a data folder may hold that are not records

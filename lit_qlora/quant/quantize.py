@@ -554,7 +554,7 @@ class QuantizedExpertWeights(nn.Module):
         if (not (torch.is_grad_enabled() and x.requires_grad) or x.device.type != "cpu" or x.dim() != 2
                 or not isinstance(layer, bnb.nn.Linear4bit) or torch.is_autocast_enabled("cpu")
                 or x.dtype != layer.compute_dtype):
-            # no gradient (generation: the decode kernel, quant/decode4bit.py), int8, CUDA, autocast: the layer
+            # no gradient (generation: the 4-bit decode kernel), int8, CUDA, autocast: the layer
             y = layer(x)
         else:
             dtype = torch.float32 if cpu_half.in_fp32(x, layer.out_features) else x.dtype

@@ -154,10 +154,9 @@ def test_head_cross_entropy_per_position_equals_the_logits_path(dtype, cap):
     torch.testing.assert_close(per_in.grad, summed_in.grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_lora", [False, True])
-def test_gpt_targets_give_the_loss_of_its_logits(head_lora):
-    """GPT(..., targets=...) returns the summed loss of its own logits (the frozen head through head_cross_entropy;
-    a head with a LoRA through its kept logits), with the same gradients on every LoRA weight."""
+def _soft_capped_lora_gpt(head_lora: bool):
+    """A tiny soft-capped GPT with random LoRA (on the head only, or on q, v and the MLP), only LoRA trainable, and a
+    batch of inputs and targets."""
     config = Config(name="t", block_size=32, vocab_size=211, n_layer=2, n_head=4, n_embd=32,
                     n_query_groups=2, intermediate_size=48, mlp_class="LLaMAMLP", norm_class="RMSNorm",
                     bias=False, rotary_percentage=1.0, parallel_residual=False, final_softcap=5.0)
@@ -174,6 +173,14 @@ def test_gpt_targets_give_the_loss_of_its_logits(head_lora):
         p.requires_grad_("lora_" in n)
     idx = torch.randint(0, 211, (2, 12))
     tgt = torch.randint(0, 211, (2, 12))
+    return model, idx, tgt
+
+
+@pytest.mark.parametrize("head_lora", [False, True])
+def test_gpt_targets_give_the_loss_of_its_logits(head_lora):
+    """GPT(..., targets=...) returns the summed loss of its own logits (the frozen head through head_cross_entropy;
+    a head with a LoRA through its kept logits), with the same gradients on every LoRA weight."""
+    model, idx, tgt = _soft_capped_lora_gpt(head_lora)
     mask = torch.ones_like(tgt, dtype=torch.bool)
     mask[0, :5] = False
 
@@ -195,22 +202,7 @@ def test_gpt_per_position_targets_give_the_log_probs_of_its_logits(head_lora):
     """GPT(..., targets=..., reduction="none") (preference.batch_logps): -log p(target) of each selected position,
     equal to the log-softmax of its own logits, and the same LoRA gradients under a per-position upstream gradient,
     with the frozen head (no logits kept) and with a head LoRA (the logits path)."""
-    config = Config(name="t", block_size=32, vocab_size=211, n_layer=2, n_head=4, n_embd=32,
-                    n_query_groups=2, intermediate_size=48, mlp_class="LLaMAMLP", norm_class="RMSNorm",
-                    bias=False, rotary_percentage=1.0, parallel_residual=False, final_softcap=5.0)
-    torch.manual_seed(0)
-    model = GPT(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    apply_lora(model, lora_cfg() if head_lora else lora_cfg(query=True, value=True, mlp=True))
-    for m in lora_modules(model).values():
-        torch.nn.init.normal_(m.lora_A, std=0.3)
-        torch.nn.init.normal_(m.lora_B, std=0.1)
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
-    idx = torch.randint(0, 211, (2, 12))
-    tgt = torch.randint(0, 211, (2, 12))
+    model, idx, tgt = _soft_capped_lora_gpt(head_lora)
     mask = torch.ones_like(tgt, dtype=torch.bool)
     mask[1, :4] = False
     upstream = torch.randn(int(mask.sum()))

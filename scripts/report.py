@@ -183,7 +183,7 @@ def plots(cells: list[dict], out_root: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in cells:
         path = Path(r["cell_dir"]) / "metrics.csv"
-        if not path.is_file():
+        if not os.path.lexists(path):  # a folder or a symlink loop in its place: a warning below, not a silent skip
             continue
         try:
             rows = [row for row in read_csv_rows(path, "metrics file", "its loss curve is left out")
@@ -240,7 +240,7 @@ def main() -> None:
     if not args.out_root.is_dir():
         print(f"error: {args.out_root} is not a folder; pass the OUT_ROOT of scripts/run_matrix.sh", file=sys.stderr)
         sys.exit(2)
-    if (args.out_root / "metrics.csv").is_file():  # one run of finetune/lora.py
+    if os.path.lexists(args.out_root / "metrics.csv"):  # one run of finetune/lora.py (a damaged one is refused there)
         from lit_qlora.train.tracking import run_report
         from lit_qlora.utils import run_main
 

@@ -276,3 +276,53 @@ def test_wrong_figures_in_metrics_json_are_left_out_of_both_reports(trained_run,
     warning = capsys.readouterr().err
     assert f"warning: {cell / 'metrics.json'}" in warning and field in warning, warning
     assert row["peak_memory_gb"] is None and row["iterations"] is None and row["training_time_s"] is None
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "hyperparameters.json", "metrics.csv"])
+@pytest.mark.parametrize("place", ["folder", "symlink loop"])
+def test_a_folder_or_symlink_loop_in_a_run_file_place_is_named_by_both_reports(trained_run, tmp_path, name, place):
+    """The fuzzer, seeds 13044 / 13045 / 13057 / 13059: a folder or a symlink loop where metrics.json belongs made the
+    run report read 'in progress (no metrics.json yet)' without a word. Now: metrics.json or hyperparameters.json
+    in such a state is a warning naming the file and what it is, the report written without it (and saying metrics.json
+    is damaged, not absent); metrics.csv, which the report needs, is refused in one line (exit 2) naming it; the
+    matrix report (scripts/report.py OUT_ROOT) warns for a cell's metrics.json and metrics.csv the same way."""
+    import os
+
+    from helpers import run_in_process
+
+    out = tmp_path / "run"
+    shutil.copytree(trained_run[0], out)
+    (out / name).unlink()
+    if place == "folder":
+        (out / name).mkdir()
+    else:
+        os.symlink(name, out / name)
+    what = "is a folder" if place == "folder" else "is a symlink loop"
+    r = run_in_process("report.py", out, "--no_plots")
+    lines = r.stderr.strip().splitlines()
+    if name == "metrics.csv":
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert str(out / name) in lines[0] and what in lines[0], r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        warned = [ln for ln in lines if ln.startswith("warning: ")]
+        assert len(warned) == 1 and str(out / name) in warned[0] and what in warned[0], r.stderr
+        md = (out / "report.md").read_text()
+        assert "in progress" not in md
+        if name == "metrics.json":
+            assert "metrics.json is damaged" in md
+    if name == "hyperparameters.json":
+        return
+    cell = tmp_path / "matrix" / "tiny" / "32-true"
+    cell.mkdir(parents=True)
+    for f in ("metrics.json", "metrics.csv"):
+        shutil.copy(trained_run[0] / f, cell / f)
+    (cell / "status.json").write_text(json.dumps({"status": "ok", "exit_code": 0}))
+    (cell / name).unlink()
+    if place == "folder":
+        (cell / name).mkdir()
+    else:
+        os.symlink(name, cell / name)
+    r = run_in_process("report.py", tmp_path / "matrix")
+    warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert r.returncode == 0 and any(str(cell / name) in ln and what in ln for ln in warned), r.stderr

@@ -212,7 +212,7 @@ def _read_optional_json(path: Path) -> dict:
     from lit_qlora.readers import read_json
     from lit_qlora.train.training import METRICS_JSON, check_metrics_json
 
-    if not path.is_file():
+    if not os.path.lexists(path):  # absent: a run in progress; a folder or a symlink loop in its place is a warning
         return {}
     fix = "the report is written without it"
     try:
@@ -251,11 +251,13 @@ def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]
     """One page about one run of finetune/lora.py: out_dir/report.md (the figures and the settings) and, with
     matplotlib, out_dir/report.png (training and validation loss, learning rate, tokens/s per iteration, memory).
     Reads metrics.csv (required), metrics.json and hyperparameters.json (either may be missing: a run in progress)."""
+    from lit_qlora.readers import check_file
     from lit_qlora.train.training import MetricsLog
 
     out_dir = Path(out_dir)
-    if not (out_dir / "metrics.csv").is_file():
+    if not os.path.lexists(out_dir / "metrics.csv"):
         raise UserError(f"{out_dir} holds no metrics.csv; pass the --out_dir of a finetune/lora.py run")
+    check_file(out_dir / "metrics.csv", "metrics file", "the run report needs the metrics.csv finetune/lora.py wrote")
     rows = MetricsLog.read_rows(out_dir / "metrics.csv")
     m = _read_optional_json(out_dir / "metrics.json")
     hp = _read_optional_json(out_dir / "hyperparameters.json")
@@ -269,7 +271,7 @@ def run_report(out_dir: Path, plots: bool = True) -> tuple[Path, Optional[Path]]
     best = min(zip(vloss, vit)) if vloss else None
     lines = [f"# Run report: {out_dir}", ""]
     status = "finished" if m else "in progress (no metrics.json yet)"
-    if not m and (out_dir / "metrics.json").exists():
+    if not m and os.path.lexists(out_dir / "metrics.json"):  # a folder or a symlink loop in its place too
         status = "finished, but its metrics.json is damaged (see the warning): its figures are left out"
     if m.get("stopped_early"):
         status = f"stopped early at iteration {m.get('stopped_at_iter')} (patience {m.get('early_stopping_patience')})"

@@ -434,6 +434,8 @@ def test_string_pairs_mask_the_prompt(tmp_path):
      "row 2 of {f}: chosen and rejected are the same 64 tokens within --max_seq_length 64"),  # cut: the same tokens
     ({"prompt": "p " * 300, "chosen": "a", "rejected": "b"}, "row 2 of {f}: the prompt is"),
     ({"prompt": "p", "chosen": "", "rejected": "b"}, "row 2 of {f} has an empty 'chosen' field"),
+    ({"prompt": "p", "chosen": 0, "rejected": "b"}, "row 2 of {f}: 'chosen' is a number (0), not text"),  # not 'empty'
+    ({"prompt": 7.5, "chosen": "a", "rejected": "b"}, "row 2 of {f}: 'prompt' is a number (7.5), not text"),
     ({"prompt": "p", "chosen": [{"role": "robot", "content": "a"}], "rejected": "b"}, "row 2 of {f}: turn 2"),
 ])
 def test_bad_rows_are_one_line_errors(chat_tok, tmp_path, row, expect):

@@ -61,7 +61,9 @@ def test_split_deterministic():
 
 @pytest.mark.parametrize("field,value", [("output", 10**18), ("output", 1e18), ("output", 2.5), ("output", True),
                                          ("output", float("nan")), ("instruction", [1, 2]), ("input", {"a": 1}),
-                                         ("input", False), ("output", -(2**53))])
+                                         ("input", False), ("output", -(2**53)),
+                                         # the fuzzer, seeds 13000-13059: a number where text belongs read as its digits
+                                         ("output", 19), ("instruction", 0), ("input", -1), ("output", 2**53 - 1)])
 def test_a_value_that_is_not_text_is_refused_where_text_belongs(tmp_path, field, value):
     """A number's text is kept only where it is exact: an integer within 2^53 (every JSON reader reads it to the same
     digits). A float (1e-9 would read back as 1e-09), a huge integer, a boolean, a list or an object where an
@@ -86,10 +88,40 @@ def test_a_value_that_is_not_text_is_refused_where_text_belongs(tmp_path, field,
     assert_one_line_message(e, f"row 2 of {path}", repr(field), "not text")
 
 
-def test_integer_answers_are_text():
-    recs = [{"instruction": "12 + 7", "input": "", "output": 19}, {"instruction": "2^53 - 1", "output": 2**53 - 1},
-            {"instruction": "x", "input": 0, "output": "-1"}]
+def test_numbers_where_text_belongs_are_refused_in_every_format(tmp_path):
+    """A column of numbers where an instruction / input / output belongs: a JSONL line, a parquet column of int64 or
+    double, a datasets folder: refused in one line naming the file, the row and the field, with how to write it.
+    A CSV field is always text ("19" stays the answer 19), as is a JSON string of digits."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from lit_qlora.data.records import check_records, text_of
 
+    recs = [{"instruction": "12 + 7", "input": "", "output": "19"}, {"instruction": "x", "input": "0", "output": "-1"}]
     check_records(recs, ("instruction", "output"))
-    assert [text_of(r["output"]) for r in recs] == ["19", "9007199254740991", "-1"]
+    assert [text_of(r["output"]) for r in recs] == ["19", "-1"]
+    with open(tmp_path / "a.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["instruction", "input", "output"])
+        w.writeheader()
+        w.writerows([{"instruction": "12 + 7", "input": "", "output": 19}])
+    assert load_records(tmp_path / "a.csv")[0]["output"] == "19"
+    (tmp_path / "a.jsonl").write_text(json.dumps(recs[0]) + "\n" + json.dumps({**recs[1], "output": -1}) + "\n")
+    with pytest.raises(UserError) as e:
+        load_records(tmp_path / "a.jsonl")
+    assert_one_line_message(e, "record 1", str(tmp_path / "a.jsonl"), "'output' is a number (-1), not text",
+                            'in quotes: "-1"')
+    for column in (pa.array([19, 7], pa.int64()), pa.array([1.5, 2.0], pa.float64())):
+        table = pa.table({"instruction": ["a", "b"], "output": column})
+        pq.write_table(table, tmp_path / "a.parquet")
+        with pytest.raises(UserError) as e:
+            load_records(tmp_path / "a.parquet")
+        assert_one_line_message(e, "record 0", str(tmp_path / "a.parquet"), "'output' is a number", "not text",
+                                "cast a parquet / datasets column to string")
+    import datasets
+
+    datasets.Dataset.from_dict({"instruction": ["a", "b"], "output": [3, 4]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(UserError) as e:
+        load_records(tmp_path / "ds")
+    assert_one_line_message(e, "record 0", "'output' is a number (3)", "not text")
+
+

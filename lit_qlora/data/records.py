@@ -240,22 +240,26 @@ def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[st
         check_text(rec.get(key), key, where)
 
 
-EXACT_INT = 2**53  # integers JSON readers agree on to the digit (IEEE doubles hold them exactly)
-
-
 def check_text(value: Any, key: str, where: str) -> None:
-    """A field the model reads as text: a string, null (absent), or an integer within 2^53, whose digits are its text
-    ("12 + 7" -> 19). Anything else is a one-line UserError: a float's text is not what the file says (1e-9 reads back
-    as 1e-09), a larger integer is not the same number in every JSON reader, a boolean, list or object is no text."""
+    """A field the model reads as text: a string, or null (absent). Anything else is a one-line UserError naming
+    `where`, the field and what it holds, and how to write it: a number is not text (1e-9 would read back as 1e-09,
+    an integer beyond 2^53 is not the same number in every JSON reader, and a column of numbers is most often the
+    wrong column), nor is a boolean, a list or an object. `datasets`' JSON reader refuses the same mix (a column that
+    changes from string to number); a parquet column of numbers is cast to string (pyarrow: `.cast(pa.string())`)."""
     if value is None or isinstance(value, str):
         return
-    if isinstance(value, int) and not isinstance(value, bool) and -EXACT_INT < value < EXACT_INT:
-        return
-    kind = {bool: "a boolean", list: "a list", dict: "an object", float: "a float", int: "an integer beyond 2^53"}.get(
+    how = (f'write it as a string (in quotes: "{value}")' if isinstance(value, int) and not isinstance(value, bool)
+           and abs(value) < 10**15 else "write it as a string (in quotes)")
+    raise UserError(f"{where}: {key!r} is {what_value(value)}, not text; {how}, or cast a parquet / datasets column "
+                    "to string, or name the right field")
+
+
+def what_value(value: Any) -> str:
+    """What a value that is not text is, for a message: 'a number (19)', 'a boolean (True)', 'a list ([1, 2])'."""
+    kind = {bool: "a boolean", list: "a list", dict: "an object", float: "a number", int: "a number"}.get(
         type(value), f"a {type(value).__name__}")
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    raise UserError(f"{where}: {key!r} is {kind} ({shown}), not text; write it as a string (in quotes) or fix the "
-                    "record")
+    return f"{kind} ({shown})"
 
 
 def _key_flag(key: str) -> str:
@@ -265,8 +269,8 @@ def _key_flag(key: str) -> str:
 
 
 def text_of(value: Any) -> str:
-    # CSV gives strings already; JSON may hold integers ("12 + 7" -> 19), which are fine as text (`check_text`).
-    return "" if value is None else str(value)
+    """A checked text field (`check_text`: a string or null) as the string the template receives."""
+    return "" if value is None else value
 
 
 def split(records: list, test_split_fraction: float, seed: int) -> tuple[list, list]:
@@ -353,7 +357,7 @@ def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
             raise UserError(f"{where}: turn {i} has {role_key}={turn.get(role_key)!r}; use one of {allowed}")
         content = turn.get(text_key)
         if not isinstance(content, str):
-            kind = "missing" if content is None else f"a {type(content).__name__}, not a string"
+            kind = "missing" if content is None else f"{what_value(content)}, not a string"
             raise UserError(f"{where}: turn {i} ({role}) {text_key} is {kind}; write the turn's text as a string")
         if not content.strip():
             raise UserError(f"{where}: turn {i} ({role}) has empty {text_key}; fill it in or drop the row")

@@ -26,7 +26,7 @@ from torch import Tensor
 from lit_qlora.data import chat_template as ct
 from lit_qlora.data.batching import BatchStream, unpad
 from lit_qlora.data.prepare import DataSettings, resolve_template
-from lit_qlora.data.records import split
+from lit_qlora.data.records import split, what_value
 from lit_qlora.data.sources import Source, resolve
 from lit_qlora.data.templates import CHAT, get_template
 from lit_qlora.train.training import shift_labels
@@ -258,8 +258,11 @@ def _rows(source: Source) -> list[tuple[Path, int, dict]]:
         implicit = "prompt" not in rec and isinstance(rec.get("chosen"), list)  # two full conversations
         for key in FIELDS[1:] if implicit else FIELDS:
             v = rec.get(key)
-            if not isinstance(v, (str, list)) or not v or (isinstance(v, str) and not v.strip()):
-                what = "no" if v is None else "an empty" if not v or isinstance(v, str) else "a non-text"
+            if v is not None and not isinstance(v, (str, list)):  # a number, a boolean, an object: not text
+                raise UserError(f"{where}: {key!r} is {what_value(v)}, not text; write it as a string "
+                                "(in quotes) or a list of messages, or cast a parquet / datasets column to string")
+            if not v or (isinstance(v, str) and not v.strip()):
+                what = "no" if v is None else "an empty"
                 raise UserError(f"{where} has {what} {key!r} field (it has: {', '.join(map(str, rec))}); every row "
                                 "needs prompt, chosen and rejected, as strings or lists of messages")
         if rec["chosen"] == rec["rejected"]:

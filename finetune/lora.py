@@ -304,8 +304,6 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
     if run.compile and on_cpu and not (shutil.which("g++") or shutil.which("clang++")):
         raise UserError("--compile on CPU needs a C++ compiler (torch.compile builds its kernels with g++ or clang++); "
                         "install one, or leave --compile off")
-    if t.nan_policy not in ("stop", "skip"):
-        raise UserError(f"unknown --nan_policy {t.nan_policy!r}; choose stop or skip")
     check_world(run.devices, run.num_nodes)
     check_strategy(run.strategy, quantize, run.precision, t.optimizer, run.compile)
     if lora.experts and run.strategy == "fsdp":

@@ -18,12 +18,14 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
 from lit_qlora.lora import LORA_INITS, LoRAConfig
-from lit_qlora.precision import PRECISION_CHOICES
+from lit_qlora.precision import ACCELERATORS, PRECISION_CHOICES
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.readers import check_path, read_yaml
 from lit_qlora.train.preference import LOSSES
 from lit_qlora.train.tracking import parse_loggers
 from lit_qlora.utils import UserError
+
+NAN_POLICIES = ("stop", "skip")  # --nan_policy: end the run at a non-finite loss, or skip the step
 
 
 @dataclass
@@ -82,6 +84,8 @@ class RunArgs:
         QuantMode.parse(self.quantize)  # an unknown name: one line, when the flags are read (as a --config file's)
         if self.precision not in PRECISION_CHOICES:
             raise UserError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
+        if self.accelerator not in ACCELERATORS:
+            raise UserError(f"unknown --accelerator {self.accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -247,6 +251,8 @@ class TrainArgs:
             raise bad("router_aux_loss_coef", coef, "0 or more (0: no load-balancing loss), or left out")
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise bad("grad_clip", self.grad_clip, "a number above 0, or null to disable clipping")
+        if self.nan_policy not in NAN_POLICIES:  # a --config's `nan_policy: .inf` reaches here as the text "inf"
+            raise bad("nan_policy", self.nan_policy, " or ".join(NAN_POLICIES))
         for flag, value, least in (("warmup_steps", self.warmup_steps, 0), ("epochs", self.epochs, 1),
                                    ("save_interval", self.save_interval, 1), ("log_interval", self.log_interval, 1),
                                    ("keep_checkpoints", self.keep_checkpoints, 0)):

@@ -10,6 +10,7 @@ import torch
 from lit_qlora.utils import UserError
 
 PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
+ACCELERATORS = ("auto", "cpu", "cuda")  # what --accelerator accepts
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision accepts; "auto" is resolved by `resolve_precision`
 
 

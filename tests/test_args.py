@@ -166,7 +166,13 @@ def test_a_null_where_a_flag_has_no_left_out_meaning_is_refused(tmp_path, text):
 
 
 @pytest.mark.parametrize("line, expect", [("quantize: 1e+308", "unknown --quantize '1e+308'"),
-                                          ("precision: bf32-true", "unknown --precision 'bf32-true'")])
+                                          ("precision: bf32-true", "unknown --precision 'bf32-true'"),
+                                          # seed 14003: hyperparameters.json's nan_policy "stop" -> Infinity was read
+                                          # as the text 'Infinity' and refused only by finetune's later checks
+                                          ("nan_policy: .inf", "--nan_policy is 'Infinity'; it must be stop or skip"),
+                                          ("nan_policy: halt", "--nan_policy is 'halt'; it must be stop or skip"),
+                                          ("accelerator: gpu", "unknown --accelerator 'gpu'; choose one of auto, cpu, "
+                                                               "cuda")])
 def test_an_unknown_quantize_or_precision_in_a_config_file_is_refused_when_read(tmp_path, line, expect):
     """hyperparameters.json with quantize null -> 1e+308 (the file fuzzer, seed 13029; YAML reads 1e+308 as text) was
     taken when the flags were read, and refused only later by finetune's checks: now refused as the arguments are
@@ -175,3 +181,14 @@ def test_an_unknown_quantize_or_precision_in_a_config_file_is_refused_when_read(
     with pytest.raises(UserError) as e:
         parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
     assert expect in str(e.value) and f"--config {tmp_path / 'run.yaml'}" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpu", "mps", "cuda:0", ""])
+def test_an_unknown_accelerator_of_a_generate_script_is_one_line(name):
+    """generate/*.py and the server pass --accelerator to pick_device: torch.device('gpu') was a RuntimeError
+    traceback, 'mps' a device nothing here supports."""
+    from lit_qlora.inference import pick_device
+
+    with pytest.raises(UserError, match=f"unknown --accelerator {name!r}; choose one of auto, cpu, cuda"):
+        pick_device(name)
+    assert pick_device("cpu").type == "cpu"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from lit_qlora.readers import (
     GENERATION_CONFIG_FIELDS,
     TOKEN_ID_FIELDS,
     TOKENIZER_CONFIG_FIELDS,
+    check_file,
     read_side_json,
     read_text,
 )
@@ -59,6 +61,9 @@ def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
 class Tokenizer:
     def __init__(self, checkpoint_dir: Path | str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
+        for name in ("tokenizer.json", "tokenizer.model", "chat_template.jinja"):  # a folder or a symlink loop in a
+            if os.path.lexists(self.checkpoint_dir / name):  # file's place is refused, never read past to the next
+                check_file(self.checkpoint_dir / name, "tokenizer file", "re-copy the tokenizer files of the model")
         # Like transformers' fast tokenizers, prefer tokenizer.json: when both exist it is the
         # authoritative one (tokenizer.model is often kept only for the slow tokenizer).
         if (path := self.checkpoint_dir / "tokenizer.json").is_file():

@@ -220,3 +220,26 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"garbage")
     with pytest.raises(UserError, match="cannot read"):
         Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
+@pytest.mark.parametrize("place", ["folder", "symlink loop"])
+def test_a_folder_or_symlink_loop_in_a_tokenizer_file_place_is_refused(tmp_path, hf_dir, sp_dir, name, place):
+    """A folder or a symlink loop where tokenizer.json or chat_template.jinja belongs was read past: the
+    sentencepiece tokenizer.model beside it (another tokenizer), the chat template in tokenizer_config.json (another
+    template) were used without a word. Now one line naming the file and what is there."""
+    import os
+
+    folder = tmp_path / "tok"
+    make_hf_bpe_tokenizer(folder, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    shutil.copy(sp_dir / "tokenizer.model", folder)
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / name).unlink()
+    if place == "folder":
+        (folder / name).mkdir()
+    else:
+        os.symlink(name, folder / name)
+    with pytest.raises(UserError) as e:
+        Tokenizer(folder)
+    what = "is a folder" if place == "folder" else "is a symlink loop"
+    assert f"{folder / name} {what}" in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -12,7 +12,6 @@ header is computed from shapes alone, then each tensor is read, converted and wr
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from lit_qlora.convert import ensure_converted
 from lit_qlora.export.merge import merged_tensors
 from lit_qlora.families import SPECS
 from lit_qlora.model import llama3_scale_inv_freq, rope_inv_freq
+from lit_qlora.readers import read_json, read_side_json
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_write
 
@@ -264,7 +264,7 @@ def read_vocab(checkpoint_dir: Path, vocab_size: int) -> GGUFVocab:
     checkpoint_dir = Path(checkpoint_dir)
     tok = Tokenizer(checkpoint_dir)  # a one-line UserError when there is no tokenizer
     tok_json = checkpoint_dir / "tokenizer.json"
-    data = json.loads(tok_json.read_text(encoding="utf-8")) if tok_json.is_file() else None
+    data = read_json(tok_json, dict, "tokenizer file") if tok_json.is_file() else None  # checked by Tokenizer too
     if data is not None and _is_byte_level(data):
         vocab = _bpe_vocab(data, tok_json)
     elif (checkpoint_dir / "tokenizer.model").is_file():
@@ -303,7 +303,7 @@ def read_vocab(checkpoint_dir: Path, vocab_size: int) -> GGUFVocab:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return read_side_json(path, {})  # {} without it; a damaged one is a one-line UserError naming it
 
 
 def _pre_tokenizers(data: dict) -> list[dict]:

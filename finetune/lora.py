@@ -230,6 +230,9 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
         raise UserError(f"the tokenizer in {run.checkpoint_dir} has {tokenizer.vocab_size} tokens but the model only "
                         f"{config.vocab_size}; the tokenizer files belong to another model: copy the model's own "
                         "tokenizer files there")
+    if lora.r > config.n_embd:  # what Adapter.load refuses: generate, merge and export would not take the adapter
+        raise UserError(f"--lora_r {lora.r} is larger than the layers it adapts ({config.name or 'the model'}: n_embd "
+                        f"{config.n_embd}); use --lora_r {config.n_embd} or less (8 to 64 is usual)")
     aux_coef = router_aux_coef(t.router_aux_loss_coef, config)
     if not objective.routing:
         if t.router_aux_loss_coef:

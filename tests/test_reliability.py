@@ -301,6 +301,11 @@ def _pissa_rank_above_a_part(t, p):  # the tiny Llama's k and v parts of the fus
         "--lora_r 32 or less"]
 
 
+def _rank_above_the_layers(t, p):  # the tiny Llama's n_embd is 64: Adapter.load refuses the adapter it would write
+    return dict(lora_r=96, out_dir=p / "new"), ["--lora_r 96 is larger than the layers it adapts", "n_embd 64",
+                                                "--lora_r 64 or less"]
+
+
 def _dora_on_moe_experts(t, p):  # the one layer kind DoRA does not cover: a mixture's experts (LoRA does)
     from helpers import make_tiny_hf_model
 
@@ -323,7 +328,8 @@ CASES = {f.__name__[1:]: f for f in (
     _data_torn_parquet, _data_sources_bad_weight, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
     _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero,
-    _loftq_without_4bit, _loftq_on_a_dense_head, _pissa_rank_above_a_part, _dora_on_moe_experts)}
+    _loftq_without_4bit, _loftq_on_a_dense_head, _pissa_rank_above_a_part, _rank_above_the_layers,
+    _dora_on_moe_experts)}
 # also through a fresh interpreter
 SUBPROCESS = {"ckpt_missing", "ckpt_truncated", "data_not_json", "data_unknown_column", "optimizer"}
 

@@ -67,8 +67,27 @@ def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
 
     config = Config.from_file(setup["ckpt"] / "model_config.json")
     Adapter.load(run / "lit_model_lora_finetuned.pth", config).export_peft(config, base / "peft")
+    (setup["ckpt"] / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    extra = base / "extra"  # the record formats and files beside the Alpaca JSON: parquet, preference pairs, a mixture
+    extra.mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = json.loads(Path(setup["data_file"]).read_text())
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k, "") for k in ("instruction", "input", "output")}
+                                         for r in records]), extra / "train.parquet", row_group_size=8)
+    (extra / "pref").mkdir()
+    (extra / "pref" / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"name a color {i}", "chosen": " red", "rejected": f" cat {i}"}) + "\n"
+        for i in range(8)))
+    (extra / "mix.yaml").write_text("- path: train.parquet\n  weight: 2\n- path: pref/train.jsonl\n  epochs: 0.5\n")
     return {"ckpt": setup["ckpt"], "hf_only": hf_only, "run": run, "data": setup["data"],
-            "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file, "peft": base / "peft"}
+            "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file, "peft": base / "peft", "extra": extra}
+
+
+# a tiny chat template (the tokenizer's own, as transformers >= 4.43 saves it beside tokenizer_config.json)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 # ---- corruptions -----------------------------------------------------------------------------------------------------
@@ -214,13 +233,18 @@ def corrupt(path: Path, kind: str, rng: random.Random) -> str:
         return "payload lie"
     if kind in JSON_KINDS and r < 0.5:
         try:
-            data = json.loads(raw) if kind != "chat_jsonl" else [json.loads(ln) for ln in raw.splitlines() if ln]
-        except ValueError:
+            if kind in ("config_yaml", "data_sources_yaml"):
+                import yaml
+
+                data = yaml.safe_load(raw)
+            else:
+                data = json.loads(raw) if kind not in JSONL_KINDS else [json.loads(ln) for ln in raw.splitlines() if ln]
+        except Exception:  # noqa: BLE001 - not parseable: a lie of any shape
             data = None
         lie = _json_lie(data, rng)
-        if kind == "chat_jsonl":
+        if kind in JSONL_KINDS:
             text = "\n".join(json.dumps(x) for x in lie) if isinstance(lie, list) else json.dumps(lie)
-        elif kind == "config_yaml":
+        elif kind in ("config_yaml", "data_sources_yaml"):
             import yaml
 
             text = yaml.safe_dump(lie) if rng.random() < 0.5 else json.dumps(lie)
@@ -305,14 +329,24 @@ def _resume_named(d: Path):
     return path and path.name, state and state["resume"]["step"]
 
 
+_FINETUNE: dict = {}  # finetune/lora.py's functions (run once)
+
+
 def _parsed_flags(config_file: Path) -> dict:
     """The flags of a --config file as finetune/lora.py reads them, and the folders they name opened as its
     check_inputs opens them next (a damaged path is refused there, not trained on)."""
     from lit_qlora.args import parse_finetune_args
     from lit_qlora.convert import ensure_converted
     from lit_qlora.data.sources import resolve
+    from lit_qlora.quant.quant_mode import QuantMode
 
     args = parse_finetune_args(["--config", str(config_file)])
+    if "check_flags" not in _FINETUNE:
+        import runpy
+
+        _FINETUNE.update(runpy.run_path(str(h.FINETUNE)))
+    quantize = QuantMode.parse(args.run.quantize)
+    _FINETUNE["check_flags"](args, quantize and quantize.value, args.lora.config())  # finetune's checks of the flags
     ensure_converted(args.run.checkpoint_dir, quiet=True)
     if resolve(args.data.data_dir) is None:
         raise UserError(f"no data in {args.data.data_dir}")
@@ -337,6 +371,51 @@ def _read_chat(d: Path):
     from lit_qlora.data.chat_template import load_conversation_rows
 
     return load_conversation_rows(d / "chat.jsonl")
+
+
+def _read_chat_template(d: Path):
+    """A conversation rendered with the checkpoint's chat template (chat_template.jinja), as prepare and generate do."""
+    from lit_qlora.data.chat_template import encode_chat
+    from lit_qlora.tokenizer import Tokenizer
+
+    tok = Tokenizer(d / "ckpt")
+    return encode_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                       add_generation_prompt=False)
+
+
+def _export_gguf(d: Path):
+    """scripts/export_gguf.py: the model and its tokenizer (tokenizer.json, tokenizer_config.json) as one GGUF."""
+    from lit_qlora.export.gguf_export import export_gguf
+
+    out = export_gguf(d / "ckpt", d / "model.gguf")
+    return hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+def _read_parquet(d: Path):
+    from lit_qlora.data.records import load_records
+
+    return load_records(d / "extra" / "train.parquet")
+
+
+def _read_pairs(d: Path):
+    """finetune/dpo.py's data: preference pairs rendered with the alpaca template."""
+    from lit_qlora.data.prepare import DataSettings
+    from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.train.preference import load_pairs
+
+    train, val, _ = load_pairs(d / "extra" / "pref", Tokenizer(d / "ckpt"), DataSettings(64, template="alpaca"))
+    return [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in sorted(p.items())} for p in train + val]
+
+
+def _read_mixture(d: Path):
+    """--data_sources: the mixture file's entries and the sources they name, opened as finetune opens them."""
+    from lit_qlora.data.sources import read_mixture, resolve
+
+    entries = read_mixture(d / "extra" / "mix.yaml")
+    for e in entries:
+        if resolve(e.path, "--data_sources") is None:
+            raise UserError(f"no data in {e.path}")
+    return [(Path(e.path).name, e.weight, e.epochs) for e in entries]
 
 
 def _run_report(d: Path):
@@ -381,10 +460,19 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "report_metrics_json": ("matrix/tiny/32-true/metrics.json", _report),
     "report_metrics_csv": ("matrix/tiny/32-true/metrics.csv", _report),
     "run_report_metrics_json": ("run/metrics.json", _run_report),
+    "tokenizer_json": ("ckpt/tokenizer.json", _read_tokenizer),
+    "tokenizer_json_gguf": ("ckpt/tokenizer.json", _export_gguf),
+    "tokenizer_config_gguf": ("ckpt/tokenizer_config.json", _export_gguf),
+    "chat_template_jinja": ("ckpt/chat_template.jinja", _read_chat_template),
+    "parquet_records": ("extra/train.parquet", _read_parquet),
+    "preference_jsonl": ("extra/pref/train.jsonl", _read_pairs),
+    "data_sources_yaml": ("extra/mix.yaml", _read_mixture),
 }
+JSONL_KINDS = {"chat_jsonl", "preference_jsonl"}
 JSON_KINDS = {"report_metrics_json", "run_report_metrics_json", "peft_config",
               "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
-              "alpaca_json", "chat_jsonl"}
+              "alpaca_json", "chat_jsonl", "tokenizer_json", "tokenizer_json_gguf", "tokenizer_config_gguf",
+              "preference_jsonl", "data_sources_yaml"}
 
 
 def _snapshot(folder: Path, skip: Path) -> dict[str, str]:
@@ -406,6 +494,7 @@ def _case_folder(pristine: dict[str, Path], dest: Path) -> Path:
     shutil.copy(pristine["chat"], dest / "chat.jsonl")
     shutil.copytree(pristine["peft"], dest / "peft")
     shutil.copy(pristine["yaml"], dest / "run.yaml")
+    shutil.copytree(pristine["extra"], dest / "extra")
     cell = dest / "matrix" / "tiny" / "32-true"
     cell.mkdir(parents=True)
     for name in ("metrics.json", "metrics.csv"):

@@ -79,9 +79,13 @@ def prepared(data_dir, tokenizer, max_seq_length, **kw):
 
 
 def test_custom_keys_and_missing_field():
-    recs = [{"q": "Add.", "ctx": "1 + 1", "a": 2}]  # a number as output is fine
+    recs = [{"q": "Add.", "ctx": "1 + 1", "a": "2"}]
     samples, _ = samples_of(recs, CharTokenizer(), "plain", 100, instruction_key="q", input_key="ctx", output_key="a")
     assert CharTokenizer().decode(samples[0]["input_ids"]) == "Add.\n1 + 1\n2"
+    with pytest.raises(UserError) as e:  # a number where text belongs: refused, with how to write it
+        samples_of([{**recs[0], "a": 2}], CharTokenizer(), "plain", 100, instruction_key="q", input_key="ctx",
+                   output_key="a")
+    assert_one_line_message(e, "record 0", "'a' is a number (2), not text", 'in quotes: "2"')
     with pytest.raises(UserError) as e:
         samples_of(recs, CharTokenizer(), "plain", 100)
     assert_one_line_message(e, "record 0", "'instruction'")
@@ -118,6 +122,33 @@ def test_save_load_roundtrip(tmp_path):
     (tmp_path / "p" / "prepare_config.json").unlink()  # an unfinished write is not trusted
     with pytest.raises(UserError):
         load_prepared(tmp_path / "p")
+
+
+@pytest.mark.parametrize("lie, expect", [
+    (lambda x: {"input_ids": x["input_ids"].float(), "labels": x["labels"]}, "torch.float32 / torch.int64 tensors"),
+    (lambda x: {"input_ids": x["input_ids"]}, "no input_ids and labels tensors"),
+    (lambda x: {"input_ids": x["input_ids"], "labels": x["labels"][:-1]}, "labels of"),
+    (lambda x: {"input_ids": x["input_ids"] * 0 + 10**6, "labels": x["labels"]}, "token ids from 1000000"),
+    (lambda x: {"input_ids": x["input_ids"] * 0 - 5, "labels": x["labels"]}, "token ids from -5"),
+    (lambda x: {"input_ids": x["input_ids"][:0], "labels": x["labels"][:0]}, "input_ids of shape (0,)"),
+    (lambda x: {"input_ids": x["input_ids"], "labels": x["labels"] * 0 + 10**6}, "a label 1000000 outside"),
+    (None, "holds 2 samples, its prepare_config.json says 3"),
+])
+def test_prepared_samples_that_lie_are_refused_when_loaded(tmp_path, lie, expect):
+    """A train.pt whose samples are not token ids of the tokenizer (floats, a label list of another length, ids
+    beyond the vocabulary, an empty sample) or a count its prepare_config.json does not say: one line naming the file
+    and the sample, as ensure_prepared loads it (the training step would fail on it, or index outside the embedding)."""
+    tok = CharTokenizer()
+    samples, _ = samples_of(RECORDS, tok, "alpaca", 1000)
+    save_prepared(tmp_path / "p", samples[:3], samples[3:], {"template": "alpaca", "tokenizer_fingerprint":
+                                                                tok.fingerprint, "max_seq_length": 1000})
+    train = [lie(x) if lie and i == 1 else x for i, x in enumerate(samples[:3 if lie else 2])]
+    torch.save(train, tmp_path / "p" / "train.pt")
+    with pytest.raises(UserError) as e:
+        ensure_prepared(tmp_path / "p", tok, DataSettings(1000, template="alpaca"))
+    assert_one_line_message(e, f"prepared data {tmp_path / 'p' / 'train.pt'}", expect)
+    if lie:
+        assert "sample 1 has" in str(e.value)
 
 
 def test_ensure_prepared_caches_single_file(tmp_path, capsys):

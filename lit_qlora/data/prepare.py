@@ -235,7 +235,10 @@ def read_prepared_meta(dest: Path | str) -> dict | None:
     return read_json(cfg, dict, fix=f"it is corrupt: delete {dest} and prepare the data again")
 
 
-def load_prepared(dest: Path | str) -> tuple[list, list, dict]:
+def load_prepared(dest: Path | str, vocab_size: Optional[int] = None) -> tuple[list, list, dict]:
+    """(train, val, meta) of a prepared folder, every sample checked (`check_samples`; token ids below `vocab_size`
+    when given) and the counts against its config: a file of another preparation, or one whose tensors lie, is a
+    one-line UserError naming it, never a training step that fails on it."""
     dest = Path(dest)
     meta = read_prepared_meta(dest)
     if meta is None:
@@ -247,7 +250,33 @@ def load_prepared(dest: Path | str) -> tuple[list, list, dict]:
     for name, samples in (("train.pt", train), ("val.pt", val)):
         if not (isinstance(samples, list) and all(isinstance(x, dict) for x in samples)):
             raise UserError(f"prepared data {dest / name} holds no list of samples; {fix}")
+        check_samples(samples, f"prepared data {dest / name}", vocab_size, fix)
+        counted = meta.get("n_train" if name == "train.pt" else "n_val")
+        if counted is not None and counted != len(samples):
+            raise UserError(f"prepared data {dest / name} holds {len(samples)} samples, its {CONFIG_NAME} says "
+                            f"{counted!r} (files of two preparations); {fix}")
     return train, val, meta
+
+
+def check_samples(samples: list, where: str, vocab_size: Optional[int], fix: str) -> None:
+    """Every sample {input_ids, labels}: 1-D integer tensors of the same length (at least 1), ids from 0 (below
+    `vocab_size` when given), labels an id or an ignore index (negative). Else a UserError naming the sample."""
+    for i, x in enumerate(samples):
+        ids, labels = x.get("input_ids"), x.get("labels")
+        bad = None
+        if not all(isinstance(t, torch.Tensor) for t in (ids, labels)):
+            bad = "no input_ids and labels tensors"
+        elif ids.dtype not in (torch.int64, torch.int32) or labels.dtype not in (torch.int64, torch.int32):
+            bad = f"{ids.dtype} / {labels.dtype} tensors, not token ids"
+        elif ids.ndim != 1 or labels.shape != ids.shape or ids.numel() == 0:
+            bad = f"input_ids of shape {tuple(ids.shape)} and labels of {tuple(labels.shape)}"
+        elif int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+            bad = f"token ids from {int(ids.min())} to {int(ids.max())}" + (
+                f", outside the tokenizer's {vocab_size}" if vocab_size is not None else "")
+        elif vocab_size is not None and int(labels.max()) >= vocab_size:
+            bad = f"a label {int(labels.max())} outside the tokenizer's {vocab_size} ids"
+        if bad:
+            raise UserError(f"{where}: sample {i} has {bad}; {fix}")
 
 
 def _sha256(path: Path) -> str:
@@ -303,7 +332,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
     # Samples prepared with a smaller max_seq_length still fit, so they are fine to use as is.
     if (meta is not None and meta.get("tokenizer_fingerprint") == fp
             and meta.get("max_seq_length", 1 << 62) <= s.max_seq_length):
-        return load_prepared(data_dir)
+        return load_prepared(data_dir, getattr(tokenizer, "vocab_size", None))
 
     raw = resolve(data_dir)
     if raw is None:
@@ -326,7 +355,7 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
     cached = read_prepared_meta(cache)
     if cached is not None and all(cached.get(k) == v for k, v in key.items()):
         print(f"Using data prepared earlier in {cache}", file=sys.stderr)
-        return load_prepared(cache)
+        return load_prepared(cache, getattr(tokenizer, "vocab_size", None))
 
     names = train_src.short_name() + (f" + {val_src.short_name()}" if val_src else "")
     try:

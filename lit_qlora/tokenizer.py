@@ -29,6 +29,9 @@ _FIELDS = {"tokenizer_config.json": TOKENIZER_CONFIG_FIELDS, "generation_config.
            "config.json": TOKEN_ID_FIELDS}
 
 
+MAX_CHAT_TEMPLATE = 1 << 20  # characters: 30x the largest published chat template; more is a damaged file
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """An optional side file of the tokenizer ({} without it), its fields checked (lit_qlora.readers)."""
     return read_side_json(path, _FIELDS.get(path.name, {}))
@@ -136,6 +139,10 @@ class Tokenizer:
             template = read_text(template_file)
         if isinstance(template, list):  # older multi-template form: [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str) and len(template) > MAX_CHAT_TEMPLATE:  # a 4 MiB line spliced into one
+            source = template_file if template_file.is_file() else self.checkpoint_dir / "tokenizer_config.json"
+            raise UserError(f"{source} holds a chat template of {len(template):,} characters; published templates "
+                            "are a few KB (tool-calling ones up to ~30 KB): the file is damaged, re-copy it")
         self.chat_template: str | None = template
 
     def _post_processor_specials(self) -> tuple[bool, bool]:

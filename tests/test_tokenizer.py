@@ -243,3 +243,19 @@ def test_a_folder_or_symlink_loop_in_a_tokenizer_file_place_is_refused(tmp_path,
         Tokenizer(folder)
     what = "is a folder" if place == "folder" else "is a symlink loop"
     assert f"{folder / name} {what}" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_chat_template_of_megabytes_is_refused(tmp_path, where):
+    """The fuzzer, seed 14025: 4 MiB of one byte spliced into chat_template.jinja rendered every conversation into
+    other text (an undefined key reads as empty) without a word. A template over 1 MiB (30x the largest published) is
+    refused in one line naming the file."""
+    template = "{% for m in messages %}{{ m['r" + "a" * (1 << 20) + "ole'] }}{{ m['content'] }}{% endfor %}"
+    folder = make_hf_bpe_tokenizer(tmp_path / "tok", chat_template=template if where != "chat_template.jinja"
+                                   else None)
+    if where == "chat_template.jinja":
+        (folder / where).write_text(template)
+    with pytest.raises(UserError) as e:
+        Tokenizer(folder)
+    assert f"{folder / where} holds a chat template of {len(template):,} characters" in str(e.value)
+    assert "\n" not in str(e.value)

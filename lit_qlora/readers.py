@@ -467,8 +467,10 @@ def read_hf_config(path: "Path | dict") -> dict:
         raise UserError(f"{where}: {e}") from None
     falcon = (archs[0] if archs else hf.get("model_type")) in ("FalconForCausalLM", "falcon")
     required = ["vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size"]
-    if not falcon:
-        required.append("intermediate_size")
+    if not falcon:  # (the first Falcon configs have neither: 4x the width and 2048 positions)
+        # every config transformers saves has the context length: a default would differ from transformers' own by
+        # architecture (Llama 2048, Mistral 32768, Qwen2 32768)
+        required += ["intermediate_size", "max_position_embeddings"]
     check_fields(hf, where, HF_CONFIG_FIELDS, required, fix)
     for name in ("rope_scaling", "rope_parameters"):
         rp = hf.get(name)

@@ -195,6 +195,23 @@ def test_a_conversion_its_config_json_does_not_give_is_refused(tmp_path, field, 
     assert str(tmp_path / "config.json") in msg and "convert again" in msg
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_config_json_without_the_context_length_is_refused(tmp_path, kind):
+    """The fuzzer, seed 14022: config.json with max_position_embeddings deleted converted with a context of 4096,
+    which is not transformers' default for the architecture (Llama 2048, Qwen2 32768): every config transformers
+    saves has it, so one without is refused in one line naming the file and the field."""
+    from lit_qlora.convert import ensure_converted
+    from lit_qlora.utils import UserError
+
+    make_tiny_hf_model(kind, tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        ensure_converted(tmp_path, quiet=True)
+    assert f"{tmp_path / 'config.json'} has no 'max_position_embeddings'" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("layout", ["published", "in-memory names"])
 def test_multimodal_gemma3_folder_loads_its_text_model(tmp_path, layout):
     """Gemma 3 4B / 12B / 27B ship as Gemma3ForConditionalGeneration (the language model under text_config, a vision

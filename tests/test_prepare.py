@@ -404,3 +404,22 @@ def test_prepare_dataset_with_conversations(chatml, tmp_path):
     train, val, _ = load_prepared(tmp_path / "out")
     want = {tuple(ref_sample(ref, m)[0]) for m in load_conversations(data)}
     assert len(want) == 3 and {tuple(s["input_ids"].tolist()) for s in train + val} == want
+
+
+@pytest.mark.parametrize("change, expect", [({"template": "x"}, "template is 'x', expected one of"),
+                                            ({"template": 3}, "template is 3, expected a string"),
+                                            ({"max_seq_length": "9"}, "max_seq_length is '9', expected an integer"),
+                                            ({"n_train": -1}, "n_train is -1, expected an integer from 0")])
+def test_a_prepare_config_that_lies_is_refused(tmp_path, change, expect):
+    """prepare_config.json's template is recorded in the adapter and renders every generation prompt: a value no
+    template has (or a field of the wrong kind) is refused in one line naming the file and the field, never trained
+    on and written into the adapter."""
+    tok = CharTokenizer()
+    samples, _ = samples_of(RECORDS, tok, "alpaca", 1000)
+    save_prepared(tmp_path / "p", samples[:3], samples[3:], {"template": "alpaca", "tokenizer_fingerprint":
+                                                                tok.fingerprint, "max_seq_length": 1000})
+    cfg = tmp_path / "p" / "prepare_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **change}))
+    with pytest.raises(UserError) as e:
+        ensure_prepared(tmp_path / "p", tok, DataSettings(1000, template="alpaca"))
+    assert_one_line_message(e, str(cfg), expect)

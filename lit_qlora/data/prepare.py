@@ -34,8 +34,8 @@ from lit_qlora.data.records import (
     with_messages_column,
 )
 from lit_qlora.data.sources import Source, mix, read_mixture, resolve
-from lit_qlora.data.templates import AUTO, CHAT, check_template_name, get_template
-from lit_qlora.readers import load_torch, read_json
+from lit_qlora.data.templates import AUTO, CHAT, TEMPLATE_NAMES, check_template_name, get_template
+from lit_qlora.readers import check_fields, load_torch, read_json
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_torch_save, atomic_write
 
@@ -232,7 +232,16 @@ def read_prepared_meta(dest: Path | str) -> dict | None:
     cfg = dest / CONFIG_NAME
     if not (cfg.is_file() and (dest / "train.pt").is_file() and (dest / "val.pt").is_file()):
         return None
-    return read_json(cfg, dict, fix=f"it is corrupt: delete {dest} and prepare the data again")
+    fix = f"it is corrupt: delete {dest} and prepare the data again"
+    meta = check_fields(read_json(cfg, dict, fix=fix), cfg, PREPARED_FIELDS, fix=fix)
+    if meta.get("template") not in (None, *TEMPLATE_NAMES):  # the adapter records it: generation renders with it
+        raise UserError(f"{cfg}: template is {meta['template']!r}, expected one of {', '.join(TEMPLATE_NAMES)}; {fix}")
+    return meta
+
+
+# the fields of prepare_config.json that are read back (the rest is the cache key, compared as written)
+PREPARED_FIELDS = {"template": "str", "tokenizer_fingerprint": "str", "max_seq_length": "size", "n_train": "count",
+                   "n_val": "count", "format_version": "int"}
 
 
 def load_prepared(dest: Path | str, vocab_size: Optional[int] = None) -> tuple[list, list, dict]:

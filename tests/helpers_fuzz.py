@@ -50,6 +50,7 @@ def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
     setup = dict(setup or h.build_tiny_setup(base / "setup"))
     shutil.copytree(setup["ckpt"], base / "ckpt")  # a private copy: the shared setup is never touched
     setup["ckpt"] = base / "ckpt"
+    (setup["ckpt"] / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # before training: the prepared data's key
     run = base / "run"
     h.train(setup, run, max_iters=2, save_interval=1, keep_checkpoints=0)
     hf_only = base / "hf_only"
@@ -67,7 +68,6 @@ def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
 
     config = Config.from_file(setup["ckpt"] / "model_config.json")
     Adapter.load(run / "lit_model_lora_finetuned.pth", config).export_peft(config, base / "peft")
-    (setup["ckpt"] / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     extra = base / "extra"  # the record formats and files beside the Alpaca JSON: parquet, preference pairs, a mixture
     extra.mkdir()
     import pyarrow as pa
@@ -80,6 +80,8 @@ def build_pristine(base: Path, setup: dict | None = None) -> dict[str, Path]:
     (extra / "pref" / "train.jsonl").write_text("".join(
         json.dumps({"prompt": f"name a color {i}", "chosen": " red", "rejected": f" cat {i}"}) + "\n"
         for i in range(8)))
+    prepared = sorted(Path(setup["data"]).glob(".prepared-*"))  # what the run prepared: a --data_dir of its own
+    shutil.copytree(prepared[-1], extra / "prep")
     (extra / "mix.yaml").write_text("- path: train.parquet\n  weight: 2\n- path: pref/train.jsonl\n  epochs: 0.5\n")
     return {"ckpt": setup["ckpt"], "hf_only": hf_only, "run": run, "data": setup["data"],
             "data_file": setup["data_file"], "chat": chat, "yaml": yaml_file, "peft": base / "peft", "extra": extra}
@@ -175,6 +177,29 @@ def _safetensors_lie(raw: bytes, rng: random.Random) -> bytes:
     return struct.pack("<Q", len(out)) + out + body
 
 
+def _samples_lie(samples: list, rng: random.Random) -> list:
+    """Prepared samples that load but lie: a sample's ids of another dtype, out of the vocabulary, labels of another
+    length or missing, a sample dropped or empty."""
+    samples = [dict(x) for x in samples]
+    i = rng.randrange(len(samples))
+    x = samples[i]
+    kind = rng.randrange(6)
+    if kind == 0:
+        x["input_ids"] = x["input_ids"].to(rng.choice([torch.float32, torch.int8, torch.bool]))
+    elif kind == 1:
+        x["input_ids"] = x["input_ids"].clone()
+        x["input_ids"][rng.randrange(len(x["input_ids"]))] = rng.choice([-1, 10**6, 2**40])
+    elif kind == 2:
+        x["labels"] = x["labels"][:-1]
+    elif kind == 3:
+        del x[rng.choice(["input_ids", "labels"])]
+    elif kind == 4:
+        samples.pop(i)
+    else:
+        x["input_ids"], x["labels"] = x["input_ids"][:0], x["labels"][:0]
+    return samples
+
+
 def _payload_lie(payload: dict, rng: random.Random) -> dict:
     """A training checkpoint / adapter whose content lies (it loads, but is not what finetune writes)."""
     p = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items()}
@@ -231,6 +256,9 @@ def corrupt(path: Path, kind: str, rng: random.Random) -> str:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         torch.save(_payload_lie(payload, rng), path)
         return "payload lie"
+    if kind == "prepared_pt" and r < 0.6:
+        torch.save(_samples_lie(torch.load(path, map_location="cpu", weights_only=True), rng), path)
+        return "samples lie"
     if kind in JSON_KINDS and r < 0.5:
         try:
             if kind in ("config_yaml", "data_sources_yaml"):
@@ -418,6 +446,15 @@ def _read_mixture(d: Path):
     return [(Path(e.path).name, e.weight, e.epochs) for e in entries]
 
 
+def _read_prepared(d: Path):
+    """A prepared --data_dir (train.pt, val.pt, prepare_config.json) as finetune loads it."""
+    from lit_qlora.data.prepare import DataSettings, ensure_prepared
+    from lit_qlora.tokenizer import Tokenizer
+
+    train, val, meta = ensure_prepared(d / "extra" / "prep", Tokenizer(d / "ckpt"), DataSettings(128))
+    return [{k: v.tolist() for k, v in sorted(x.items())} for x in train + val], meta.get("template")  # what is used
+
+
 def _run_report(d: Path):
     """scripts/report.py OUT_DIR: one run's report.md (no plots)."""
     from lit_qlora.train.tracking import run_report
@@ -467,12 +504,14 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "parquet_records": ("extra/train.parquet", _read_parquet),
     "preference_jsonl": ("extra/pref/train.jsonl", _read_pairs),
     "data_sources_yaml": ("extra/mix.yaml", _read_mixture),
+    "prepared_pt": ("extra/prep/train.pt", _read_prepared),
+    "prepared_config": ("extra/prep/prepare_config.json", _read_prepared),
 }
 JSONL_KINDS = {"chat_jsonl", "preference_jsonl"}
 JSON_KINDS = {"report_metrics_json", "run_report_metrics_json", "peft_config",
               "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
               "alpaca_json", "chat_jsonl", "tokenizer_json", "tokenizer_json_gguf", "tokenizer_config_gguf",
-              "preference_jsonl", "data_sources_yaml"}
+              "preference_jsonl", "data_sources_yaml", "prepared_config"}
 
 
 def _snapshot(folder: Path, skip: Path) -> dict[str, str]:

@@ -242,17 +242,21 @@ def test_mxfp4_experts_stay_mxfp4_bit_for_bit(mxfp4, tmp_path):
 
 
 # ---- adapters --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("experts", [True, False], ids=["experts-made-dense", "experts-kept-mxfp4"])
 @torch.no_grad()
-def test_merged_adapter_over_mxfp4_experts(mxfp4, tmp_path):
-    """LoRA on attention, head, router and experts over the MXFP4 checkpoint, merged into the file: the adapted
-    experts are written dense (W + s B A is not an MXFP4 grid), and the file's model gives our adapted logits."""
+def test_merged_adapter_over_mxfp4_experts(mxfp4, experts, tmp_path):
+    """A LoRA over the MXFP4 checkpoint merged into the file gives our adapted logits. On attention, head, router and
+    experts: the adapted experts are written dense (W + s B A is not an MXFP4 grid); without experts: they stay
+    MXFP4."""
     model = SimpleNamespace(folder=mxfp4)
-    adapter = make_adapter(mxfp4, seed=1, query=True, value=True, projection=True, head=True, experts=True,
+    adapter = make_adapter(mxfp4, seed=1, query=True, value=True, projection=True, head=True, experts=experts,
                            router=True)
     idx = tokens(seed=2)
     ours = load_model_with_adapter(mxfp4, adapter, precision="32-true")(idx)
     path = export(model, tmp_path, adapter=adapter, dtype="f32")
-    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32"}
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {n for n, t in types.items() if t != "F32"} == \
+        (set() if experts else {f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")})
     assert (hf_of_gguf(path)(idx).logits - ours).abs().max().item() <= F32_TOLERANCE
 
 

@@ -8,6 +8,7 @@ phi3 (fused attn_qkv and ffn_up, a sliding window), gemma2 (soft-caps that clip,
 gemma3 (QK-norm, 5:1 sliding / full layers with their own RoPE bases), and the mixtures of experts qwen3_moe
 (llama.cpp's qwen3moe, read by transformers' GGUF reader) and mixtral (llama.cpp's llama with experts, which
 transformers' GGUF reader does not read: checked through llama.cpp's tensor name map and transformers' Mixtral).
+gpt-oss, which transformers' GGUF reader cannot read either: tests/test_gguf_gptoss.py.
 """
 import os
 import re

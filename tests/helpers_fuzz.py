@@ -9,6 +9,10 @@ the CLI that reads it, and classifies the outcome:
 - "traceback": anything else (what the CLI would print as a Python traceback);
 - "changed": a file that existed before the case was modified by it.
 
+The table splits "accepted" by what was read: the same as from the pristine file; something else, and a warning named
+the file ("said so"); tensor payload bytes of a safetensors file changed ("undetectable": the format has no checksum);
+or something else without a word ("wrong": a reader to fix, or a valid file that says something else, to review).
+
 In-process, the reading path is the function the CLI calls (the CLI's own first steps for finetune); `run_cli_case`
 runs a damaged file through the real script as a subprocess.
 
@@ -574,9 +578,23 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     changed = sorted(k for k in before if before[k] != after.get(k))
     if changed:
         outcome, detail = "changed", f"modified {changed[:3]}"
+    if detail == "reads differently" and _payload_only(original, target):
+        detail = "undetectable: tensor payload bytes"  # safetensors has no checksum: another valid number
     damage = _text_diff(original, target) if detail.startswith("reads differently") else ""
     shutil.rmtree(d, ignore_errors=True)
     return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail, "damage": damage}
+
+
+def _payload_only(original: bytes, target: Path) -> bool:
+    """Whether a safetensors file's damage lies wholly in its tensor bytes (the header untouched, the size kept)."""
+    try:
+        damaged = target.read_bytes()
+    except OSError:
+        return False
+    if len(original) < 8 or len(damaged) != len(original) or not target.name.endswith(".safetensors"):
+        return False
+    start = 8 + struct.unpack("<Q", original[:8])[0]
+    return original[:start] == damaged[:start]
 
 
 def _json_diff(old, new, path: str = "") -> str:
@@ -636,21 +654,34 @@ def run_cases(pristine: dict[str, Path], seeds: range, kinds=None, work: Path | 
     return [run_case(pristine, kind, seed, work) for kind in (kinds or KINDS) for seed in seeds]
 
 
+def _class(r: dict) -> str:
+    """refused | same reading | said so | undetectable | wrong (a silent different reading) | traceback | changed."""
+    if r["outcome"] != "accepted":
+        return r["outcome"]
+    return {"same reading": "same reading", "reads differently, said so": "said so",
+            "reads differently": "wrong"}.get(r["detail"], "undetectable")
+
+
+CLASSES = ("refused", "same reading", "said so", "undetectable", "wrong", "traceback", "changed")
+
+
 def table(results: list[dict]) -> str:
-    counts = Counter(r["outcome"] for r in results)
+    """The outcome table: refused (one line), accepted with the same reading as the pristine file, accepted reading
+    differently and saying so (a warning naming the file), undetectable (tensor payload bytes), wrong (a silent
+    different reading, to review: a valid file that says something else, or a reader to fix), traceback, changed."""
+    counts = Counter(_class(r) for r in results)
     lines = ["| outcome | cases |", "|---|---|"]
-    for name in ("refused", "accepted", "traceback", "changed"):
+    for name in CLASSES:
         lines.append(f"| {name} | {counts.get(name, 0)} |")
     lines.append(f"| **total** | {len(results)} |")
     accepted = Counter((r["kind"], r["corruption"], r["detail"]) for r in results if r["outcome"] == "accepted")
     if accepted:
         lines += ["", "| accepted: file kind | damage | reading | cases |", "|---|---|---|---|"]
         lines += [f"| {k} | {what} | {how} | {n} |" for (k, what, how), n in sorted(accepted.items())]
-    by_kind = Counter((r["kind"], r["outcome"]) for r in results)
-    lines += ["", "| file kind | refused | accepted | traceback | changed |", "|---|---|---|---|---|"]
+    by_kind = Counter((r["kind"], _class(r)) for r in results)
+    lines += ["", "| file kind | " + " | ".join(CLASSES) + " |", "|---|" + "---|" * len(CLASSES)]
     for kind in dict.fromkeys(r["kind"] for r in results):
-        lines.append(f"| {kind} | " + " | ".join(str(by_kind.get((kind, o), 0))
-                                                 for o in ("refused", "accepted", "traceback", "changed")) + " |")
+        lines.append(f"| {kind} | " + " | ".join(str(by_kind.get((kind, o), 0)) for o in CLASSES) + " |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from lit_qlora.readers import (
     TOKEN_ID_FIELDS,
     TOKENIZER_CONFIG_FIELDS,
     check_file,
+    read_json,
     read_side_json,
     read_text,
 )
@@ -30,6 +31,27 @@ _FIELDS = {"tokenizer_config.json": TOKENIZER_CONFIG_FIELDS, "generation_config.
 
 
 MAX_CHAT_TEMPLATE = 1 << 20  # characters: 30x the largest published chat template; more is a damaged file
+
+
+def _steps(component: Any) -> list[dict]:
+    """The steps of a tokenizer.json component (a normalizer, pre-tokenizer or decoder; a Sequence's in order)."""
+    if not isinstance(component, dict):
+        return []
+    inner = component.get("pretokenizers") or component.get("normalizers") or component.get("decoders")
+    return [c for c in inner if isinstance(c, dict)] if component.get("type") == "Sequence" and isinstance(
+        inner, list) else [component]
+
+
+def _check_byte_level(path: Path) -> None:
+    """A tokenizer.json that decodes byte-level (GPT-2, Llama 3, Qwen) maps text to bytes first, in its pre-tokenizer
+    (or normalizer): one without that step loads, and encodes every space and non-ASCII character into other ids
+    (the fuzzer, seed 14053: pre_tokenizer deleted). Refused in one line naming the file."""
+    data = read_json(path, dict, "tokenizer file", "re-copy the tokenizer files of the model")
+    if not any(d.get("type") == "ByteLevel" for d in _steps(data.get("decoder"))):
+        return
+    if not any(d.get("type") == "ByteLevel" for key in ("pre_tokenizer", "normalizer") for d in _steps(data.get(key))):
+        raise UserError(f"{path} decodes byte-level but has no ByteLevel step in its pre_tokenizer or normalizer, so "
+                        "text would encode into other ids; re-copy the tokenizer files of the model")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -77,6 +99,7 @@ class Tokenizer:
                 self.processor: Any = HFTokenizer.from_file(str(path))
             except Exception as e:
                 raise UserError(f"cannot read {path} ({e}); re-copy the tokenizer files of the model") from e
+            _check_byte_level(path)
             # A tokenizer.json may carry truncation/padding settings; encode() must return every id.
             self.processor.no_truncation()
             self.processor.no_padding()

@@ -259,3 +259,19 @@ def test_a_chat_template_of_megabytes_is_refused(tmp_path, where):
         Tokenizer(folder)
     assert f"{folder / where} holds a chat template of {len(template):,} characters" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_byte_level_tokenizer_without_its_byte_level_step_is_refused(tmp_path, hf_dir):
+    """The fuzzer, seed 14053: tokenizer.json with its pre_tokenizer deleted loads in tokenizers and encodes every
+    space into other ids. A tokenizer that decodes byte-level without a ByteLevel pre-tokenizer (or normalizer) step is
+    refused in one line naming the file; the intact one loads."""
+    folder = tmp_path / "tok"
+    shutil.copytree(hf_dir, folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    assert data["decoder"]["type"] == "ByteLevel" and Tokenizer(folder).encode("a b").numel() > 0
+    del data["pre_tokenizer"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        Tokenizer(folder)
+    assert f"{folder / 'tokenizer.json'} decodes byte-level but has no ByteLevel step" in str(e.value)
+    assert "\n" not in str(e.value)

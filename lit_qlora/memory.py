@@ -15,8 +15,10 @@ mirrors what actually exists during training:
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
-  `_block_saved`; a mixture of experts' layer: the router's probabilities and choices, and the top-k experts'
-  activations of every token, `_moe_saved`), what the loss keeps (with a frozen dense head, the default: the
+  `_block_saved` as the config shapes each block: pre- and post-norms, q / k norms, each layer's RoPE or none, its
+  sliding window's mask, the attention kernel or Gemma 2's eager soft-capped attention in `_attention_saved`; a
+  mixture of experts' layer: the router's probabilities and choices, and the top-k experts' activations of every
+  token, `_moe_saved`), what the loss keeps (with a frozen dense head, the default: the
   gradient of the final hidden states, one chunk of logits existing at a time in forward; with a quantized head or a
   LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at the peak (one chunk of
   logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the gradients inside one
@@ -180,20 +182,102 @@ class _Dims:
     mixed: bool
     lora_dropout: bool
     t: int = 4  # bytes of a trainable (LoRA) weight: DoRA's factor and the sum it multiplies are in that dtype
+    w_norm: int = 4  # bytes of a norm's weight (the frozen dense dtype)
 
     @property
     def N(self) -> int:
         return self.B * self.T
 
 
-def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
-    """What a norm saves; `input_shared`: its input is already saved by the other norm reading it (parallel blocks)."""
-    N, C = d.N, c.n_embd
+def _norm_saved(c: Config, d: _Dims, input_shared: bool = False, size: Optional[int] = None,
+                rows: Optional[int] = None, in_bytes: Optional[int] = None) -> list[int]:
+    """What a norm (model.make_norm) of `size` features saves over `rows` rows (default: the residual stream's,
+    [N, n_embd] in d.r bytes); `input_shared`: its input is already saved by something else reading it (the other
+    norm of a parallel block, the qkv output that attention keeps)."""
+    rows, size, in_bytes = rows or d.N, size or c.n_embd, in_bytes or d.r
     if c.norm_class == "RMSNorm":
-        if d.r == 4:  # x.float() is x itself: the input is what is saved
-            return ([] if input_shared else [N * C * 4]) + [N * 4]
-        return [N * C * 4, N * 4]  # an fp32 copy of the input and 1/rms
-    return ([] if input_shared else [N * C * d.r]) + [N * d.r, N * d.r]  # LayerNorm: input, mean, rstd
+        # x.float() is x itself in fp32 (the input is what is saved), else an fp32 copy; then 1/rms per row
+        s = ([] if input_shared and in_bytes == 4 else [rows * size * 4]) + [rows * 4]
+        if c.norm_unit_offset or (c.norm_fp32_scale and d.w_norm != 4):
+            s.append(size * 4)  # Gemma's (1 + w) in fp32, OLMo 2's fp32 copy of a 16-bit w: what multiplies x
+        return s
+    return ([] if input_shared else [rows * size * in_bytes]) + [rows * in_bytes] * 2  # LayerNorm: input, mean, rstd
+
+
+def _attention_saved(c: Config, d: _Dims, i: int, seen: set, masks: set) -> list[int]:
+    """What layer i's attention saves for backward between its qkv and output projections (q / k norms, RoPE, the
+    attention kernel of `CausalSelfAttention.attend`), its qkv output needing grad. Each saved storage is counted
+    once (`store`): q, k and v are views of the qkv output until a norm or RoPE makes them new tensors. Adds "y" to
+    `seen` where the output projection's input is a view of the attention output saved here; `masks`: the sliding
+    windows whose boolean mask an earlier layer saved already (one per window per forward)."""
+    N, B, T, H, G, hs, a = d.N, d.B, d.T, c.n_head, c.n_query_groups, c.head_size, d.a
+    q_b, kv_b = N * H * hs * a, N * G * hs * a
+    sizes = {"qkv": N * sum(c.qkv_sizes) * a, "q": q_b, "k": kv_b}
+    store: dict[str, int] = {}
+    small: list[int] = []
+    q_at = k_at = "qkv"  # the storage q and k are views of
+    contiguous = False  # q laid out [B, H, T, hs] (per-head norms) rather than as a view of a [B, T, ...] tensor
+    if c.qk_norm:
+        # Qwen3 / Gemma 3 normalize each head of q and k, OLMo 2 the whole projections; fp32: the input saved is a
+        # view of the qkv output
+        per_head = c.qk_norm == "head"
+        for n in (H, G):
+            small += _norm_saved(c, d, input_shared=True, size=hs if per_head else n * hs,
+                                 rows=N * n if per_head else N, in_bytes=a)
+        if a == 4:
+            store["qkv"] = sizes["qkv"]
+        q_at, k_at, contiguous = "q", "k", per_head
+    if c.rope_n_elem and c.layer_rope(i) is not None:
+        q_at, k_at = "q", "k"  # rotated: new tensors, in the layout of their input
+    window = c.layer_window(i)
+    masked = window is not None and T > window  # GPT._mask: a mask only where the window is shorter than the row
+    if c.attn_softcap is not None:
+        # model.softcapped_attention, eager: the matmuls keep q and k^T (k, v repeated to every head first), the
+        # soft-cap its tanh, masked_fill the boolean mask (a new causal one per layer, the window's shared), the
+        # fp32 softmax its output, the last matmul the probabilities (a copy in q's dtype) and v
+        rep = H // G
+        store["q_mm"] = q_b
+        store["k_mm"] = q_b if rep > 1 else kv_b
+        if rep > 1:
+            store["v_mm"] = q_b
+        elif B == 1:  # v [1, G, T, hs] folds into the batched matmul as a view of the qkv output
+            store["qkv"] = sizes["qkv"]
+        else:  # ... else as a contiguous copy
+            store["v_mm"] = kv_b
+        scores = B * H * T * T
+        small.append(scores * a)  # tanh's result
+        small.append(scores * 4 + (scores * a if a != 4 else 0))
+        if not masked or window not in masks:
+            small.append(T * T)
+            if masked:
+                masks.add(window)
+        return list(store.values()) + small
+    if d.cpu_half:
+        # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
+        store[q_at] = sizes[q_at]
+        store[k_at] = sizes[k_at]
+        store["qkv"] = sizes["qkv"]
+        return list(store.values()) + small
+    # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
+    # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
+    # path (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there.
+    repeated = G != H and d.cpu_attention and not masked
+    store[q_at] = sizes[q_at]
+    if repeated:
+        store["k_rep"], store["v_rep"] = q_b, q_b
+    else:
+        store[k_at] = sizes[k_at]
+        store["qkv"] = sizes["qkv"]
+    store["out"] = q_b
+    small.append(B * H * T * 4)
+    if masked:
+        small.append(T * T * a)  # SDPA keeps the boolean mask converted to q's dtype, each layer its own copy
+    if not contiguous:
+        # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
+        # [B, T, H, hs] when q is a view of a [B, T, ...] tensor; normalized per head, q is contiguous
+        # [B, H, T, hs] and the projection's input a copy)
+        seen.add("y")
+    return list(store.values()) + small
 
 
 def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
@@ -266,50 +350,37 @@ def _dora_saved(in_f: int, out_f: int, parts, grad_in: bool, d: _Dims, lora: LoR
 
 
 def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: _Dims, i: int,
-                 grad_in: bool, int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
+                 grad_in: bool, int8_inputs: Optional[dict] = None,
+                 masks: Optional[set] = None) -> tuple[list[int], bool]:
     """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
     targets = lora_targets(c, lora)
     p = f"transformer.h.{i}."
-    N, C, H, G, hs, F = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
+    N, C, H, hs, F = d.N, c.n_embd, c.n_head, c.head_size, c.intermediate_size
     seen: set = set()  # tensors saved already (several layers reading the same input)
-    s = _norm_saved(c, d) if grad_in else []  # norm_1
+    s = _norm_saved(c, d) if grad_in and c.pre_norms else []  # norm_1 (OLMo 2 has none: attention reads x)
     s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, sum(c.qkv_sizes), grad_in, d, targets, lora, quantize, d.r, seen,
                                  "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
-        if c.qk_norm == "head":
-            # Qwen3 / Gemma 3 normalize q and k per head (RMSNorm of a [B, heads, T, hs] view of the qkv output):
-            # each keeps 1/rms per row, and an fp32 copy of its input where activations are 16-bit
-            s += [N * n * (hs * 4 if d.a != 4 else 0) + N * n * 4 for n in (H, G)]
-        # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
-        # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
-        # path repeats k and v to every head first, so with GQA v is its own tensor there.
-        # cpu_half's attention keeps only q, k (G heads) and v (the whole qkv output) and recomputes in backward.
-        if d.cpu_half:
-            s += [N * H * hs * d.a, N * G * hs * d.a, N * sum(c.qkv_sizes) * d.a]
-        else:
-            repeated = G != H and d.cpu_attention
-            kv = N * (H if repeated else G) * hs * d.a
-            s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
-            s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
-            if c.qk_norm != "head":
-                # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
-                # [B, T, H, hs] when q is a view of the qkv output; normalized per head, q is contiguous [B, H, T, hs]
-                # and the projection's input a copy)
-                seen.add("y")
+        s += _attention_saved(c, d, i, seen, masks if masks is not None else set())
     s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, C, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
     s += s_proj
+    if c.post_norms and g_attn:  # Gemma 2/3, OLMo 2: the attention output normalized before the residual add
+        s += _norm_saved(c, d, in_bytes=d.a)
     if c.parallel_residual:
         g_mlp_in = grad_in
         if not c.shared_attention_norm and grad_in:
             s += _norm_saved(c, d, input_shared=True)  # norm_2 reads the same block input
     else:
         g_mlp_in = grad_in or g_attn
-        if g_mlp_in:
+        if g_mlp_in and c.pre_norms:
             s += _norm_saved(c, d)  # norm_2
     if c.is_moe_layer(i):  # frozen router and experts: their output needs grad where their input does
-        return s + (_moe_saved(c, d) if g_mlp_in else []), grad_in or g_attn or g_mlp_in
+        s += _moe_saved(c, d) if g_mlp_in else []
+        if c.post_norms and g_mlp_in:
+            s += _norm_saved(c, d)  # (the experts' sum is cast back to the residual's dtype)
+        return s, grad_in or g_attn or g_mlp_in
     if c.mlp_class == "LLaMAMLP":
         s1, g1 = _linear_saved(p + "mlp.fc_1", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s2, g2 = _linear_saved(p + "mlp.fc_2", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
@@ -322,7 +393,10 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
                                      int8_inputs)
         s += s1 + ([N * F * d.a] if g_hidden else [])  # the activation's input
     s_p, g_mlp = _linear_saved(p + "mlp.proj", F, C, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
-    return s + s_p, grad_in or g_attn or g_mlp
+    s += s_p
+    if c.post_norms and g_mlp:
+        s += _norm_saved(c, d, in_bytes=d.a)  # post_mlp_norm
+    return s, grad_in or g_attn or g_mlp
 
 
 def _moe_saved(c: Config, d: _Dims) -> list[int]:
@@ -445,7 +519,8 @@ def estimate_training_memory(
               cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
               cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
                         and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
-              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype))
+              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype),
+              w_norm=_dtype_bytes(prec.frozen_other_dtype))
 
     quantize_lm_head = bool(quantize_lm_head)
     shard_world = max(1, int(shard_world))
@@ -526,10 +601,10 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
                        quantize: Optional[QuantMode], d: _Dims, prec: Precision, n_lora: int,
                        activation_checkpointing: bool) -> _Activations:
     """Saved for backward, block by block (the first block's input never needs grad), then the tail and logits."""
-    grad, blocks, block_max, int8_kept = False, [], [], []
+    grad, blocks, block_max, int8_kept, masks = False, [], [], [], set()
     for i in range(c.n_layer):
         int8_inputs: dict = {}
-        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs)
+        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs, masks)
         blocks += s
         block_max = max(block_max, s, key=sum)
         int8_kept += int8_inputs.values()
@@ -537,7 +612,9 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     tail = _norm_saved(c, d) if grad else []  # ln_f
     head_saved, _ = _linear_saved("lm_head", c.n_embd, c.vocab_size, grad, d, targets, lora, head_quantize, d.r,
                                   set(), "hf")
-    tail += head_saved + [2 * d.T * c.rope_n_elem * d.r]  # + the rope cos/sin
+    # + the rope cos/sin of each RoPE the layers use (Gemma 3's sliding layers have their own; NoPE layers none)
+    ropes = {c.layer_rope(i) for i in range(c.n_layer)} - {None} if c.rope_n_elem else set()
+    tail += head_saved + [2 * d.T * c.rope_n_elem * d.r] * len(ropes)
     if prec.mixed:
         tail.append(n_lora * d.a)  # autocast's low-precision copies of the LoRA weights
     # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see
@@ -545,8 +622,11 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     # Counted for every position: an upper bound, as training runs the output layer only where a target exists
     # (GPT(output_mask=...)), which prompt masking and packing make a fraction of the positions.
     V = c.vocab_size
-    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
-    saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
+    # checkpointing: the block inputs (the sliding windows' boolean masks among them), and what it cannot drop (int8
+    # layers' inputs, see _linear_saved)
+    windows = {c.layer_window(i) for i in range(c.n_layer)} - {None}
+    block_inputs = [d.N * c.n_embd * d.r] * c.n_layer + [d.T * d.T for w in windows if d.T > w]
+    saved_all = (block_inputs + int8_kept if activation_checkpointing else blocks) + tail
     if "lm_head" not in targets and head_quantize is None:
         # a frozen dense head: losses.head_cross_entropy holds one chunk of logits at a time, in forward, and keeps
         # only the gradient of the hidden states for backward
@@ -554,7 +634,10 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     chunk_T = min(256 if V >= 32000 else d.T, d.T)
     n_chunks = -(-d.T // chunk_T)
     N_c = d.B * chunk_T
-    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [d.N * 4, d.N * 8], N_c)
+    loss_saved = [d.N * 4, d.N * 8]
+    if c.final_softcap is not None:  # Gemma 2's soft-capped logits (GPT.output): tanh keeps its result, per chunk
+        loss_saved += [N_c * V * d.a] * n_chunks
+    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, loss_saved, N_c)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_HF_CONFIGS
 from helpers_train import env
 
 from lit_qlora.config import Config
@@ -37,6 +38,9 @@ ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=Tru
 DORA_QV = LoRAConfig(r=8, alpha=16, dropout=0.0, dora=True)
 DORA_ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True, dora=True)
 BIG = Config.from_name("Llama-2-7b-hf")
+# the families of issue 33 as the model tests build them (soft-caps that clip, sliding windows shorter than the
+# sequences, QK-norm per head and over the projection, post-norms, NoPE layers, Gemma 3's local RoPE, yarn, longrope)
+FAMILIES = ("qwen3", "gemma2", "gemma3", "olmo2", "phi3", "smollm3", "mistral_nemo", "llama_longrope")
 
 
 def _checkpoint(folder: Path, config: Config) -> Path:
@@ -56,6 +60,9 @@ def memory_ckpts(tmp_path_factory):
     for name, cfg in (("llama", LLAMA), ("neox", NEOX), ("moe", MOE)):
         folder = tmp_path_factory.mktemp(name)
         out[name] = (_checkpoint(folder, Config(**cfg)), Config(**cfg))
+    for name in FAMILIES:
+        config = Config.from_hf_config(TINY_HF_CONFIGS[name])
+        out[name] = (_checkpoint(tmp_path_factory.mktemp(name), config), config)
     return out
 
 
@@ -121,6 +128,13 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("moe", ATTN, "32-true", "bnb.nf4", False),
     ("moe", ATTN, "bf16-mixed", None, False),
     ("moe", QV, "bf16-true", None, True),
+    # the newer families: what their blocks add (Gemma 2's eager soft-capped attention, the post-norms, per-head and
+    # whole-projection QK-norm, Gemma 3's second RoPE table, the masks of sliding windows shorter than the sequence,
+    # NoPE layers' unrotated q and k)
+    *[(arch, lora, "32-true", None, False) for arch in FAMILIES for lora in (QV, ALL)],
+    *[(arch, ALL, "bf16-true", None, False) for arch in ("gemma2", "gemma3", "olmo2", "phi3", "smollm3")],
+    ("gemma3", QV, "bf16-true", "bnb.nf4-dq", False),
+    ("gemma2", ALL, "32-true", None, True),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""

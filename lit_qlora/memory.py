@@ -418,6 +418,18 @@ def _moe_temp(c: Config, d: _Dims) -> list[int]:
     return [N * k * C * d.a] * 2 + [N * k * F * d.a] * 2 + [N * C * 4] * 2
 
 
+def _moe_stranded(c: Config, d: _Dims) -> int:
+    """CPU heap left resident by one MoE layer's forward (`_allocator_slack`): every active expert's projections are
+    their own small tensors (the fc_1 and fc_2 outputs [rows, moe_intermediate_size], the proj outputs [rows,
+    n_embd], between the dequantized expert weights allocated and freed for each), alive until they are
+    concatenated. The concatenations and the routing that backward keeps are allocated after them, above them in
+    the heap, so the pieces' space, freed, cannot be trimmed and stays resident until backward frees what sits
+    above. Measured (scripts/bench_estimator.py --model moe, 1, 2 and 4 layers): the peak RSS grows by about this
+    much per MoE layer beyond the tensors themselves."""
+    N, C, k, F = d.N, c.n_embd, c.moe_top_k, c.moe_intermediate_size
+    return N * k * (2 * F + C) * d.a
+
+
 def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
     """Gradients alive inside one block's backward (the MLP's are the largest; a mixture of experts' layer: see
     `_moe_temp`) plus one dequantized weight (an expert's one at a time)."""
@@ -429,15 +441,16 @@ def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
     return max(dense, moe, key=sum) + ([dequant] if dequant else [])
 
 
-def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int) -> int:
+def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int, stranded_bytes: int = 0) -> int:
     """CPU: glibc serves allocations below its self-raising mmap threshold (at most 32 MiB) from heaps it rarely
     gives back: holes and an untrimmed top keep the resident size above the live tensors, by a share of the
     small tensors alive at the peak, more when quantized layers allocate and free a dequantized weight of that
-    size for every matmul. Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
+    size for every matmul, plus what each mixture-of-experts layer strands below its saved tensors
+    (`_moe_stranded`). Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
     cell is about +-5%). CUDA: 0, max_memory_allocated counts live blocks only."""
     if device_type != "cpu":
         return 0
-    return int(CPU_HEAP_FIXED + CPU_HEAP_SLACK * small_bytes + CPU_DEQUANT_CHURN * churn_bytes)
+    return int(CPU_HEAP_FIXED + CPU_HEAP_SLACK * small_bytes + CPU_DEQUANT_CHURN * churn_bytes + stranded_bytes)
 
 
 @dataclass
@@ -538,7 +551,11 @@ def estimate_training_memory(
     parts = {**static, "activations saved": sum(peak.saved), "logits (+ loss gradient)": sum(peak.held),
              "temporaries": sum(peak.temps)}
     if device_type == "cpu":
-        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
+        # every MoE layer's forward strands heap below what it saves; with checkpointing only the recomputed
+        # block's saved tensors outlive its forward
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+        stranded = _moe_stranded(c, d) * (min(moe_layers, 1) if activation_checkpointing else moe_layers)
+        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn, stranded)
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted
     load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]

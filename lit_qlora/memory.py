@@ -252,6 +252,16 @@ def _attention_saved(c: Config, d: _Dims, i: int, seen: set, masks: set) -> list
             if masked:
                 masks.add(window)
         return list(store.values()) + small
+    if c.attn_sinks:
+        # model.sink_attention (gpt-oss): k and v with a zero row appended (new tensors) and the float mask that
+        # carries the sink logits, [1, H, T, T + 1], built by each layer, all kept by SDPA with q, its output and the
+        # log-sum-exp; cpu_half's path runs it on fp32 copies of q, k and v
+        ab = 4 if d.cpu_half else a
+        small += [N * H * hs * ab, 2 * B * G * (T + 1) * hs * ab, N * H * hs * ab, B * H * T * 4,
+                  H * T * (T + 1) * ab]
+        if not d.cpu_half:
+            seen.add("y")  # (as below: the output is in q's layout)
+        return small
     if d.cpu_half:
         # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
         store[q_at] = sizes[q_at]
@@ -407,7 +417,16 @@ def _moe_saved(c: Config, d: _Dims) -> list[int]:
     moe_intermediate_size] each), and the gather back to token order its indices."""
     N, E, k, F = d.N, c.moe_n_expert, c.moe_top_k, c.moe_intermediate_size
     s = [N * E * 4, N * k * 8] + ([N * k * 4, N * 4] if c.moe_norm_topk else [])
-    return s + [N * k * 8, N * k * 8, N * k * d.r, N * k * 8] + [N * k * F * d.a] * 2
+    s += [N * k * 8, N * k * 8, N * k * d.r, N * k * 8]
+    if c.moe_swiglu_limit is not None:
+        # gpt-oss's clamped SwiGLU in plain autograd ops: both clamps' inputs, the clamped gate, its sigmoid, up + 1,
+        # the gate times its sigmoid and the product the routing weight scales
+        s += [N * k * F * d.a] * 7
+    else:
+        s += [N * k * F * d.a] * 2
+    if c.moe_bias:
+        s.append(N * k * c.n_embd * d.a)  # the down projection's bias gathered per routed row, which the weight scales
+    return s
 
 
 def _moe_temp(c: Config, d: _Dims) -> list[int]:
@@ -418,16 +437,17 @@ def _moe_temp(c: Config, d: _Dims) -> list[int]:
     return [N * k * C * d.a] * 2 + [N * k * F * d.a] * 2 + [N * C * 4] * 2
 
 
-def _moe_stranded(c: Config, d: _Dims) -> int:
-    """CPU heap left resident by one MoE layer's forward (`_allocator_slack`): every active expert's projections are
-    their own small tensors (the fc_1 and fc_2 outputs [rows, moe_intermediate_size], the proj outputs [rows,
-    n_embd], between the dequantized expert weights allocated and freed for each), alive until they are
-    concatenated. The concatenations and the routing that backward keeps are allocated after them, above them in
-    the heap, so the pieces' space, freed, cannot be trimmed and stays resident until backward frees what sits
-    above. Measured (scripts/bench_estimator.py --model moe, 1, 2 and 4 layers): the peak RSS grows by about this
-    much per MoE layer beyond the tensors themselves."""
-    N, C, k, F = d.N, c.n_embd, c.moe_top_k, c.moe_intermediate_size
-    return N * k * (2 * F + C) * d.a
+def _moe_stranded(c: Config, d: _Dims, dequant: int) -> int:
+    """CPU heap left resident by one MoE layer's forward (`_allocator_slack`) with quantized experts: each active
+    expert's projection dequantizes its weight (`dequant` bytes), computes its rows' output, a small tensor alive
+    until all experts' outputs are concatenated, and frees the weight: the outputs, carved from the freed weights'
+    space, leave holes too small for the next expert's weight, so the heap grows by about one dequantized weight
+    per active expert and keeps it. Measured (scripts/bench_estimator.py --model moe --n_layer 4, nf4-dq): ~0.24
+    GiB of peak RSS above the tensors and the dense-fitted slack at micro batch 4 and at 1 alike, i.e. it does not
+    grow with the tokens. Active experts: those at least one of the N*k routed rows picks, under even routing."""
+    E, rows = c.moe_n_expert, d.N * c.moe_top_k
+    active = E * (1 - (1 - 1 / E) ** rows)
+    return int(active * dequant)
 
 
 def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
@@ -511,10 +531,6 @@ def estimate_training_memory(
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
-    if config.moe_n_expert and (config.moe_bias or config.moe_swiglu_limit is not None):
-        # gpt-oss's clamped SwiGLU and expert biases save other tensors than `_moe_saved` counts: refused, not wrong
-        raise UserError(f"the memory estimate does not know gpt-oss's experts yet ({config.hf_architecture}: biased "
-                        "experts, clamped SwiGLU); pass --micro_batch_size as a number, without --estimate_only")
     lora = lora or LoRAConfig()
     if config.moe_n_expert and (lora.experts or lora.router):
         # the experts' LoRA pairs and what they save are not counted yet: refused, not wrong
@@ -551,10 +567,11 @@ def estimate_training_memory(
     parts = {**static, "activations saved": sum(peak.saved), "logits (+ loss gradient)": sum(peak.held),
              "temporaries": sum(peak.temps)}
     if device_type == "cpu":
-        # every MoE layer's forward strands heap below what it saves; with checkpointing only the recomputed
-        # block's saved tensors outlive its forward
+        # every MoE layer's forward with quantized experts strands heap (`_moe_stranded`)
         moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
-        stranded = _moe_stranded(c, d) * (min(moe_layers, 1) if activation_checkpointing else moe_layers)
+        expert_dq = max((out_f * in_f * a for name, out_f, in_f in w["quantized_shapes"] if ".experts." in name),
+                        default=0)
+        stranded = _moe_stranded(c, d, expert_dq) * moe_layers
         parts["allocator slack"] = _allocator_slack(device_type, small_max, churn, stranded)
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted

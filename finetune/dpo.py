@@ -3,9 +3,10 @@
     python finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data_dir data/pairs \\
         --quantize bnb.nf4 --loss dpo --beta 0.1 --lora_path out/sft/lit_model_lora_finetuned.pth
 
---data_dir holds JSON / JSONL rows {prompt, chosen, rejected}, strings or messages (lit_qlora/train/preference.py). The
-phases are finetune/lora.py's (setup -> check_inputs -> main -> build_model -> restore -> fit -> summarize, with its
-flags, checkpoints, --resume, DDP, NaN guard and metrics.csv); this script gives them its Objective: pairs instead of
+--data_dir holds JSON / JSONL rows {prompt, chosen, rejected}, strings or messages (lit_qlora/train/preference.py);
+--data_sources mixes several such sources as finetune/lora.py mixes samples. The phases are finetune/lora.py's
+(setup -> check_inputs -> main -> build_model -> restore -> fit -> summarize, with its flags, checkpoints, --resume,
+DDP and FSDP, NaN guard and metrics.csv); this script gives them its Objective: pairs instead of
 samples, the preference loss of each step, validation on the held-out pairs, and the rewards TRL logs
 (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies) as metrics.csv columns.
 
@@ -27,7 +28,8 @@ import torch
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
 from lit_qlora.convert import ensure_converted
-from lit_qlora.data.prepare import DataSettings
+from lit_qlora.data.prepare import DataSettings, ensure_mixture
+from lit_qlora.distributed import is_sharded
 from lit_qlora.quant.quantize import validation_mode
 from lit_qlora.readers import load_torch
 from lit_qlora.train import preference as pf
@@ -68,24 +70,26 @@ def _sft_adapter(args: FinetuneArgs) -> Adapter:
 
 
 def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
-    """The pairs (lit_qlora.train.preference.load_pairs), after the flags that do not apply to them."""
+    """The pairs (lit_qlora.train.preference.load_pairs) of --data_dir or of the --data_sources mixture, after the
+    flags that do not apply to them."""
     if args.data.packing:
         raise UserError("--packing does not apply to preference pairs (a pair's two rows are unpadded into one "
                         "forward already); leave --packing out")
-    if args.run.strategy == "fsdp":
-        raise UserError("finetune/dpo.py does not run with --strategy fsdp yet; use --strategy ddp (or auto)")
     if not args.data.mask_inputs:
         raise UserError("--mask_inputs false does not apply to preference pairs (the prompt is always masked: only "
                         "the answers are compared); leave it out")
-    if args.data.data_sources is not None:
-        raise UserError("--data_sources is not read by finetune/dpo.py yet; pass one --data_dir of pairs")
     if args.data.streaming:
         raise UserError("--streaming does not apply to finetune/dpo.py: the reference log-probabilities of every pair "
                         "are computed before the first step; leave --streaming out")
     if args.pref.lora_path is not None:
         _sft_adapter(args).check_base(config, args.pref.lora_path)
     settings = DataSettings(max_seq_length, template=args.data.template)
-    return pf.load_pairs(args.data.data_dir, tokenizer, settings)
+    if args.data.data_sources is None:
+        return pf.load_pairs(args.data.data_dir, tokenizer, settings)
+    # a mixture: every source read as --data_dir is, then mixed as finetune/lora.py mixes samples (a pair may come
+    # more than once: each place of it is numbered for its reference log-probabilities)
+    train, val, meta = ensure_mixture(args.data.data_sources, tokenizer, settings, args.run.seed, load=pf.load_pairs)
+    return pf.numbered(train), pf.numbered(val), meta
 
 
 def start(s) -> None:
@@ -123,20 +127,31 @@ def _read_reference(path: Path, n_train: int, n_val: int) -> tuple[torch.Tensor,
     return ref["train"], ref["val"]
 
 
+def my_batches(s, pairs: list, n_batches: int):
+    """(start, the pairs, counted) of this device's share of the first `n_batches` micro-batches of `pairs`: batch i
+    on device i % world. Under FSDP every device takes part in every forward (the others wait in its gathers): one
+    whose share has run out computes the first batch again, `counted` False (its results are dropped)."""
+    world, rank, mb = s.fabric.world_size, s.fabric.global_rank, s.inputs.micro_batch_size
+    sharded = is_sharded(s.fabric)
+    for first in range(0, n_batches, world):
+        i = first + rank
+        if i < n_batches:
+            yield i * mb, pairs[i * mb:(i + 1) * mb], True
+        elif sharded:
+            yield 0, pairs[:mb], False
+
+
 @torch.no_grad()
 def reference_logps(s, pairs: list) -> torch.Tensor:
-    """[len(pairs), 2]: (chosen, rejected) log-probabilities of the model as it is now; each device computes its
-    share of the micro-batches."""
-    fabric, world, rank = s.fabric, s.fabric.world_size, s.fabric.global_rank
+    """[len(pairs), 2]: (chosen, rejected) log-probabilities of the model as it is now (the policy before its first
+    update); each device computes its share of the micro-batches."""
+    fabric, world = s.fabric, s.fabric.world_size
     out = torch.zeros(len(pairs), 2, device=fabric.device)
     validation_mode(s.model)
-    mb = s.inputs.micro_batch_size
-    for i, start_ in enumerate(range(0, len(pairs), mb)):
-        if i % world != rank:
-            continue
-        chunk = pairs[start_:start_ + mb]
+    for start_, chunk, counted in my_batches(s, pairs, -(-len(pairs) // s.inputs.micro_batch_size)):
         lp = _logps(s, pf.collate_pairs(chunk, pad_id=_pad(s)))
-        out[start_:start_ + len(chunk)] = torch.stack([lp.chosen, lp.rejected], dim=1).float()
+        if counted:
+            out[start_:start_ + len(chunk)] = torch.stack([lp.chosen, lp.rejected], dim=1).float()
     s.model.train()
     return fabric.all_reduce(out, reduce_op="sum") if world > 1 else out
 
@@ -178,7 +193,7 @@ def accumulate(s) -> tuple[float, int, dict]:
     tokens = 0
     for j, m in enumerate(micro):
         mine = m[rank::world]
-        counted = 1.0 if mine else 0.0  # DDP: a device without pairs still runs one (weighted 0) for the all-reduce
+        counted = 1.0 if mine else 0.0  # a device without pairs still runs one (weighted 0): DDP, FSDP wait on it
         mine = mine or m[:1]
         with fabric.no_backward_sync(s.model, enabled=j < s.accum - 1):
             loss_sum, nll, stats = _pair_terms(s, mine, s.preference.ref_train)
@@ -198,18 +213,15 @@ def accumulate(s) -> tuple[float, int, dict]:
 @torch.no_grad()
 def validate(s) -> dict:
     """The loss and rewards on the first `eval_iters` micro-batches of the held-out pairs (all devices)."""
-    fabric, world, rank = s.fabric, s.fabric.world_size, s.fabric.global_rank
+    fabric, world = s.fabric, s.fabric.world_size
     val, mb = s.inputs.val_data, s.inputs.micro_batch_size
     validation_mode(s.model)
     sums = torch.zeros(3 + len(REWARDS), device=fabric.device)  # losses, NLL, pairs, rewards
-    n_batches = min(s.args.eval.eval_iters, -(-len(val) // mb))
-    for i in range(n_batches):
-        if i % world != rank:
-            continue
-        chunk = val[i * mb:(i + 1) * mb]
+    for _, chunk, counted in my_batches(s, val, min(s.args.eval.eval_iters, -(-len(val) // mb))):
         loss_sum, nll, stats = _pair_terms(s, chunk, s.preference.ref_val)
-        sums += torch.stack([loss_sum.float(), nll.float() / max(1, _chosen_tokens(chunk)) * len(chunk),
-                             torch.tensor(float(len(chunk)), device=fabric.device), *stats.values()])
+        if counted:
+            sums += torch.stack([loss_sum.float(), nll.float() / max(1, _chosen_tokens(chunk)) * len(chunk),
+                                 torch.tensor(float(len(chunk)), device=fabric.device), *stats.values()])
     sums = fabric.all_reduce(sums, reduce_op="sum") if world > 1 else sums
     s.model.train()
     n = float(sums[2].clamp(min=1))

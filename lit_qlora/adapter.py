@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -117,17 +117,24 @@ class Adapter:
         return export_peft(plain.lora, plain.config, base_config, out_dir, base_model_name_or_path)
 
     def as_plain_lora(self) -> "Adapter":
-        """A pissa / olora adapter (trained over a base that gave up s*B0@A0) as the same update over the original
-        base, a plain LoRA of rank 2r, as PEFT's `path_initial_model_for_weight_conversion` converts one: per part
-        A' = [A; A0], B' = [B, -B0], alpha doubled (times sqrt(2) for rsLoRA) to keep the scaling. W + s*B'@A' is
-        W - s*B0@A0 + s*B@A, so a DoRA adapter keeps its magnitudes: the row norms it divides by are the same. Other
-        adapters are returned as they are."""
+        """A pissa / olora / loftq adapter (trained over a base that gave up s*B0@A0) as the same update over the
+        original base, a plain LoRA of rank 2r, as PEFT's `path_initial_model_for_weight_conversion` converts one: per
+        part A' = [A; A0], B' = [B, -B0], alpha doubled (times sqrt(2) for rsLoRA) to keep the scaling. W + s*B'@A' is
+        W - s*B0@A0 + s*B@A, so a DoRA adapter keeps its magnitudes: the row norms it divides by are the same.
+
+        LoftQ (PEFT converts it the same way, with a warning): the trained model computed Q(W - s*B0@A0) + s*B@A, Q
+        the 4-bit quantization it trained over; the converted adapter over the original W computes W - s*B0@A0 +
+        s*B@A, which differs from it by exactly the quantization error of the residual, the error LoftQ's start
+        minimizes (`export_gap` measures it). One LoftQ step leaves A0 = B0 = 0 (the residual is W itself): its
+        adapter is already a plain LoRA of rank r and is returned with A0, B0 dropped. Other adapters are returned as
+        they are."""
         c = self.config
         if c.init not in RESIDUAL_INITS:
             return self
-        if c.init == "loftq":
-            raise UserError("a LoftQ adapter belongs to the quantized residual it was trained on, not to the original "
-                            "weights; export it merged instead (scripts/export_hf.py), or train with --lora_init pissa")
+        converted = {**self.train, "converted_from": c.init}
+        if c.init == "loftq" and not any(v.any() for k, v in self.lora.items() if k.endswith(".lora_B0")):
+            tensors = {k: v for k, v in self.lora.items() if not k.endswith((".lora_A0", ".lora_B0"))}
+            return Adapter(tensors, replace(c, init="default"), self.model_config, converted)
         tensors = {k: v for k, v in self.lora.items() if k.endswith(".lora_magnitude")}
         for module, parts in self.targets().items():
             n = len(parts or [None])
@@ -138,7 +145,24 @@ class Adapter:
             tensors[module + ".lora_B"] = torch.cat([B, -B0], 1)
         alpha = c.alpha * (math.sqrt(2) if c.rslora else 2)
         config = replace(c, r=2 * c.r, alpha=alpha, init="default")
-        return Adapter(tensors, config, self.model_config, {**self.train, "converted_from": c.init})
+        return Adapter(tensors, config, self.model_config, converted)
+
+    def export_gap(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """How far `as_plain_lora()` over the original weights is from the model this adapter trained: per adapted
+        module, ||merged as trained - merged converted|| / ||merged as trained|| (Frobenius, fp32, after DoRA's row
+        scaling), from the base checkpoint's (name, tensor) pairs `tensors`. Zero for every adapter but LoftQ's, whose
+        trained base was the 4-bit residual (`merged`); there it is the residual's quantization error, relative. A
+        LoftQ adapter that does not record its --quantize cannot be measured (UserError, as its merge)."""
+        if self.config.init != "loftq":
+            return {}
+        plain = self.as_plain_lora()
+        gaps = {}
+        for key, tensor in tensors:
+            if self.changes(key):
+                trained = self.merged(key, tensor, torch.float32)
+                gaps[key.removesuffix(".weight")] = float((trained - plain.merged(key, tensor, torch.float32)).norm()
+                                                          / trained.norm())
+        return gaps
 
     # ---- using -------------------------------------------------------------------------------------
     @cached_property

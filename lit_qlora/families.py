@@ -674,7 +674,7 @@ SPECS: dict[str, FamilySpec] = {s.architecture: s for s in (
                "qwen3moe"),
     # llama.cpp's converter writes Mixtral as "llama" with experts (ffn_*_exps)
     FamilySpec("MixtralForCausalLM", "mixtral", _map_mixtral, _to_mixtral, _fixed(_MIXTRAL_NAMES), "llama"),
-    FamilySpec("GptOssForCausalLM", "gpt_oss", _map_gpt_oss, _to_gpt_oss, _fixed(_GPT_OSS_NAMES)),
+    FamilySpec("GptOssForCausalLM", "gpt_oss", _map_gpt_oss, _to_gpt_oss, _fixed(_GPT_OSS_NAMES), "gpt-oss"),
     FamilySpec("SmolLM3ForCausalLM", "smollm3", _map_smollm3, _to_smollm3, _fixed(_LLAMA_NAMES)),
     FamilySpec("GemmaForCausalLM", "gemma", _map_gemma, _to_gemma, _fixed(_LLAMA_NAMES)),
     FamilySpec("Gemma2ForCausalLM", "gemma2", _map_gemma2, _to_gemma2, _fixed(_GEMMA2_NAMES), "gemma2"),

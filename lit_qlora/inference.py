@@ -19,7 +19,13 @@ from lit_qlora.data.chat_template import common_prefix_len, encode_chat, instruc
 from lit_qlora.data.templates import CHAT, check_template_name, get_template
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
+from lit_qlora.precision import (
+    bound_cpu_matmul_caches,
+    parse_precision,
+    resolve_accelerator,
+    resolve_precision,
+    slow_precision_warning,
+)
 from lit_qlora.quant.decode4bit import enable_fast_decode
 from lit_qlora.quant.prequantized import load_note
 from lit_qlora.quant.quantize import check_quantize, enable_cpu_inference_packing, format_memory_report, memory_report
@@ -32,11 +38,11 @@ def say(msg: str) -> None:
 
 
 def pick_device(accelerator: str) -> torch.device:
-    if accelerator == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if accelerator == "cuda" and not torch.cuda.is_available():
+    """The device a generate script runs on (--accelerator auto, cpu or cuda), which must be here."""
+    device_type = resolve_accelerator(accelerator)
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--accelerator cuda but no GPU is visible; use --accelerator cpu")
-    return torch.device(accelerator)
+    return torch.device(device_type)
 
 
 def resolve_generation_precision(precision: str, device: torch.device) -> tuple[str, str]:

@@ -836,13 +836,13 @@ def available_memory_bytes(device_type: str) -> int:
 
 
 def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, memory_budget: Optional[float],
-                          estimate_only: bool, accelerator: str, devices: int, lora: LoRAConfig, **settings) -> int:
+                          estimate_only: bool, device_type: str, devices: int, lora: LoRAConfig, **settings) -> int:
     """What finetune/lora.py calls before loading anything: resolves `--micro_batch_size auto` to the largest
     micro batch whose estimate fits `--memory_budget` (GB, default: the memory free now) and prints the estimate
     (to stdout with --estimate_only, else to stderr). `devices`: processes of the run (all machines); `settings`
-    may hold `shard_world` (--strategy fsdp): the estimate is then per rank."""
+    may hold `shard_world` (--strategy fsdp): the estimate is then per rank. `device_type`: the run's resolved
+    accelerator (cpu or cuda)."""
     out = sys.stdout if estimate_only else sys.stderr
-    device_type = "cuda" if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
     kw = dict(config=read_config(checkpoint_dir), lora=lora, device_type=device_type, **settings)
     if micro_batch_size == "auto":
         if memory_budget is None and devices > 1:  # every DDP process would measure a different free memory

@@ -5,6 +5,7 @@ plain LoRA's; with --peft, transformers + bitsandbytes + PEFT's plain LoRA and D
 batches beside ours (the same learning-rate schedule and gradient clipping as finetune's).
 
     python scripts/bench_lora_variants.py [--iters 40] [--checkpoint_dir DIR --data_dir DIR] [--peft] [--start]
+        [--start_batches 8] [--all_linear]
 
 Each of our rows is one `finetune/lora.py` run (the demo model and data by default, the same seed, so the same
 batches), its figures read from its BENCH_JSON line and metrics.json (peak RSS of the whole process, loading
@@ -12,8 +13,11 @@ included). A PEFT row (--peft, an HF checkpoint folder) is a fresh process that 
 (the same samples, in the same order, padded as finetune's stream pads them) through the HF model in a plain loop
 (forward with labels, backward, AdamW step), timed the same way. Name the CPU beside the figures you report; step
 times are only worth reading on a machine with nothing else running. --start adds, from one more process, how far
-each start's adapted weights (base + s*B@A) and first-batch next-token distribution are from the unquantized
-model's.
+each start's adapted weights (base + s*B@A) and next-token distribution are from the unquantized model's, and its
+loss, over the first --start_batches batches (the iteration-1 loss is one micro-batch: a few hundred tokens).
+--all_linear adapts every linear layer of the blocks (q, k, v, o and the MLP) instead of finetune's default q and v,
+in the runs and in the start comparison. For a trained model to measure on with no download:
+scripts/make_trained_fixture.py.
 """
 from __future__ import annotations
 
@@ -43,11 +47,15 @@ RUNS = {
 PEFT_RUNS = {"peft nf4-dq": False, "peft nf4-dq dora": True}  # name: use_dora
 
 
+ALL_LINEAR = ["--lora_key", "true", "--lora_projection", "true", "--lora_mlp", "true"]
+
+
 def common_flags(a: argparse.Namespace) -> list[str]:
     """What every one of our runs shares (the PEFT worker copies the settings that shape its batches)."""
-    return ["--eval_iters", "0", "--micro_batch_size", str(a.micro_batch_size), "--template", "plain",
-            "--warmup_steps", "0", "--lora_head", "false", "--lora_dropout", "0", "--precision", "32-true",
-            "--quantize", "bnb.nf4-dq", "--max_seq_length", str(a.max_seq_length)]
+    return (ALL_LINEAR if a.all_linear else []) + [
+        "--eval_iters", "0", "--micro_batch_size", str(a.micro_batch_size), "--template", "plain",
+        "--warmup_steps", "0", "--lora_head", "false", "--lora_dropout", "0", "--precision", "32-true",
+        "--quantize", "bnb.nf4-dq", "--max_seq_length", str(a.max_seq_length)]
 
 
 def child_env(threads: int) -> dict:
@@ -122,15 +130,17 @@ def peft_worker(cfg: dict) -> None:
     print("BENCH_JSON " + json.dumps(dict(losses=losses, iter_times=times, peak_memory_gb=peak)))
 
 
+ALL_TARGETS = dict(key=True, projection=True, mlp=True)  # with finetune's default query and value
 START_INITS = {"nf4-dq": ("default", 1), "nf4-dq pissa": ("pissa", 1), "nf4-dq loftq (1 step)": ("loftq", 1),
                "nf4-dq loftq (4 steps)": ("loftq", 4)}
 
 
 def start_worker(cfg: dict) -> None:
     """How close each quantization-aware start is to the unquantized model, in one process: for the adapted rows of
-    every adapted layer, ||dequantized base + s*B@A - W|| / ||W|| (W the checkpoint's weight), and on the first
-    batch the mean |logits - unquantized logits| and the mean KL divergence from the unquantized next-token
-    distribution (finetune's batches, as the PEFT worker takes them)."""
+    every adapted layer, ||dequantized base + s*B@A - W|| / ||W|| (W the checkpoint's weight), and over the first
+    `batches` batches (finetune's, as the PEFT worker takes them) the mean |log p - unquantized log p|, the mean KL
+    divergence from the unquantized next-token distribution, and the loss on the batches' target tokens (the
+    unquantized model's under "unquantized")."""
     import torch
 
     from lit_qlora.convert import ensure_converted
@@ -140,21 +150,36 @@ def start_worker(cfg: dict) -> None:
     from lit_qlora.lora import LoRAConfig, lora_modules
     from lit_qlora.quant.quantize import dequantize_weight
     from lit_qlora.tokenizer import Tokenizer
+    from lit_qlora.train.training import shift_labels
 
     ckpt = Path(cfg["checkpoint_dir"])
     tokenizer, config = Tokenizer(ckpt), ensure_converted(ckpt)
     train, _, _ = ensure_prepared(cfg["data_dir"], tokenizer,
                                   DataSettings(min(cfg["max_seq_length"], config.block_size), template="plain"))
-    batch = next(BatchStream(train, batch_size=cfg["micro_batch_size"], seed=1337, pad_id=tokenizer.eos_id or 0))
-    keep = torch.arange(batch["input_ids"].shape[1])[None] < batch["lengths"][:, None]
-    dense = load_model(ckpt, precision="32-true", lora=LoRAConfig(dropout=0.0), seed=1337).eval()
+    stream = BatchStream(train, batch_size=cfg["micro_batch_size"], seed=1337, pad_id=tokenizer.eos_id or 0)
+    batches = [next(stream) for _ in range(cfg.get("batches", 1))]
+    targets = ALL_TARGETS if cfg.get("all_linear") else {}
+
+    def next_token(model) -> tuple[torch.Tensor, float]:
+        """log p over every batch's real positions, and the mean loss on their target tokens."""
+        logps, nll, n = [], 0.0, 0
+        with torch.no_grad():
+            for batch in batches:
+                keep = torch.arange(batch["input_ids"].shape[1])[None] < batch["lengths"][:, None]
+                logits = model(batch["input_ids"])
+                y = shift_labels(batch["labels"])
+                nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+                n += int((y != -100).sum())
+                logps.append(logits[keep].log_softmax(-1))
+        return torch.cat(logps), nll / n
+
+    dense = load_model(ckpt, precision="32-true", lora=LoRAConfig(dropout=0.0, **targets), seed=1337).eval()
     weights = {n: (m.base.weight.detach().clone(), m.dora_rows()) for n, m in lora_modules(dense).items()}
-    with torch.no_grad():
-        ref = dense(batch["input_ids"])[keep].log_softmax(-1)
+    ref, ref_loss = next_token(dense)
     del dense
-    out = {}
+    out = {"unquantized": dict(weight_error=0.0, logit_diff=0.0, kl=0.0, loss=ref_loss)}
     for name, (init, iters) in START_INITS.items():
-        lora = LoRAConfig(dropout=0.0, init=init, loftq_iters=iters)
+        lora = LoRAConfig(dropout=0.0, init=init, loftq_iters=iters, **targets)
         model = load_model(ckpt, precision="32-true", quantize="bnb.nf4-dq", lora=lora, seed=1337).eval()
         err2 = norm2 = 0.0
         for n, m in lora_modules(model).items():
@@ -162,17 +187,16 @@ def start_worker(cfg: dict) -> None:
             effective = dequantize_weight(m.base).float() + m.delta_weight()
             err2 += float((effective[rows] - w[rows]).square().sum())
             norm2 += float(w[rows].square().sum())
-        with torch.no_grad():
-            logp = model(batch["input_ids"])[keep].log_softmax(-1)
+        logp, loss = next_token(model)
         out[name] = dict(weight_error=(err2 / norm2) ** 0.5, logit_diff=float((logp - ref).abs().mean()),
-                         kl=float((ref.exp() * (ref - logp)).sum(-1).mean()))
+                         kl=float((ref.exp() * (ref - logp)).sum(-1).mean()), loss=loss)
         del model
     print("BENCH_JSON " + json.dumps(out))
 
 
 def run_start(a: argparse.Namespace, env: dict) -> dict:
     cfg = dict(checkpoint_dir=a.checkpoint_dir, data_dir=a.data_dir, micro_batch_size=a.micro_batch_size,
-               max_seq_length=a.max_seq_length)
+               max_seq_length=a.max_seq_length, batches=a.start_batches, all_linear=a.all_linear)
     r = subprocess.run([sys.executable, __file__, "--_start_worker", json.dumps(cfg)], capture_output=True, text=True,
                        cwd=ROOT, env=env)
     if r.returncode != 0:
@@ -206,6 +230,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="OpenMP threads per run (default: torch's choice)")
     p.add_argument("--start", action="store_true", help="how close each start's weights and logits are to the "
                    "unquantized model's (one process; needs --checkpoint_dir)")
+    p.add_argument("--start_batches", type=int, default=8, help="batches the start comparison runs (default 8)")
+    p.add_argument("--all_linear", action="store_true", help="adapt q, k, v, o and the MLP (default: q and v)")
     p.add_argument("--_peft_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_start_worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -213,6 +239,8 @@ def main() -> None:
         return peft_worker(json.loads(a._peft_worker))
     if a._start_worker:
         return start_worker(json.loads(a._start_worker))
+    if a.peft and a.all_linear:
+        raise SystemExit("--peft compares LoRA on q and v only; run it without --all_linear")
     if a.peft and a.checkpoint_dir is None:
         raise SystemExit("--peft needs --checkpoint_dir of a Hugging Face folder (the demo model has no HF weights)")
     base = [] if a.checkpoint_dir is None else ["--checkpoint_dir", a.checkpoint_dir, "--data_dir", a.data_dir]
@@ -241,12 +269,17 @@ def main() -> None:
           "iteration-1 loss to the unquantized model's")
     if a.start:
         start = run_start(a, env)
-        print(f"\n{'start':24s} {'weight err':>10s} {'x nf4-dq':>8s} {'|dlogp|':>9s} {'KL':>9s}")
+        gap = start["nf4-dq"]["loss"] - start["unquantized"]["loss"]
+        print(f"\n{'start':24s} {'weight err':>10s} {'x nf4-dq':>8s} {'|dlogp|':>9s} {'KL':>9s} {'x nf4-dq':>8s} "
+              f"{'loss':>8s} {'-unq':>8s} {'closed':>7s}")
         for name, r in start.items():
+            d = r["loss"] - start["unquantized"]["loss"]
             print(f"{name:24s} {r['weight_error']:10.5f} {r['weight_error'] / start['nf4-dq']['weight_error']:8.3f} "
-                  f"{r['logit_diff']:9.5f} {r['kl']:9.2e}")
-        print("weight err: ||dequantized base + s*B@A - W|| / ||W|| over the adapted rows; |dlogp|, KL: mean over "
-              "the first batch's tokens, against the unquantized model")
+                  f"{r['logit_diff']:9.5f} {r['kl']:9.2e} {r['kl'] / start['nf4-dq']['kl']:8.3f} {r['loss']:8.4f} "
+                  f"{d:+8.4f} {1 - abs(d) / abs(gap):7.1%}")
+        print(f"weight err: ||dequantized base + s*B@A - W|| / ||W|| over the adapted rows; |dlogp|, KL, loss: mean "
+              f"over the tokens of the first {a.start_batches} batches, against the unquantized model; closed: 1 - "
+              "|loss - unquantized loss| / |nf4-dq's loss - unquantized loss|")
 
 
 if __name__ == "__main__":

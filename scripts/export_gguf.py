@@ -5,8 +5,9 @@ the adapter alone as a GGUF LoRA file (llama.cpp's --lora).
         --lora_path out/lora/lit_model_lora_finetuned.pth --out_file out/tinyllama-alpaca.gguf --dtype q8_0
     llama-cli -m out/tinyllama-alpaca.gguf -p "Recommend a movie for tonight"
 
-Supported: Llama 2/3/3.x, TinyLlama, SmolLM2, Mistral and Qwen2/2.5. The adapter is merged into the full-precision
-weights of --checkpoint_dir (never into quantized ones).
+Supported: Llama 2/3/3.x, TinyLlama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, gpt-oss (MXFP4 experts
+kept MXFP4), Phi-3/Phi-4, Gemma 2 and Gemma 3 text (tutorials/export_gguf.md). The adapter is merged into the
+full-precision weights of --checkpoint_dir (never into quantized ones).
 """
 import sys
 from pathlib import Path

@@ -1,7 +1,8 @@
 """finetune/dpo.py end to end, as real subprocesses on the tiny Llama of helpers_train (no mocks): a bnb.nf4 run
 whose first DPO loss is ln 2 and whose reference is the quantized base without the adapter, a resumed run equal to
 the uninterrupted one, the adapter in generate/lora.py and in PEFT, a run from an SFT adapter (its reference is
-that adapter), and the bad inputs refused in one line with nothing written."""
+that adapter), --strategy fsdp on two CPU processes equal to one process (and resumed), --data_sources mixtures of
+pair sources (proportions, seed, resume), and the bad inputs refused in one line with nothing written."""
 from __future__ import annotations
 
 import csv
@@ -204,7 +205,7 @@ def write_bad(folder, rows):
     return folder
 
 
-@pytest.mark.parametrize("case", ["same", "missing", "long_prompt", "other_base", "packing", "loss"])
+@pytest.mark.parametrize("case", ["same", "missing", "long_prompt", "other_base", "packing", "loss", "sources"])
 def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case):
     good = make_pairs(6)
     kw, expect = {}, ()
@@ -231,6 +232,14 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case)
         lora = LoRAConfig(r=2, alpha=4)
         Adapter.of_model(load_model(other, precision="32-true", lora=lora), lora).save(tmp_path / "other.pth")
         kw, expect = dict(lora_path=tmp_path / "other.pth"), ("was trained on",)
+    elif case == "sources":  # a --data_sources entry of instruction records, not pairs
+        data = tmp_path / "sft"
+        data.mkdir()
+        (data / "train.json").write_text(json.dumps(h.make_records(8)))
+        (tmp_path / "mix.json").write_text(json.dumps([{"path": str(setup["data"]), "weight": 1},
+                                                       {"path": str(data), "weight": 1}]))
+        kw = dict(data_dir=None, data_sources=tmp_path / "mix.json")
+        expect = f"row 1 of {data / 'train.json'}", "has no 'prompt' field"
     elif case == "packing":
         kw, expect = dict(packing="true"), ("--packing",)
     else:
@@ -238,7 +247,7 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case)
     before = h.snapshot(data)
     out = tmp_path / "out"
     capsys.readouterr()  # (what building the other model printed)
-    code = run_here(dpo_args(setup, out, data_dir=data, max_seq_length=64, **kw))
+    code = run_here(dpo_args(setup, out, **{"data_dir": data, "max_seq_length": 64, **kw}))
     err = capsys.readouterr().err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and all(e in lines[0] for e in expect), err
@@ -260,3 +269,142 @@ def run_here(argv: list) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+# ---- FSDP: two processes, each holding half the base ---------------------------------------------------------------
+FSDP_RUN = dict(max_iters=6, save_interval=3, keep_checkpoints=0, eval_interval=3, eval_iters=2, batch_size=4,
+                learning_rate=1e-3, lora_dropout=0.0, quantize="bnb.nf4", lora_mlp=True, accelerator="cpu")
+
+
+def _final_columns(out) -> dict[int, dict]:
+    """metrics.csv's loss, rewards and validation figures by iteration."""
+    keys = ("loss", *REWARDS, "val_loss", *(f"val_{k}" for k in REWARDS))
+    return {int(r["iter"]): {k: float(r[k]) for k in keys if r.get(k)} for r in h.read_metrics(out)}
+
+
+def _assert_same_run(a, b, tol: float = 1e-5) -> None:
+    ra, rb = _final_columns(a), _final_columns(b)
+    assert sorted(ra) == sorted(rb) == list(range(1, FSDP_RUN["max_iters"] + 1)), (ra, rb)
+    for i in ra:
+        assert ra[i].keys() == rb[i].keys() and all(abs(ra[i][k] - rb[i][k]) <= tol for k in ra[i]), (i, ra[i], rb[i])
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(a / final), h.load_lora(b / final)) < tol
+
+
+@pytest.mark.parametrize("loss", ["dpo", "orpo"])
+def test_fsdp_equals_one_process(setup, tmp_path, loss):
+    """--strategy fsdp on two CPU processes (gloo), each holding half of the bnb.nf4 base: the reference pass, the
+    steps and validation (one held-out batch: the second process has none and still takes part in every forward)
+    give the losses, rewards and adapter of one process on the same global batch (fp32, 1e-5). dpo: the reference
+    log-probabilities are the one process's, and a run resumed at iteration 3 under FSDP ends where the
+    uninterrupted ones did; orpo starts from an SFT adapter (--lora_path: each process takes its shard of it)."""
+    kw = dict(FSDP_RUN, loss=loss)
+    if loss == "orpo":
+        from helpers import randomize_lora
+
+        from lit_qlora.lora import LoRAConfig
+
+        lora = LoRAConfig(r=4, alpha=8, dropout=0.0, query=True, value=True, mlp=True)
+        model = load_model(setup["ckpt"], precision="32-true", lora=lora, seed=0)
+        randomize_lora(model, seed=5)
+        Adapter.of_model(model, lora).save(tmp_path / "sft.pth")
+        kw.update(lora_path=tmp_path / "sft.pth")
+    one, two = tmp_path / "one", tmp_path / "fsdp"
+    run_dpo(setup, one, micro_batch_size=4, **kw)
+    r = run_dpo(setup, two, micro_batch_size=2, devices=2, strategy="fsdp", timeout=300, **kw)
+    assert "this rank holds" in r.stderr, r.stderr
+    summary = json.loads((two / "metrics.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["devices"] == 2
+    _assert_same_run(one, two)
+    if loss != "dpo":
+        return
+    ref_one, ref_two = (torch.load(x / "reference_logps.pt") for x in (one, two))
+    for k in ("train", "val"):
+        torch.testing.assert_close(ref_two[k], ref_one[k], atol=1e-5, rtol=0)
+    c = tmp_path / "resumed"
+    shutil.copytree(two, c)
+    (c / "checkpoints" / "iter-000006.pth").unlink()
+    for f in ("lit_model_lora_finetuned.pth", "metrics.json"):
+        (c / f).unlink()
+    r = run_dpo(setup, c, micro_batch_size=2, devices=2, strategy="fsdp", resume="true", timeout=300, **kw)
+    assert f"Resuming from {c / 'checkpoints/iter-000003.pth'} at iteration 3" in r.stderr, r.stderr
+    _assert_same_run(one, c)
+
+
+# ---- --data_sources: mixtures of preference sources, through finetune/lora.py's mixing -------------------------------
+def _write_pairs(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _dpo_module():
+    import importlib.util
+    import sys
+
+    if "finetune_dpo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("finetune_dpo", DPO)
+        sys.modules["finetune_dpo"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["finetune_dpo"]
+
+
+def test_a_mixture_of_pair_sources_keeps_its_proportions_and_seed(setup, tmp_path):
+    """finetune/dpo.py's load_data with --data_sources: three sources of 40 distinct pairs (38 trained, 2 held out
+    each) at 175 / 50 / 25 epochs make 9500 pairs in the shares 0.7 / 0.2 / 0.1 exactly, their first half within 2%;
+    the same seed gives the same sequence, another seed another; every place is numbered once (a pair that comes
+    several times has one reference log-probability per place)."""
+    from lit_qlora.args import parse_finetune_args
+    from lit_qlora.config import Config
+
+    dpo = _dpo_module()
+    tok = Tokenizer(setup["ckpt"])
+    config = Config.from_file(setup["ckpt"] / "model_config.json")
+    epochs = {"a": 175, "b": 50, "c": 25}
+    kinds = {}
+    for name in epochs:
+        rows = [dict(r, prompt=f"{name} {i} {r['prompt']}") for i, r in enumerate(make_pairs(40, seed=ord(name)))]
+        _write_pairs(tmp_path / f"{name}.jsonl", rows)
+        train, _, _ = pf.load_pairs(tmp_path / f"{name}.jsonl", tok, DataSettings(64, template="plain"))
+        kinds.update({tuple(p["chosen_ids"].tolist()): name for p in train})
+    (tmp_path / "mix.yaml").write_text("".join(f"- {{path: {n}.jsonl, epochs: {e}}}\n" for n, e in epochs.items()))
+
+    def load(seed: int):
+        args = parse_finetune_args(dpo_args(setup, tmp_path / "out", data_dir=None, data_sources=tmp_path / "mix.yaml",
+                                            max_seq_length=64, seed=seed), preference=True)
+        return dpo.load_data(args, tok, config, 64)
+
+    train, val, meta = load(3)
+    names = [kinds[tuple(p["chosen_ids"].tolist())] for p in train]
+    assert len(train) == 9500 and len(val) == 6 and [m["used"] for m in meta["mixture"]] == [6650, 1900, 950]
+    for name, share in (("a", 0.7), ("b", 0.2), ("c", 0.1)):
+        assert names.count(name) / 9500 == pytest.approx(share)
+        assert abs(names[:4750].count(name) / 4750 - share) <= 0.02, name
+    assert [p["index"] for p in train] == list(range(9500)) and [p["index"] for p in val] == list(range(6))
+    ids = [p["chosen_ids"].tolist() for p in train]
+    assert [p["chosen_ids"].tolist() for p in load(3)[0]] == ids
+    assert [p["chosen_ids"].tolist() for p in load(4)[0]] != ids
+
+
+def test_a_mixture_of_pairs_trains_reports_and_resumes(setup, tmp_path):
+    """finetune/dpo.py --data_sources (the pairs folder by weight, another file twice): the realized mixture in
+    metrics.json, the first loss ln 2 (each place in the mixture looks up its own reference), and a run resumed from
+    its iteration-2 checkpoint retraces the uninterrupted one (the same mixed sequence, LoRA dropout on)."""
+    _write_pairs(tmp_path / "other.jsonl", make_pairs(20, seed=9))
+    (tmp_path / "mix.json").write_text(json.dumps([{"path": str(setup["data"]), "weight": 1},
+                                                   {"path": "other.jsonl", "epochs": 2}]))
+    common = dict(data_dir=None, data_sources=tmp_path / "mix.json", max_iters=4, save_interval=2, keep_checkpoints=0,
+                  eval_interval=4, micro_batch_size=4, batch_size=4, learning_rate=1e-2, lora_dropout=0.1)
+    a = tmp_path / "a"
+    run_dpo(setup, a, **common)
+    mixture = json.loads((a / "metrics.json").read_text())["data_mixture"]
+    assert [(m["available"], m["used"]) for m in mixture] == [(38, 38), (19, 38)]  # 5% of each held out
+    assert len(torch.load(a / "reference_logps.pt")["train"]) == 76
+    assert abs(h.losses_by_iter(a)[1] - math.log(2)) < 1e-5  # each place's own reference: policy = reference
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    for f in ("checkpoints/iter-000002.pth", "reference_logps.pt", "metrics.csv"):
+        shutil.copy(a / f, b / f)
+    run_dpo(setup, b, resume="true", **common)
+    la, lb = h.losses_by_iter(a), h.losses_by_iter(b)
+    assert sorted(lb) == [1, 2, 3, 4] and all(abs(la[i] - lb[i]) <= 1e-6 for i in (3, 4)), (la, lb)
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(a / final), h.load_lora(b / final)) < 1e-6

@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -341,13 +341,15 @@ def ensure_prepared(data_dir: Path | str, tokenizer: TokenizerLike, s: DataSetti
     return train, val, prepared
 
 
-def ensure_mixture(sources_file: Path | str, tokenizer: TokenizerLike, s: DataSettings,
-                   seed: int) -> tuple[list, list, dict]:
-    """What finetuning calls with --data_sources: every entry prepared (and cached) as --data_dir would prepare it,
-    the training samples mixed by weight or epochs (`sources.mix`, deterministic in `seed`), the validation samples
-    of every source together. The meta is the first source's with the realized `mixture`."""
+def ensure_mixture(sources_file: Path | str, tokenizer: TokenizerLike, s: DataSettings, seed: int,
+                   load: Callable = ensure_prepared) -> tuple[list, list, dict]:
+    """What finetuning calls with --data_sources: every entry prepared (and cached) as --data_dir would prepare it
+    (`load`, the same (path, tokenizer, settings) -> (train, val, meta) as for --data_dir: preference pairs give
+    lit_qlora.train.preference.load_pairs), the training samples mixed by weight or epochs (`sources.mix`,
+    deterministic in `seed`), the validation samples of every source together. The meta is the first source's with
+    the realized `mixture`."""
     entries = read_mixture(sources_file)
-    parts = [ensure_prepared(e.path, tokenizer, s) for e in entries]
+    parts = [load(e.path, tokenizer, s) for e in entries]
     templates = {m.get("template") for _, _, m in parts}
     if len(templates) > 1:
         named = ", ".join(f"{e.path}: {m.get('template')}" for e, (_, _, m) in zip(entries, parts))

@@ -24,12 +24,13 @@ import sentencepiece
 import torch
 
 from lit_qlora.adapter import Adapter
-from lit_qlora.checkpoint import LIT_CONFIG
+from lit_qlora.checkpoint import LIT_CONFIG, as_tensor
 from lit_qlora.config import Config
 from lit_qlora.convert import ensure_converted
 from lit_qlora.export.merge import merged_tensors
 from lit_qlora.families import SPECS
 from lit_qlora.model import llama3_scale_inv_freq, rope_inv_freq
+from lit_qlora.quant.mxfp4 import BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX, Mxfp4Tensor, join_stacks
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError, atomic_write
 
@@ -41,28 +42,37 @@ Q = gguf.GGMLQuantizationType
 ARCHITECTURES = {a: s.gguf for a, s in SPECS.items() if s.gguf}
 SUPPORTED = ("Llama 2/3/3.x, TinyLlama, SmolLM2 (LlamaForCausalLM), Mistral (MistralForCausalLM), "
              "Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), Mixtral "
-             "(MixtralForCausalLM), Phi-3 / Phi-4 (Phi3ForCausalLM), Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text "
-             "(Gemma3ForCausalLM)")
+             "(MixtralForCausalLM), gpt-oss (GptOssForCausalLM), Phi-3 / Phi-4 (Phi3ForCausalLM), Gemma 2 "
+             "(Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM)")
 # llama.cpp architectures whose q|k|v and gate|up are one tensor each (`attn_qkv`, `ffn_up`), as in the HF weights
 _FUSED = ("phi3",)
 # llama.cpp's Gemmas: norms stored as 1 + weight (its converter adds the 1), sliding windows in a fixed pattern
 _GEMMA = ("gemma2", "gemma3")
-_WINDOWED = ("phi3", *_GEMMA)  # llama.cpp architectures that attend within the sliding window written to the file
+# llama.cpp architectures that attend within the sliding window written to the file
+_WINDOWED = ("phi3", "gpt-oss", *_GEMMA)
 ANY = object()  # in `_arch_fields`: whatever the model has (it is written to the file)
 # llama.cpp architectures with mixtures of experts (a router `ffn_gate_inp` and the experts stacked [E, out, in] per
 # projection, `ffn_{gate,up,down}_exps`) -> what their MoE computes besides the counts and sizes written to the file:
-# both renormalize the top-k routing weights, and have experts in every layer
+# all renormalize the top-k routing weights, and have experts in every layer
 _MOE = {"qwen3moe": dict(moe_norm_topk=True, moe_dense_layers=None),
-        "llama": dict(moe_norm_topk=True, moe_dense_layers=None)}  # Mixtral
-_EXPERT_FFN_KEY = ("qwen3moe",)  # those whose experts' width is its own key (expert_feed_forward_length)
+        "llama": dict(moe_norm_topk=True, moe_dense_layers=None),  # Mixtral
+        "gpt-oss": dict(moe_norm_topk=True, moe_dense_layers=None)}  # (its softmax over the top-k logits is the same)
+_EXPERT_FFN_KEY = ("qwen3moe", "gpt-oss")  # those whose experts' width is its own key (expert_feed_forward_length)
 # always write the head size (llama.cpp assumes n_embd / n_head otherwise; transformers' qwen3moe reader takes it too)
-_KEY_LENGTH = ("gemma2", "gemma3", "qwen3moe")
+_KEY_LENGTH = ("gemma2", "gemma3", "qwen3moe", "gpt-oss")
 
 
 def _arch_fields(arch: str, config: Config) -> dict:
     """What llama.cpp's `arch` computes differently from its llama baseline (Config field -> the value it needs)."""
     if arch in ("qwen3", "qwen3moe"):
         return dict(qk_norm="head")
+    if arch == "gpt-oss":
+        # llama.cpp's gpt-oss: biases on q, k, v, o, the router and the experts, a sink per head, layers alternating
+        # sliding (first) and full (its fixed pattern), the clamped SwiGLU's limit and gain fixed at the published
+        # models' 7 and 1.702 (constants in llama.cpp), RoPE plain or YaRN (rope.scaling.* keys)
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.n_layer)]
+        return dict(bias=True, attn_sinks=True, moe_bias=True, moe_swiglu_limit=7.0, moe_swiglu_alpha=1.702,
+                    layer_types=types, rope_type=(None, "yarn"))
     if arch == "phi3":  # rope.dimension_count and longrope's factors and attention factor are written (`rope_tensors`)
         return dict(rope_n_elem=ANY, rope_type=(None, "longrope"))
     if arch not in _GEMMA:
@@ -105,6 +115,10 @@ _SPLIT_REGEX_NAMES = {
     # Qwen2 / 2.5: single digits instead of groups of three
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+": "qwen2",
+    # o200k (gpt-oss, Phi-4): words split before capitals, contractions kept on the word, digits in groups of three
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
 }
 
 
@@ -119,7 +133,8 @@ def gguf_architecture(config: Config) -> str:
                     parallel_residual=False, scale_embeddings=False, norm_unit_offset=False,
                     rope_n_elem=config.head_size, qk_norm=None, pre_norms=True, post_norms=False, attn_softcap=None,
                     final_softcap=None, attention_scale=None, nope_layers=None, rope_local_base=None,
-                    rope_type=None, moe_n_expert=ANY if arch in _MOE else 0)
+                    rope_type=None, moe_n_expert=ANY if arch in _MOE else 0, attn_sinks=False, moe_bias=False,
+                    moe_swiglu_limit=None, moe_swiglu_alpha=None)
     if config.moe_n_expert and arch in _MOE:
         expected.update(_MOE[arch])
     expected.update(_arch_fields(arch, config))
@@ -131,6 +146,12 @@ def gguf_architecture(config: Config) -> str:
             raise UserError(f"this {config.hf_architecture} has {key}={have!r}, which the GGUF export of llama.cpp's "
                             f"{arch!r} architecture does not write ({want!r} needed); export it with "
                             "scripts/export_hf.py")
+    scaling = config.rope_scaling or {}
+    odd = [k for k in ("mscale", "mscale_all_dim") if scaling.get("rope_type") == "yarn" and scaling.get(k) is not None]
+    if odd:  # llama.cpp's converter writes no YaRN mscale: its attention factor would be another
+        raise UserError(f"this {config.hf_architecture} has a YaRN rope_scaling with {odd[0]}={scaling[odd[0]]!r}, "
+                        f"which the GGUF export of llama.cpp's {arch!r} architecture does not write; export it with "
+                        "scripts/export_hf.py")
     return arch
 
 
@@ -141,6 +162,10 @@ def gguf_parts(config: Config, arch: str, name: str) -> list[tuple[str, Optional
     if not module.startswith("transformer.h."):
         return [(f"{_GLOBAL_NAMES[module]}.{param}", None, None)]
     i, _, sub = module[len("transformer.h."):].partition(".")
+    if param == "sinks":  # gpt-oss: one learned logit per head, a tensor of its own in llama.cpp
+        return [(f"blk.{i}.attn_sinks.weight", None, None)]
+    if arch == "gpt-oss" and sub == "norm_2":  # llama.cpp's gpt-oss names the norm before the MLP so
+        return [(f"blk.{i}.post_attention_norm.{param}", None, None)]
     if arch in _FUSED and sub in ("attn.qkv", "mlp.fc_1", "mlp.fc_2"):  # fc_1 then fc_2 stack into one ffn_up
         return [(f"blk.{i}.{'attn_qkv' if sub == 'attn.qkv' else 'ffn_up'}.{param}", None, None)]
     if sub != "attn.qkv":
@@ -205,8 +230,21 @@ def tensor_type(shape: tuple[int, ...], dtype: str, name: str = "") -> Q:
     return qtype
 
 
+def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as gpt-oss's checkpoints (and ours) store it -> ggml's MXFP4 blocks, the same values bit for bit.
+
+    Ours: blocks [..., G, 16] (value 2i in byte i's low nibble, value 2i + 1 in its high nibble) beside scales [..., G].
+    ggml's: [..., G, 17], each block its E8M0 scale byte then 16 bytes, value j in byte j's low nibble and value j + 16
+    in its high nibble. The E2M1 codes and the scale bytes are the same numbers in both."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32]: the values' codes in order
+    return torch.cat((scales.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
+
+
 def _encode(t: torch.Tensor, qtype: Q) -> np.ndarray:
-    """The bytes of `t` in ggml type `qtype`, as a uint8 array of the byte shape."""
+    """The bytes of `t` in ggml type `qtype`, as a uint8 array of the byte shape (an MXFP4 `t` is its bytes already,
+    `mxfp4_to_ggml`)."""
+    if qtype == Q.MXFP4:
+        return t.contiguous().numpy().reshape(*t.shape[:-2], -1)
     if qtype == Q.Q8_0:
         x = t.detach().float().cpu()
         out = np.empty(gguf.quant_shape_to_byte_shape(tuple(x.shape), qtype), dtype=np.uint8)
@@ -335,8 +373,8 @@ def _pre_name(data: dict, path: Path) -> str:
             name = _SPLIT_REGEX_NAMES.get((parts[0].get("pattern") or {}).get("Regex"))
     if name is None:
         raise UserError(f"the pre-tokenizer of {path} ({' + '.join(map(str, kinds)) or 'none'}) is not one llama.cpp "
-                        "knows by name (GPT-2, Llama 3, Qwen2, SmolLM2); export with scripts/export_hf.py and convert "
-                        "with llama.cpp's convert_hf_to_gguf.py")
+                        "knows by name (GPT-2, Llama 3, Qwen2, SmolLM2, GPT-4o); export with scripts/export_hf.py and "
+                        "convert with llama.cpp's convert_hf_to_gguf.py")
     return name
 
 
@@ -412,8 +450,9 @@ def _write(path: Path, arch: str, metadata: Callable[[gguf.GGUFWriter], None], p
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             for (name, shape, qtype), (got, t) in zip(plan, tensors, strict=True):
-                if got != name or tuple(t.shape) != shape:
-                    raise RuntimeError(f"tensor stream mismatch at {name} {shape}: got {got} {tuple(t.shape)}")
+                got_shape = (*t.shape[:-2], t.shape[-2] * 32) if qtype == Q.MXFP4 else tuple(t.shape)
+                if got != name or got_shape != shape:
+                    raise RuntimeError(f"tensor stream mismatch at {name} {shape}: got {got} {got_shape}")
                 w.write_tensor_data(_encode(t, qtype))
         finally:
             w.close()
@@ -453,6 +492,14 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
     plan: Plan = [(name, tuple(t.shape), Q.F32) for name, t in extra]
     pieces: dict[str, int] = {}  # llama.cpp tensor -> how many of ours stack into it (2 for Phi-3's ffn_up)
     for name, shape, _ in specs:
+        if name.endswith(SCALES_SUFFIX):  # (planned with its blocks)
+            continue
+        if name.endswith(BLOCKS_SUFFIX):  # experts stored in MXFP4 (gpt-oss as published) stay MXFP4, bit for bit
+            stack = name.removesuffix(BLOCKS_SUFFIX) + ".weight"
+            [(gguf_name, _, _)] = gguf_parts(config, arch, stack)
+            plan.append((gguf_name, (*shape[:2], shape[2] * BLOCK), Q.MXFP4))
+            pieces[gguf_name] = 1
+            continue
         for gguf_name, rows, _ in gguf_parts(config, arch, name):
             gguf_shape = (rows[1], *shape[1:]) if rows else tuple(shape)
             if gguf_name in pieces:  # the next rows of a tensor already planned
@@ -466,7 +513,11 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         yield from extra
         held: dict[str, list[torch.Tensor]] = {}
-        for name, t in stream:
+        for name, t in join_stacks(stream):
+            if isinstance(t, Mxfp4Tensor):
+                [(gguf_name, _, _)] = gguf_parts(config, arch, name)
+                yield gguf_name, mxfp4_to_ggml(as_tensor(t.blocks), as_tensor(t.scales))
+                continue
             for gguf_name, part in split_gguf(config, arch, name, t):
                 held.setdefault(gguf_name, []).append(part)
                 if len(held[gguf_name]) == pieces[gguf_name]:
@@ -483,6 +534,17 @@ def write_model(checkpoint_dir: Path, config: Config, out_file: Path, dtype: str
                                                 torch.device("cpu"))
             w.add_rope_scaling_attn_factors(attention_factor)
             w.add_rope_scaling_orig_ctx_len(config.rope_scaling["original_max_position_embeddings"])
+        if (config.rope_scaling or {}).get("rope_type") == "yarn":  # the keys llama.cpp's converter writes for YaRN
+            s = config.rope_scaling
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(s["factor"])
+            w.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+            if s.get("attention_factor") is not None:
+                w.add_rope_scaling_yarn_attn_factor(s["attention_factor"])
+            if s.get("beta_fast") is not None:
+                w.add_rope_scaling_yarn_beta_fast(s["beta_fast"])
+            if s.get("beta_slow") is not None:
+                w.add_rope_scaling_yarn_beta_slow(s["beta_slow"])
         if config.attn_softcap is not None:
             w.add_attn_logit_softcapping(config.attn_softcap)
         if config.final_softcap is not None:
@@ -500,6 +562,9 @@ def write_lora(config: Config, out_file: Path, dtype: str, adapter: Adapter) -> 
         raise UserError(f"a LoRA file for llama.cpp's {arch!r} architecture (one fused attn_qkv and ffn_up per layer) "
                         "is not written; export the merged model instead (drop --lora_only)")
     lora = adapter.config
+    if lora.experts:  # (a router's LoRA is one 2-D pair, on ffn_gate_inp, which llama.cpp's MoE applies)
+        raise UserError("a LoRA on a mixture's experts (one pair per expert) is not written as llama.cpp's LoRA file; "
+                        "export the merged model instead (drop --lora_only)")
     q, k, _ = config.qkv_sizes
     pairs: list[tuple[str, torch.Tensor]] = []
     for module, parts in adapter.targets().items():
@@ -568,6 +633,10 @@ def export_gguf(checkpoint_dir: Path, out_file: Path, adapter: Optional[Adapter 
         notes.append(f"llama.cpp's {gguf_architecture(config)!r} architecture has no sliding-window attention: the "
                      f"GGUF model attends to the whole context (the same as this one up to "
                      f"{config.sliding_window_size} tokens)")
+    if (config.rope_scaling or {}).get("rope_type") == "yarn" and config.rope_scaling.get("truncate") is False:
+        notes.append("this model's YaRN keeps its correction range unrounded (truncate=false, as gpt-oss publishes "
+                     "it) and llama.cpp rounds it to whole dimensions (ggml_rope_yarn_corr_dims): the rotary "
+                     "frequencies of the few dimensions at its edges differ slightly there")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     write_model(checkpoint_dir, config, out_file, dtype, adapter, vocab)

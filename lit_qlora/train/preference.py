@@ -234,15 +234,18 @@ def load_pairs(data_dir: Path | str, tokenizer: Any, s: DataSettings) -> tuple[l
         val = [_pair(row, rec, f, tokenizer, template, s, stats) for f, row, rec in _rows(val_src)]
     else:
         train, val = split(train, s.test_split_fraction, s.seed)
-    for i, p in enumerate(train):
-        p["index"] = i
-    for i, p in enumerate(val):
-        p["index"] = i
+    train, val = numbered(train), numbered(val)
     if stats["truncated"]:
         print(f"warning: {stats['truncated']} answer(s) cut to --max_seq_length {s.max_seq_length} tokens",
               file=sys.stderr)
     return train, val, {"template": template, "n_train": len(train), "n_val": len(val),
                         "source_files": [str(f) for src in raw if src is not None for f in src.key_files()]}
+
+
+def numbered(pairs: list[dict]) -> list[dict]:
+    """The pairs with `index` their place in the list (what their reference log-probabilities are looked up by); each
+    a new dict, so a pair that comes twice (a mixture) has two places."""
+    return [{**p, "index": i} for i, p in enumerate(pairs)]
 
 
 def _rows(source: Source) -> list[tuple[Path, int, dict]]:

@@ -571,7 +571,7 @@ def estimate_training_memory(
         moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
         expert_dq = max((out_f * in_f * a for name, out_f, in_f in w["quantized_shapes"] if ".experts." in name),
                         default=0)
-        stranded = _moe_stranded(c, d, expert_dq) * moe_layers
+        stranded = _moe_stranded(c, d, expert_dq) * moe_layers if moe_layers else 0
         parts["allocator slack"] = _allocator_slack(device_type, small_max, churn, stranded)
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted

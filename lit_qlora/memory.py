@@ -18,11 +18,11 @@ mirrors what actually exists during training:
   `_block_saved` as the config shapes each block: pre- and post-norms, q / k norms, each layer's RoPE or none, its
   sliding window's mask, the attention kernel or Gemma 2's eager soft-capped attention in `_attention_saved`; a
   mixture of experts' layer: the router's probabilities and choices, and the top-k experts' activations of every
-  token, `_moe_saved`), what the loss keeps (with a frozen dense head, the default: the
-  gradient of the final hidden states, one chunk of logits existing at a time in forward; with a quantized head or a
-  LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at the peak (one chunk of
-  logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the gradients inside one
-  block's backward).
+  token, with a LoRA on the experts each pair's, `_moe_saved`), what the loss keeps (with a frozen dense head, the
+  default: the gradient of the final hidden states, one chunk of logits existing at a time in forward; with a
+  quantized head or a LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at
+  the peak (one chunk of logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the
+  gradients inside one block's backward).
 
 The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
 saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
@@ -54,7 +54,7 @@ from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.kernels import cpu_half
 from lit_qlora.kernels.cpu_attention import RECOMPUTE_BELOW
-from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
+from lit_qlora.lora import LoRAConfig, LoRAExperts, LoRALinear, lora_targets, meta_model
 from lit_qlora.losses import head_chunk_rows
 from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import Precision, parse_precision
@@ -108,11 +108,12 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "st
     quantized_shapes: list[tuple[str, int, int]] = []
     seen: set[int] = set()
     for name, m in model.named_modules():
-        parent_is_lora = isinstance(m, LoRALinear)
+        parent_is_lora = isinstance(m, (LoRALinear, LoRAExperts))  # (experts: a pair per expert, [E, ...])
         unit = name.split(".")[2] if name.startswith("transformer.h.") else "root"
         if parent_is_lora:
             lora_numels += [m.lora_A.numel(), m.lora_B.numel()]
-            lora_rank_numels += [_shard_rows(p.shape[0], shard_world) * p.shape[1] for p in (m.lora_A, m.lora_B)]
+            lora_rank_numels += [_shard_rows(p.shape[0], shard_world) * (p.numel() // p.shape[0])
+                                 for p in (m.lora_A, m.lora_B)]
             unit_bytes[unit] = unit_bytes.get(unit, 0) + (m.lora_A.numel() + m.lora_B.numel()) * _dtype_bytes(
                 prec.trainable_dtype)
             continue
@@ -387,7 +388,9 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
         if g_mlp_in and c.pre_norms:
             s += _norm_saved(c, d)  # norm_2
     if c.is_moe_layer(i):  # frozen router and experts: their output needs grad where their input does
-        s += _moe_saved(c, d) if g_mlp_in else []
+        s_r, _ = _linear_saved(p + "mlp.router", C, c.moe_n_expert, g_mlp_in, d, targets, lora, quantize, d.r, seen,
+                               "h2", int8_inputs)
+        s += s_r + (_moe_saved(c, d, lora) if g_mlp_in else [])
         if c.post_norms and g_mlp_in:
             s += _norm_saved(c, d)  # (the experts' sum is cast back to the residual's dtype)
         return s, grad_in or g_attn or g_mlp_in
@@ -409,7 +412,7 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
     return s, grad_in or g_attn or g_mlp
 
 
-def _moe_saved(c: Config, d: _Dims) -> list[int]:
+def _moe_saved(c: Config, d: _Dims, lora: Optional[LoRAConfig] = None) -> list[int]:
     """What model.MoE saves for backward when its input needs grad (router and experts frozen). The router's matmul
     keeps only its weight; its fp32 softmax keeps the probabilities, top-k the chosen indices, the renormalization its
     two operands; the experts keep the sort order and the token of every routed row (int64), the routing weights in
@@ -426,6 +429,14 @@ def _moe_saved(c: Config, d: _Dims) -> list[int]:
         s += [N * k * F * d.a] * 2
     if c.moe_bias:
         s.append(N * k * c.n_embd * d.a)  # the down projection's bias gathered per routed row, which the weight scales
+    if lora is not None and lora.experts:
+        # lora.LoRAExperts on fc_1, fc_2 and proj: each keeps its input (the routed rows, shared by fc_1 and fc_2;
+        # the gated activation's output for proj), every expert's x @ A_e, scaling * B (all experts at once), and
+        # with dropout a one-byte mask of its input
+        C = c.n_embd
+        s += [N * k * C * d.a, N * k * F * d.a]
+        for in_f, out_f in ((C, F), (C, F), (F, C)):
+            s += [N * k * lora.r * d.a, E * out_f * lora.r * d.a] + ([N * k * in_f] if lora.dropout > 0 else [])
     return s
 
 
@@ -532,10 +543,6 @@ def estimate_training_memory(
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
     lora = lora or LoRAConfig()
-    if config.moe_n_expert and (lora.experts or lora.router):
-        # the experts' LoRA pairs and what they save are not counted yet: refused, not wrong
-        raise UserError("the memory estimate does not know a LoRA on the experts or router yet; pass "
-                        "--micro_batch_size as a number, without --estimate_only")
     quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)
     c = config

@@ -34,6 +34,9 @@ MOE = dict(name="mem-moe", hf_architecture="Qwen3MoeForCausalLM", n_layer=3, n_h
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
 ATTN = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, head=True)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
+# a LoRA pair per expert (lora.LoRAExperts) beside attention's; with dropout, on the experts and the router alone
+EXPERTS = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, experts=True)
+EXPERTS_ROUTER = LoRAConfig(r=8, alpha=16, dropout=0.05, experts=True, router=True)
 DORA_QV = LoRAConfig(r=8, alpha=16, dropout=0.0, dora=True)
 DORA_ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True, dora=True)
 BIG = Config.from_name("Llama-2-7b-hf")
@@ -85,6 +88,21 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize, arch):
     bits = 8 * QuantMode(quantize).layer_bytes(4096, 4096) / 4096**2
     assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
                                  abs=2e-3)
+
+
+@pytest.mark.parametrize("arch", ["moe", "gpt_oss"])
+def test_expert_lora_parameters_are_counted(memory_ckpts, arch):
+    """A LoRA on the experts (a pair per expert, [E, r, in] and [E, out, r]) and the router: the estimate's trainable
+    parameters are the loaded model's, and its optimizer state follows them."""
+    from lit_qlora.loader import load_model
+
+    folder, config = memory_ckpts[arch]
+    model = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=EXPERTS_ROUTER, config=config, seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted = weight_bytes(config, EXPERTS_ROUTER, "32-true", "bnb.nf4")
+    assert sum(predicted["lora_numels"]) == trainable
+    est = estimate_training_memory(config, EXPERTS_ROUTER, "32-true", "bnb.nf4", micro_batch_size=1, seq_length=16)
+    assert est.extra["optimizer_state"] == pytest.approx(2 * 4 * trainable, abs=4 * len(predicted["lora_numels"]))
 
 
 def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
@@ -139,6 +157,10 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("gpt_oss", QV, "32-true", None, False),
     ("gpt_oss", ATTN, "32-true", None, False),
     ("gpt_oss", ATTN, "bf16-true", None, False),
+    ("moe", EXPERTS, "32-true", None, False),
+    ("moe", EXPERTS_ROUTER, "bf16-true", "bnb.nf4-dq", False),
+    ("gpt_oss", EXPERTS, "bf16-true", None, False),
+    ("gpt_oss", EXPERTS_ROUTER, "32-true", None, False),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""

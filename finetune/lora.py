@@ -53,7 +53,13 @@ from lit_qlora.generation import generate
 from lit_qlora.loader import load_model, load_model_sharded
 from lit_qlora.lora import LoRAConfig, load_lora_weights, lora_state_dict, meta_model
 from lit_qlora.memory import plan_micro_batch_size
-from lit_qlora.precision import bound_cpu_matmul_caches, parse_precision, resolve_precision, slow_precision_warning
+from lit_qlora.precision import (
+    bound_cpu_matmul_caches,
+    parse_precision,
+    resolve_accelerator,
+    resolve_precision,
+    slow_precision_warning,
+)
 from lit_qlora.quant.prequantized import load_note
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.quant.quantize import (
@@ -67,7 +73,6 @@ from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.train.tracking import RunWatch
 from lit_qlora.train.training import (
     FINAL_ADAPTER,
-    OPTIMIZERS,
     MetricsLog,
     StopRequest,
     TrainingDiverged,
@@ -104,6 +109,7 @@ class Inputs:
 
     given: dict  # the arguments as given (hyperparameters.json)
     precision_why: str  # how --precision auto was resolved ("" when given explicitly)
+    device_type: str  # --accelerator resolved: cpu or cuda
     config: object  # the model's lit_qlora.config.Config
     tokenizer: Tokenizer
     lora: LoRAConfig
@@ -186,9 +192,8 @@ def _setup(args: FinetuneArgs, objective: Optional[Objective]) -> None:
     inputs = check_inputs(args, objective)
     if inputs is None:  # --estimate_only printed the estimate
         return
-    run = args.run
+    run, acc = args.run, inputs.device_type
     prec = parse_precision(run.precision)
-    acc = run.accelerator if run.accelerator != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     # *-true: we place weights in the right dtype ourselves (Fabric's half-precision plugin would cast the packed
     # 4-bit weights too). *-mixed: Fabric's autocast, with a grad scaler for fp16.
     plugin = MixedPrecision(run.precision, device=acc) if prec.mixed else FabricPrecision()
@@ -204,16 +209,18 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
     the cache), the resume state and the disk space for checkpoints. None after --estimate_only."""
     run, data, t = args.run, args.data, args.train
     given = args.as_flat_dict()
-    # --precision auto becomes what this machine computes fastest in; from here on run.precision is resolved
-    device_type = "cuda" if run.accelerator == "cuda" or (run.accelerator == "auto" and torch.cuda.is_available()) \
-        else "cpu"
+    # resolved once for the run: the accelerator (Inputs.device_type, what every later step runs on) and --precision
+    # auto (what this machine computes fastest in; from here on run.precision is resolved)
+    device_type = resolve_accelerator(run.accelerator)
     run.precision, precision_why = resolve_precision(run.precision, device_type)
     quantize = QuantMode.parse(run.quantize)
     quantize = quantize and quantize.value  # the canonical flag value: what checkpoints and adapters record
     objective = objective or SFT
     lora = objective.lora_config(args)
-    micro = check_flags(args, quantize, lora)
-    if micro is None:
+    ensure_demo_files(args)
+    check_flags(args, quantize, lora, device_type)
+    micro = plan_micro_batch(args, quantize, lora, device_type)
+    if micro is None:  # --estimate_only printed the estimate
         return None
     world = run.devices * run.num_nodes
     batch_size = t.batch_size or micro * world
@@ -248,8 +255,8 @@ def check_inputs(args: FinetuneArgs, objective: Optional[Objective] = None) -> O
     train_data, val_data, data_meta = objective.load_data(args, tokenizer, config, max_seq_length)
     if isinstance(train_data, StreamPlan):  # the held-out samples validation reads: only these are tokenized up front
         val_data = train_data.validation(tokenizer, args.eval.eval_iters * micro * world)
-    return Inputs(given, precision_why, config, tokenizer, lora, quantize, micro, batch_size, max_seq_length,
-                  train_data, val_data, data_meta, resume_path, resume_state, objective, aux_coef)
+    return Inputs(given, precision_why, device_type, config, tokenizer, lora, quantize, micro, batch_size,
+                  max_seq_length, train_data, val_data, data_meta, resume_path, resume_state, objective, aux_coef)
 
 
 def router_aux_coef(flag: Optional[float], config) -> float:
@@ -287,24 +294,26 @@ def sft_data(args: FinetuneArgs, tokenizer: Tokenizer, config, max_seq_length: i
     return ensure_prepared(d.data_dir, tokenizer, settings)
 
 
-def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -> Optional[int]:
-    """The flags on their own (and the demo's files): the resolved micro batch size, or None after --estimate_only."""
-    run, t, e = args.run, args.train, args.eval
-    if run.checkpoint_dir == demo.DEMO_CHECKPOINT:  # the demo preset: its model is built locally on first use
-        demo.ensure_demo_checkpoint(run.checkpoint_dir)
+def ensure_demo_files(args: FinetuneArgs) -> None:
+    """The demo preset's model and data are built locally on first use."""
+    if args.run.checkpoint_dir == demo.DEMO_CHECKPOINT:
+        demo.ensure_demo_checkpoint(args.run.checkpoint_dir)
     if args.data.data_dir == demo.DEMO_DATA_DIR:
         demo.ensure_demo_data(args.data.data_dir)
-    if args.data.data_sources is not None and args.data.data_dir not in (None, demo.DEMO_DATA_DIR):
-        raise UserError("--data_dir and --data_sources both name the data; pass one (list the folder in the "
-                        "--data_sources file to mix it in)")
+
+
+def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig, device_type: str) -> None:
+    """The flags that only mean something together, on this machine and launcher. Each group's own fields were
+    checked when it was built (lit_qlora/args.py)."""
+    run, t = args.run, args.train
     if args.data.data_dir is None and args.data.data_sources is None:
         raise UserError("--data_dir is required with --checkpoint_dir; pass a prepared data folder or one holding "
                         "train.json/alpaca.json (or --data_sources, a mixture of several)")
-    check_quantize(quantize, run.precision, "cuda" if run.accelerator == "cuda" else "cpu")
-    if t.optimizer not in OPTIMIZERS:
-        raise UserError(f"unknown --optimizer {t.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    on_cpu = run.accelerator == "cpu" or not torch.cuda.is_available()
-    if run.compile and on_cpu and not (shutil.which("g++") or shutil.which("clang++")):
+    check_quantize(quantize, run.precision, device_type)
+    if device_type == "cuda" and not torch.cuda.is_available() and not run.estimate_only:
+        raise UserError("--accelerator cuda but no GPU is visible; use --accelerator cpu (or --estimate_only true to "
+                        "plan for a GPU elsewhere)")
+    if run.compile and device_type == "cpu" and not (shutil.which("g++") or shutil.which("clang++")):
         raise UserError("--compile on CPU needs a C++ compiler (torch.compile builds its kernels with g++ or clang++); "
                         "install one, or leave --compile off")
     check_world(run.devices, run.num_nodes)
@@ -319,24 +328,22 @@ def check_flags(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig) -
         raise UserError("--lora_init loftq with --lora_head true needs --quantize_lm_head true: LoftQ starts from the "
                         "quantization error, and the output layer is not quantized without it; or leave --lora_head "
                         "off")
-    micro = t.micro_batch_size
-    if run.estimate_only or micro == "auto":  # before anything is loaded
-        micro = plan_micro_batch_size(
-            run.checkpoint_dir, micro, run.memory_budget, run.estimate_only, run.accelerator,
-            run.devices * run.num_nodes, lora, shard_world=run.devices * run.num_nodes if run.strategy == "fsdp" else 1,
-            precision=run.precision, quantize=quantize, optimizer=t.optimizer, seq_length=args.data.max_seq_length,
-            activation_checkpointing=run.activation_checkpointing, quantize_lm_head=run.quantize_lm_head,
-            validation=e.eval_iters > 0)
-        if run.estimate_only:
-            return None
-    for name, value in (("devices", run.devices), ("micro_batch_size", micro), ("epochs", t.epochs),
-                        ("eval_interval", e.eval_interval), ("save_interval", t.save_interval),
-                        ("log_interval", t.log_interval)):
-        if value < 1:  # 0 would divide by zero (or train nothing) after the model is loaded
-            raise UserError(f"--{name} must be at least 1, got {value}; pass a positive number")
-    if t.max_iters is not None and t.max_iters < 1:
-        raise UserError(f"--max_iters must be at least 1, got {t.max_iters}; pass a positive number or leave it out")
-    return micro
+
+
+def plan_micro_batch(args: FinetuneArgs, quantize: Optional[str], lora: LoRAConfig, device_type: str) -> Optional[int]:
+    """--micro_batch_size (auto: the largest whose estimated peak memory fits), or None once --estimate_only has
+    printed the estimate; before anything is loaded."""
+    run, t = args.run, args.train
+    if not (run.estimate_only or t.micro_batch_size == "auto"):
+        return t.micro_batch_size
+    world = run.devices * run.num_nodes
+    micro = plan_micro_batch_size(
+        run.checkpoint_dir, t.micro_batch_size, run.memory_budget, run.estimate_only, device_type, world, lora,
+        shard_world=world if run.strategy == "fsdp" else 1, precision=run.precision, quantize=quantize,
+        optimizer=t.optimizer, seq_length=args.data.max_seq_length,
+        activation_checkpointing=run.activation_checkpointing, quantize_lm_head=run.quantize_lm_head,
+        validation=args.eval.eval_iters > 0)
+    return None if run.estimate_only else micro
 
 
 def resume_settings(args: FinetuneArgs, quantize: Optional[str], micro: int, batch_size: int,

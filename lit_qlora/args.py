@@ -17,15 +17,15 @@ from typing import Literal, Optional, Union, get_args, get_type_hints
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from lit_qlora import demo
+from lit_qlora.distributed import STRATEGIES
 from lit_qlora.lora import LORA_INITS, LoRAConfig
 from lit_qlora.precision import ACCELERATORS, PRECISION_CHOICES
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.readers import check_path, read_yaml
 from lit_qlora.train.preference import LOSSES
 from lit_qlora.train.tracking import parse_loggers
+from lit_qlora.train.training import OPTIMIZERS
 from lit_qlora.utils import UserError
-
-NAN_POLICIES = ("stop", "skip")  # --nan_policy: end the run at a non-finite loss, or skip the step
 
 
 @dataclass
@@ -86,6 +86,12 @@ class RunArgs:
             raise UserError(f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISION_CHOICES)}")
         if self.accelerator not in ACCELERATORS:
             raise UserError(f"unknown --accelerator {self.accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.devices < 1:
+            raise UserError(f"--devices must be at least 1, got {self.devices}; pass a positive number")
+        if self.num_nodes < 1:
+            raise UserError(f"--num_nodes must be at least 1, got {self.num_nodes}; pass the number of machines")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -133,6 +139,9 @@ class DataArgs:
     def __post_init__(self) -> None:
         for flag in ("data_dir", "data_sources"):
             check_path(getattr(self, flag), f"--{flag}")
+        if self.data_sources is not None and self.data_dir not in (None, demo.DEMO_DATA_DIR):  # (the demo's lies under)
+            raise UserError("--data_dir and --data_sources both name the data; pass one (list the folder in the "
+                            "--data_sources file to mix it in)")
 
 
 @dataclass
@@ -251,13 +260,21 @@ class TrainArgs:
             raise bad("router_aux_loss_coef", coef, "0 or more (0: no load-balancing loss), or left out")
         if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise bad("grad_clip", self.grad_clip, "a number above 0, or null to disable clipping")
-        if self.nan_policy not in NAN_POLICIES:  # a --config's `nan_policy: .inf` reaches here as the text "inf"
-            raise bad("nan_policy", self.nan_policy, " or ".join(NAN_POLICIES))
         for flag, value, least in (("warmup_steps", self.warmup_steps, 0), ("epochs", self.epochs, 1),
                                    ("save_interval", self.save_interval, 1), ("log_interval", self.log_interval, 1),
                                    ("keep_checkpoints", self.keep_checkpoints, 0)):
             if value < least:
                 raise bad(flag, value, f"at least {least}")
+        if self.micro_batch_size != "auto" and self.micro_batch_size < 1:
+            raise UserError(f"--micro_batch_size must be at least 1, got {self.micro_batch_size}; pass a positive "
+                            "number or auto")
+        if self.max_iters is not None and self.max_iters < 1:
+            raise UserError(f"--max_iters must be at least 1, got {self.max_iters}; pass a positive number or leave it "
+                            "out")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"unknown --optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.nan_policy not in ("stop", "skip"):
+            raise UserError(f"unknown --nan_policy {self.nan_policy!r}; choose stop or skip")
 
 
 @dataclass
@@ -278,6 +295,8 @@ class EvalArgs:
     """Also keep the adapter of the best validation as out_dir/lit_model_lora_best.pth."""
 
     def __post_init__(self) -> None:
+        if self.eval_interval < 1:  # 0 would divide by zero after the model is loaded
+            raise UserError(f"--eval_interval must be at least 1, got {self.eval_interval}; pass a positive number")
         if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
             raise UserError(f"--early_stopping_patience must be at least 1, got {self.early_stopping_patience}")
         if not self.early_stopping_min_delta >= 0:
@@ -342,6 +361,18 @@ def finetune_parser(preference: bool = False) -> ArgumentParser:
     for group in _groups(preference):
         parser.add_class_arguments(group, None)
     return parser
+
+
+def add_lora_flags(parser: ArgumentParser) -> None:
+    """finetune/lora.py's --lora_* flags (LoRAArgs: the same names, defaults and help) on another script's parser
+    (scripts/estimate_memory.py); `pop_lora_args` reads them back."""
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser.add_class_arguments(LoRAArgs, None)
+
+
+def pop_lora_args(values: dict) -> LoRAArgs:
+    """The LoRAArgs of parsed `values` (checked as finetune/lora.py checks them), taken out of `values`."""
+    return LoRAArgs(**{f.name: values.pop(f.name) for f in fields(LoRAArgs)})
 
 
 def _groups(preference: bool) -> tuple:

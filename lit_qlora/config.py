@@ -102,6 +102,19 @@ class Config:
         """Whether layer i's MLP is a mixture of experts."""
         return self.moe_n_expert > 0 and i not in (self.moe_dense_layers or ())
 
+    def layer_window(self, i: int) -> Optional[int]:
+        """The sliding window of layer i, or None for full attention."""
+        if self.layer_types is not None and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window_size
+
+    def layer_rope(self, i: int) -> Optional[bool]:
+        """Which RoPE layer i uses: False the model's, True the sliding layers' own (Gemma 3: another base, no
+        scaling), None none (a NoPE layer, SmolLM3)."""
+        if self.nope_layers and i in self.nope_layers:
+            return None
+        return self.rope_local_base is not None and self.layer_window(i) is not None
+
     @property
     def rope_n_elem(self) -> int:
         return int(self.rotary_percentage * self.head_size)

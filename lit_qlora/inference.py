@@ -20,9 +20,9 @@ from lit_qlora.data.templates import CHAT, check_template_name, get_template
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import (
-    ACCELERATORS,
     bound_cpu_matmul_caches,
     parse_precision,
+    resolve_accelerator,
     resolve_precision,
     slow_precision_warning,
 )
@@ -38,13 +38,11 @@ def say(msg: str) -> None:
 
 
 def pick_device(accelerator: str) -> torch.device:
-    if accelerator not in ACCELERATORS:  # torch.device("gpu") would be a RuntimeError, torch.device("mps") no CUDA
-        raise UserError(f"unknown --accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
-    if accelerator == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if accelerator == "cuda" and not torch.cuda.is_available():
+    """The device a generate script runs on (--accelerator auto, cpu or cuda), which must be here."""
+    device_type = resolve_accelerator(accelerator)
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--accelerator cuda but no GPU is visible; use --accelerator cpu")
-    return torch.device(accelerator)
+    return torch.device(device_type)
 
 
 def resolve_generation_precision(precision: str, device: torch.device) -> tuple[str, str]:

@@ -9,6 +9,7 @@ process's resident set once touched, which would make the whole checkpoint count
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -35,6 +36,7 @@ from lit_qlora.model import GPT, ExpertWeights
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant.mxfp4 import Mxfp4Tensor, join_stacks
 from lit_qlora.quant.prequantized import StoredQuantization, open_stored
+from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.quant.quantize import (
     FileEmbedding,
     QuantizedExpertWeights,
@@ -60,6 +62,25 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     if isinstance(module, (LoRALinear, LoRAExperts)):  # base weights live inside the LoRA wrapper
         module = module.base
     return module, param
+
+
+@dataclass
+class LoadPlan:
+    """What `load_model` decides before it reads a tensor. Weights are named as the checkpoint names them, without
+    `.weight` (`transformer.h.0.attn.qkv`); a weight in none of the sets below is kept dense, cast to its dtype."""
+
+    weights: Path  # the file read (named in error messages)
+    quantized: set[str]  # land in a bitsandbytes layer (put in place by swap_linears): quantized as they are read...
+    stored: Optional[StoredQuantization]  # ... or read from this stored quantization (see `from_stored`)
+    merged: set[str]  # an adapter is added to them as they are read, in fp32, before any quantization
+    residual: dict[str, Optional[list]]  # give up s*B0@A0 to a pissa / olora / loftq init (name -> row parts)
+    embedding: str  # the input embedding: "dense", "head" (served by the tied 4-bit head: no dense copy) or "file"
+    # (an untied quantized model's rows read from the file as looked up, or kept 16-bit as stored)
+
+    def from_stored(self, name: str) -> bool:
+        """Whether the quantized weight `name` is read from the stored quantization: it has one, and neither a merge
+        nor a residual init changes the weight it was made from."""
+        return self.stored is not None and name not in self.merged and name not in self.residual
 
 
 def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Optional[str] = None,
@@ -90,84 +111,132 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
 
     On CPU, quantized layers are read from the checkpoint's stored quantization when it has a matching one
     (quant/prequantized.py; `use_stored=False`: quantize regardless); `model.stored_quantization` names the file
-    read, or is None, and `model.layers_quantized_at_load` counts the quantized layers that were not read from it."""
+    read, or is None, and `model.layers_quantized_at_load` counts the quantized layers that were not read from it.
+
+    The decisions come first (`LoadPlan`), then one loop places each tensor as it is read."""
     device = torch.device(device)
     prec = parse_precision(precision)
     quantize = check_quantize(quantize, precision, device)
     config = config or ensure_converted(checkpoint_dir)
-    if tensors is None:
-        weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
-        tensors = read_safetensors(weights, deferred=bool(quantize) and device.type == "cpu")
-        if config.moe_mxfp4:  # each MXFP4 expert stack as one lazy tensor, dequantized an expert at a time
-            tensors = join_stacks(tensors)
-    else:
-        weights = Path("<the given tensors>")  # only named in error messages
-    stored = None
-    if use_stored and quantize and device.type == "cpu" and weights.is_file():
-        stored = open_stored(weights, quantize, prec.dtype)  # quantized once by scripts/quantize_checkpoint.py
+    deferred = bool(quantize) and device.type == "cpu"  # a quantized weight is read as it is quantized
+    tensors, weights = _tensor_source(checkpoint_dir, weights, tensors, config, deferred)
     model = meta_model(config, lora)
     if quantize:
         swap_linears(model, quantize, prec.dtype, bool(quantize_lm_head))
+    plan = LoadPlan(weights, quantized=_quantized_now(model),
+                    stored=_stored_quantization(weights, quantize, prec, device) if use_stored else None,
+                    merged=set(merge_adapter.targets()) if merge_adapter is not None else set(),
+                    residual=lora_targets(config, lora) if lora is not None and lora.init in RESIDUAL_INITS else {},
+                    embedding=_embedding_kind(model, config, lora, quantize, embedding_from_head, merge_adapter))
 
-    residual = lora_targets(config, lora) if lora is not None and lora.init in RESIDUAL_INITS else {}
     inits: dict[str, tuple[torch.Tensor, ...]] = {}  # module -> A, B, A0, B0 of a residual init
     for key, t in tensors:
-        merged = merge_adapter is not None and merge_adapter.changes(key)
-        if merged:  # rounded once, to the dtype or grid it is loaded into
+        module, param = _owner_of(model, key, weights)
+        name = key.removesuffix(".weight") if param == "weight" else None
+        if name in plan.merged:  # rounded once, to the dtype or grid it is loaded into
             t = merge_adapter.merged(key, as_tensor(t), torch.float32)
-        try:
-            module, param = _owner(model, key)
-        except AttributeError:
-            raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
-                            f"model_config.json: convert the checkpoint again")
-        if key.removesuffix(".weight") in residual and param == "weight":  # the base keeps W - s*B0@A0
-            name = key.removesuffix(".weight")
-            quant_error = _quant_error(module, device, prec.dtype) if is_quantized(module) else None
-            t, inits[name] = _take_residual(as_tensor(t), name, residual[name], lora, lora_init, quant_error)
-            merged = True  # (not the stored quantization of the original weight)
-        if isinstance(module, QuantizedExpertWeights) and param == "weight":  # [E, out, in]: a layer per expert
-            stack = key.removesuffix(".weight")  # expert e is stored as {stack}.layers.{e}.weight
-            fill = None if merged or not stored else (
-                lambda e, _m=module, _s=stack: stored.fill(_m.layers[e], f"{_s}.layers.{e}.weight"))
-            quantize_experts(module, t, device, prec.dtype, fill)
-            continue
-        if is_quantized(module) and param == "weight":
-            if merged or not (stored and stored.fill(module, key)):
-                quantize_into(module, t, device, prec.dtype)
-            continue
-        if key == "transformer.wte.weight" and _embedding_from_head(model, config, lora, embedding_from_head,
-                                                                    merge_adapter):
-            head = model.lm_head.base if isinstance(model.lm_head, LoRALinear) else model.lm_head
-            if merged or not (stored and stored.fill(head, "lm_head.weight")):
-                quantize_into(head, t, device, prec.dtype)  # the one copy: the head's 4 bits
-            model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
-            del t
-            continue
-        as_stored = (key == "transformer.wte.weight" and embedding_from_head and quantize
-                     and not config.tie_embeddings and type(module) is nn.Embedding)
-        if as_stored and isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
-            model.transformer.wte = FileEmbedding(t, prec.frozen_other_dtype)
-            continue
-        if isinstance(t, Mxfp4Tensor):  # dense experts: dequantized into the compute dtype one expert at a time
-            t = t.load(prec.frozen_linear_dtype)
-        t = as_tensor(t)  # everything else is kept as it is read (a FileTensor only feeds quantize_into)
-        if as_stored and StoredEmbedding.fits(t, prec.frozen_other_dtype):
-            model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
-            del t
-            continue
-        # Frozen Linear weights go to the compute dtype; embeddings and norms stay fp32 under *-mixed
-        linear_like = isinstance(module, (nn.Linear, ExpertWeights, QuantizedExpertWeights)) or is_quantized(module)
-        dtype = prec.frozen_linear_dtype if linear_like else prec.frozen_other_dtype
-        module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+        if name in plan.residual:  # the base keeps W - s*B0@A0
+            quant_error = _quant_error(module, device, prec.dtype) if name in plan.quantized else None
+            t, inits[name] = _take_residual(as_tensor(t), name, plan.residual[name], lora, lora_init, quant_error)
+        if name in plan.quantized:
+            _place_quantized(module, name, t, plan, prec, device)
+        elif key == "transformer.wte.weight" and plan.embedding != "dense":
+            _place_embedding(model, t, plan, prec, device)
+        else:
+            _place_dense(module, param, t, prec, device)
         del t
 
-    head_adapter = merge_adapter if merge_adapter is not None and "lm_head" in merge_adapter.targets() else None
-    _tie_and_check(model, config, prec, device, weights, head_adapter, stored)
+    head_adapter = merge_adapter if "lm_head" in plan.merged else None
+    _tie_and_check(model, config, prec, device, weights, head_adapter, plan.stored)
     if lora is not None:
         _init_lora(model, prec.trainable_dtype, device, seed, inits)
+    stored = plan.stored
     model.stored_quantization = stored.path if stored and stored.filled else None  # what the Loaded line names
     model.layers_quantized_at_load = sum(map(is_quantized, model.modules())) - (stored.filled if stored else 0)
     return model
+
+
+def _tensor_source(checkpoint_dir: Path, weights: Optional[Path], tensors: Optional[Iterable], config: Config,
+                   deferred: bool) -> tuple[Iterable[tuple[str, torch.Tensor]], Path]:
+    """(name, tensor) pairs to load and the file they come from: the given `tensors`, else the checkpoint's weights
+    read one tensor at a time (`deferred`: as FileTensors, read when quantized); MXFP4 expert stacks as one lazy
+    tensor each, dequantized an expert at a time."""
+    if tensors is not None:
+        return tensors, Path("<the given tensors>")  # only named in error messages
+    weights = Path(weights or Path(checkpoint_dir) / LIT_WEIGHTS)
+    tensors = read_safetensors(weights, deferred=deferred)
+    return (join_stacks(tensors) if config.moe_mxfp4 else tensors), weights
+
+
+def _stored_quantization(weights: Path, quantize: Optional[QuantMode], prec, device: torch.device
+                         ) -> Optional[StoredQuantization]:
+    """The checkpoint's stored quantization in this mode (quantized once by scripts/quantize_checkpoint.py), on CPU;
+    None when it has none."""
+    if quantize and device.type == "cpu" and weights.is_file():
+        return open_stored(weights, quantize, prec.dtype)
+    return None
+
+
+def _quantized_now(model: GPT) -> set[str]:
+    """The weights that land in a bitsandbytes layer (a LoRA wrapper's base is named as the wrapper)."""
+    return {name.removesuffix(".base") for name, m in model.named_modules()
+            if is_quantized(m) or isinstance(m, QuantizedExpertWeights)}
+
+
+def _embedding_kind(model: GPT, config: Config, lora: Optional[LoRAConfig], quantize: Optional[QuantMode],
+                    wanted: bool, merge_adapter: Optional[Adapter]) -> str:
+    """How the input embedding is kept (`LoadPlan.embedding`); "head" and "file" only for generation (`wanted`)."""
+    if _embedding_from_head(model, config, lora, wanted, merge_adapter):
+        return "head"
+    if wanted and quantize and not config.tie_embeddings and type(model.transformer.wte) is nn.Embedding:
+        return "file"
+    return "dense"
+
+
+def _owner_of(model: nn.Module, key: str, weights: Path) -> tuple[nn.Module, str]:
+    """`_owner`, or one line saying the checkpoint does not fit the model."""
+    try:
+        return _owner(model, key)
+    except AttributeError:
+        raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
+                        f"model_config.json: convert the checkpoint again") from None
+
+
+def _place_quantized(module: nn.Module, name: str, t, plan: LoadPlan, prec, device: torch.device) -> None:
+    """A weight into its bitsandbytes layer: read as stored, or quantized now (a stacked projection of experts: a
+    layer per expert, expert e stored as {name}.layers.{e}.weight)."""
+    stored = plan.stored if plan.from_stored(name) else None
+    if isinstance(module, QuantizedExpertWeights):
+        fill = None if stored is None else (lambda e: stored.fill(module.layers[e], f"{name}.layers.{e}.weight"))
+        quantize_experts(module, t, device, prec.dtype, fill)
+    elif not (stored and stored.fill(module, name + ".weight")):
+        quantize_into(module, t, device, prec.dtype)
+
+
+def _place_embedding(model: GPT, t, plan: LoadPlan, prec, device: torch.device) -> None:
+    """The input embedding of a generation model (`LoadPlan.embedding` "head" or "file")."""
+    if plan.embedding == "head":  # the one copy: the tied head's 4 bits
+        head = model.lm_head
+        if not plan.from_stored("transformer.wte") or not plan.stored.fill(head, "lm_head.weight"):
+            quantize_into(head, t, device, prec.dtype)
+        model.transformer.wte = TiedEmbedding4bit(head, prec.frozen_other_dtype)
+    elif isinstance(t, FileTensor):  # rows read from the file as tokens are looked up
+        model.transformer.wte = FileEmbedding(t, prec.frozen_other_dtype)
+    elif StoredEmbedding.fits(t := as_tensor(t), prec.frozen_other_dtype):  # 16-bit as stored, computing in fp32
+        model.transformer.wte = StoredEmbedding(t.to(device), prec.frozen_other_dtype)
+    else:
+        _place_dense(model.transformer.wte, "weight", t, prec, device)
+
+
+def _place_dense(module: nn.Module, param: str, t, prec, device: torch.device) -> None:
+    """A tensor kept as it is read: frozen Linear weights in the compute dtype, embeddings and norms in theirs (fp32
+    under *-mixed); dense MXFP4 experts dequantized into the compute dtype one expert at a time."""
+    if isinstance(t, Mxfp4Tensor):
+        t = t.load(prec.frozen_linear_dtype)
+    t = as_tensor(t)
+    linear_like = isinstance(module, (nn.Linear, ExpertWeights, QuantizedExpertWeights)) or is_quantized(module)
+    dtype = prec.frozen_linear_dtype if linear_like else prec.frozen_other_dtype
+    module._parameters[param] = nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
 
 
 def _embedding_from_head(model: GPT, config: Config, lora: Optional[LoRAConfig], wanted: bool,
@@ -330,11 +399,7 @@ def load_model_sharded(checkpoint_dir: Path, shard: Callable[[GPT], None], preci
     tensors = read_safetensors(weights)
     for key, t in (join_stacks(tensors) if config.moe_mxfp4 else tensors):
         t = as_tensor(t)
-        try:
-            module, param = _owner(model, key)
-        except AttributeError:
-            raise UserError(f"{weights} holds {key!r}, which this model has no place for; the weights do not match "
-                            f"model_config.json: convert the checkpoint again")
+        module, param = _owner_of(model, key, weights)
         name = key.removesuffix(".weight")
         if name in adapted and param == "weight":
             if lora.init in RESIDUAL_INITS:  # the base keeps W - s*B0@A0, as load_model

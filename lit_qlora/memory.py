@@ -15,12 +15,14 @@ mirrors what actually exists during training:
   the low dtype, embeddings and norms in fp32);
 - LoRA weights and gradients in the trainable dtype, optimizer state as each optimizer allocates it;
 - activations: the tensors autograd saves in `lit_qlora.model.GPT`'s forward (walked layer by layer in
-  `_block_saved`; a mixture of experts' layer: the router's probabilities and choices, and the top-k experts'
-  activations of every token, `_moe_saved`), what the loss keeps (with a frozen dense head, the default: the
-  gradient of the final hidden states, one chunk of logits existing at a time in forward; with a quantized head or a
-  LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at the peak (one chunk of
-  logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the gradients inside one
-  block's backward).
+  `_block_saved` as the config shapes each block: pre- and post-norms, q / k norms, each layer's RoPE or none, its
+  sliding window's mask, the attention kernel or Gemma 2's eager soft-capped attention in `_attention_saved`; a
+  mixture of experts' layer: the router's probabilities and choices, and the top-k experts' activations of every
+  token, with a LoRA on the experts each pair's, `_moe_saved`), what the loss keeps (with a frozen dense head, the
+  default: the gradient of the final hidden states, one chunk of logits existing at a time in forward; with a
+  quantized head or a LoRA on it: the logits and a log-sum-exp per position), and the largest temporary alive at
+  the peak (one chunk of logits with its fp32 softmax, a dequantized 4-bit/int8 weight (one expert's at a time), the
+  gradients inside one block's backward).
 
 The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
 saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
@@ -52,7 +54,7 @@ from lit_qlora.checkpoint import LIT_CONFIG
 from lit_qlora.config import Config
 from lit_qlora.kernels import cpu_half
 from lit_qlora.kernels.cpu_attention import RECOMPUTE_BELOW
-from lit_qlora.lora import LoRAConfig, LoRALinear, lora_targets, meta_model
+from lit_qlora.lora import LoRAConfig, LoRAExperts, LoRALinear, lora_targets, meta_model
 from lit_qlora.losses import head_chunk_rows
 from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import Precision, parse_precision
@@ -106,11 +108,12 @@ def weight_bytes(config: Config, lora: LoRAConfig, precision: str, quantize: "st
     quantized_shapes: list[tuple[str, int, int]] = []
     seen: set[int] = set()
     for name, m in model.named_modules():
-        parent_is_lora = isinstance(m, LoRALinear)
+        parent_is_lora = isinstance(m, (LoRALinear, LoRAExperts))  # (experts: a pair per expert, [E, ...])
         unit = name.split(".")[2] if name.startswith("transformer.h.") else "root"
         if parent_is_lora:
             lora_numels += [m.lora_A.numel(), m.lora_B.numel()]
-            lora_rank_numels += [_shard_rows(p.shape[0], shard_world) * p.shape[1] for p in (m.lora_A, m.lora_B)]
+            lora_rank_numels += [_shard_rows(p.shape[0], shard_world) * (p.numel() // p.shape[0])
+                                 for p in (m.lora_A, m.lora_B)]
             unit_bytes[unit] = unit_bytes.get(unit, 0) + (m.lora_A.numel() + m.lora_B.numel()) * _dtype_bytes(
                 prec.trainable_dtype)
             continue
@@ -180,20 +183,112 @@ class _Dims:
     mixed: bool
     lora_dropout: bool
     t: int = 4  # bytes of a trainable (LoRA) weight: DoRA's factor and the sum it multiplies are in that dtype
+    w_norm: int = 4  # bytes of a norm's weight (the frozen dense dtype)
 
     @property
     def N(self) -> int:
         return self.B * self.T
 
 
-def _norm_saved(c: Config, d: _Dims, input_shared: bool = False) -> list[int]:
-    """What a norm saves; `input_shared`: its input is already saved by the other norm reading it (parallel blocks)."""
-    N, C = d.N, c.n_embd
+def _norm_saved(c: Config, d: _Dims, input_shared: bool = False, size: Optional[int] = None,
+                rows: Optional[int] = None, in_bytes: Optional[int] = None) -> list[int]:
+    """What a norm (model.make_norm) of `size` features saves over `rows` rows (default: the residual stream's,
+    [N, n_embd] in d.r bytes); `input_shared`: its input is already saved by something else reading it (the other
+    norm of a parallel block, the qkv output that attention keeps)."""
+    rows, size, in_bytes = rows or d.N, size or c.n_embd, in_bytes or d.r
     if c.norm_class == "RMSNorm":
-        if d.r == 4:  # x.float() is x itself: the input is what is saved
-            return ([] if input_shared else [N * C * 4]) + [N * 4]
-        return [N * C * 4, N * 4]  # an fp32 copy of the input and 1/rms
-    return ([] if input_shared else [N * C * d.r]) + [N * d.r, N * d.r]  # LayerNorm: input, mean, rstd
+        # x.float() is x itself in fp32 (the input is what is saved), else an fp32 copy; then 1/rms per row
+        s = ([] if input_shared and in_bytes == 4 else [rows * size * 4]) + [rows * 4]
+        if c.norm_unit_offset or (c.norm_fp32_scale and d.w_norm != 4):
+            s.append(size * 4)  # Gemma's (1 + w) in fp32, OLMo 2's fp32 copy of a 16-bit w: what multiplies x
+        return s
+    return ([] if input_shared else [rows * size * in_bytes]) + [rows * in_bytes] * 2  # LayerNorm: input, mean, rstd
+
+
+def _attention_saved(c: Config, d: _Dims, i: int, seen: set, masks: set) -> list[int]:
+    """What layer i's attention saves for backward between its qkv and output projections (q / k norms, RoPE, the
+    attention kernel of `CausalSelfAttention.attend`), its qkv output needing grad. Each saved storage is counted
+    once (`store`): q, k and v are views of the qkv output until a norm or RoPE makes them new tensors. Adds "y" to
+    `seen` where the output projection's input is a view of the attention output saved here; `masks`: the sliding
+    windows whose boolean mask an earlier layer saved already (one per window per forward)."""
+    N, B, T, H, G, hs, a = d.N, d.B, d.T, c.n_head, c.n_query_groups, c.head_size, d.a
+    q_b, kv_b = N * H * hs * a, N * G * hs * a
+    sizes = {"qkv": N * sum(c.qkv_sizes) * a, "q": q_b, "k": kv_b}
+    store: dict[str, int] = {}
+    small: list[int] = []
+    q_at = k_at = "qkv"  # the storage q and k are views of
+    contiguous = False  # q laid out [B, H, T, hs] (per-head norms) rather than as a view of a [B, T, ...] tensor
+    if c.qk_norm:
+        # Qwen3 / Gemma 3 normalize each head of q and k, OLMo 2 the whole projections; fp32: the input saved is a
+        # view of the qkv output
+        per_head = c.qk_norm == "head"
+        for n in (H, G):
+            small += _norm_saved(c, d, input_shared=True, size=hs if per_head else n * hs,
+                                 rows=N * n if per_head else N, in_bytes=a)
+        if a == 4:
+            store["qkv"] = sizes["qkv"]
+        q_at, k_at, contiguous = "q", "k", per_head
+    if c.rope_n_elem and c.layer_rope(i) is not None:
+        q_at, k_at = "q", "k"  # rotated: new tensors, in the layout of their input
+    window = c.layer_window(i)
+    masked = window is not None and T > window  # GPT._mask: a mask only where the window is shorter than the row
+    if c.attn_softcap is not None:
+        # model.softcapped_attention, eager: the matmuls keep q and k^T (k, v repeated to every head first), the
+        # soft-cap its tanh, masked_fill the boolean mask (a new causal one per layer, the window's shared), the
+        # fp32 softmax its output, the last matmul the probabilities (a copy in q's dtype) and v
+        rep = H // G
+        store["q_mm"] = q_b
+        store["k_mm"] = q_b if rep > 1 else kv_b
+        if rep > 1:
+            store["v_mm"] = q_b
+        elif B == 1:  # v [1, G, T, hs] folds into the batched matmul as a view of the qkv output
+            store["qkv"] = sizes["qkv"]
+        else:  # ... else as a contiguous copy
+            store["v_mm"] = kv_b
+        scores = B * H * T * T
+        small.append(scores * a)  # tanh's result
+        small.append(scores * 4 + (scores * a if a != 4 else 0))
+        if not masked or window not in masks:
+            small.append(T * T)
+            if masked:
+                masks.add(window)
+        return list(store.values()) + small
+    if c.attn_sinks:
+        # model.sink_attention (gpt-oss): k and v with a zero row appended (new tensors) and the float mask that
+        # carries the sink logits, [1, H, T, T + 1], built by each layer, all kept by SDPA with q, its output and the
+        # log-sum-exp; cpu_half's path runs it on fp32 copies of q, k and v
+        ab = 4 if d.cpu_half else a
+        small += [N * H * hs * ab, 2 * B * G * (T + 1) * hs * ab, N * H * hs * ab, B * H * T * 4,
+                  H * T * (T + 1) * ab]
+        if not d.cpu_half:
+            seen.add("y")  # (as below: the output is in q's layout)
+        return small
+    if d.cpu_half:
+        # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
+        store[q_at] = sizes[q_at]
+        store[k_at] = sizes[k_at]
+        store["qkv"] = sizes["qkv"]
+        return list(store.values()) + small
+    # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
+    # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
+    # path (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there.
+    repeated = G != H and d.cpu_attention and not masked
+    store[q_at] = sizes[q_at]
+    if repeated:
+        store["k_rep"], store["v_rep"] = q_b, q_b
+    else:
+        store[k_at] = sizes[k_at]
+        store["qkv"] = sizes["qkv"]
+    store["out"] = q_b
+    small.append(B * H * T * 4)
+    if masked:
+        small.append(T * T * a)  # SDPA keeps the boolean mask converted to q's dtype, each layer its own copy
+    if not contiguous:
+        # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
+        # [B, T, H, hs] when q is a view of a [B, T, ...] tensor; normalized per head, q is contiguous
+        # [B, H, T, hs] and the projection's input a copy)
+        seen.add("y")
+    return list(store.values()) + small
 
 
 def _linear_saved(name: str, in_f: int, out_f: int, grad_in: bool, d: _Dims, targets: dict, lora: LoRAConfig,
@@ -266,50 +361,39 @@ def _dora_saved(in_f: int, out_f: int, parts, grad_in: bool, d: _Dims, lora: LoR
 
 
 def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: _Dims, i: int,
-                 grad_in: bool, int8_inputs: Optional[dict] = None) -> tuple[list[int], bool]:
+                 grad_in: bool, int8_inputs: Optional[dict] = None,
+                 masks: Optional[set] = None) -> tuple[list[int], bool]:
     """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
     targets = lora_targets(c, lora)
     p = f"transformer.h.{i}."
-    N, C, H, G, hs, F = d.N, c.n_embd, c.n_head, c.n_query_groups, c.head_size, c.intermediate_size
+    N, C, H, hs, F = d.N, c.n_embd, c.n_head, c.head_size, c.intermediate_size
     seen: set = set()  # tensors saved already (several layers reading the same input)
-    s = _norm_saved(c, d) if grad_in else []  # norm_1
+    s = _norm_saved(c, d) if grad_in and c.pre_norms else []  # norm_1 (OLMo 2 has none: attention reads x)
     s_qkv, g_qkv = _linear_saved(p + "attn.qkv", C, sum(c.qkv_sizes), grad_in, d, targets, lora, quantize, d.r, seen,
                                  "h1", int8_inputs)
     s += s_qkv
     if g_qkv:
-        if c.qk_norm == "head":
-            # Qwen3 / Gemma 3 normalize q and k per head (RMSNorm of a [B, heads, T, hs] view of the qkv output):
-            # each keeps 1/rms per row, and an fp32 copy of its input where activations are 16-bit
-            s += [N * n * (hs * 4 if d.a != 4 else 0) + N * n * 4 for n in (H, G)]
-        # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
-        # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
-        # path repeats k and v to every head first, so with GQA v is its own tensor there.
-        # cpu_half's attention keeps only q, k (G heads) and v (the whole qkv output) and recomputes in backward.
-        if d.cpu_half:
-            s += [N * H * hs * d.a, N * G * hs * d.a, N * sum(c.qkv_sizes) * d.a]
-        else:
-            repeated = G != H and d.cpu_attention
-            kv = N * (H if repeated else G) * hs * d.a
-            s += [N * H * hs * d.a, kv, N * H * hs * d.a, d.B * H * d.T * 4]
-            s.append(kv if repeated else N * sum(c.qkv_sizes) * d.a)
-            if c.qk_norm != "head":
-                # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
-                # [B, T, H, hs] when q is a view of the qkv output; normalized per head, q is contiguous [B, H, T, hs]
-                # and the projection's input a copy)
-                seen.add("y")
+        s += _attention_saved(c, d, i, seen, masks if masks is not None else set())
     s_proj, g_attn = _linear_saved(p + "attn.proj", H * hs, C, g_qkv, d, targets, lora, quantize, d.a, seen, "y",
                                    int8_inputs)
     s += s_proj
+    if c.post_norms and g_attn:  # Gemma 2/3, OLMo 2: the attention output normalized before the residual add
+        s += _norm_saved(c, d, in_bytes=d.a)
     if c.parallel_residual:
         g_mlp_in = grad_in
         if not c.shared_attention_norm and grad_in:
             s += _norm_saved(c, d, input_shared=True)  # norm_2 reads the same block input
     else:
         g_mlp_in = grad_in or g_attn
-        if g_mlp_in:
+        if g_mlp_in and c.pre_norms:
             s += _norm_saved(c, d)  # norm_2
     if c.is_moe_layer(i):  # frozen router and experts: their output needs grad where their input does
-        return s + (_moe_saved(c, d) if g_mlp_in else []), grad_in or g_attn or g_mlp_in
+        s_r, _ = _linear_saved(p + "mlp.router", C, c.moe_n_expert, g_mlp_in, d, targets, lora, quantize, d.r, seen,
+                               "h2", int8_inputs)
+        s += s_r + (_moe_saved(c, d, lora) if g_mlp_in else [])
+        if c.post_norms and g_mlp_in:
+            s += _norm_saved(c, d)  # (the experts' sum is cast back to the residual's dtype)
+        return s, grad_in or g_attn or g_mlp_in
     if c.mlp_class == "LLaMAMLP":
         s1, g1 = _linear_saved(p + "mlp.fc_1", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
         s2, g2 = _linear_saved(p + "mlp.fc_2", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2", int8_inputs)
@@ -322,10 +406,13 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
                                      int8_inputs)
         s += s1 + ([N * F * d.a] if g_hidden else [])  # the activation's input
     s_p, g_mlp = _linear_saved(p + "mlp.proj", F, C, g_hidden, d, targets, lora, quantize, d.a, seen, "m", int8_inputs)
-    return s + s_p, grad_in or g_attn or g_mlp
+    s += s_p
+    if c.post_norms and g_mlp:
+        s += _norm_saved(c, d, in_bytes=d.a)  # post_mlp_norm
+    return s, grad_in or g_attn or g_mlp
 
 
-def _moe_saved(c: Config, d: _Dims) -> list[int]:
+def _moe_saved(c: Config, d: _Dims, lora: Optional[LoRAConfig] = None) -> list[int]:
     """What model.MoE saves for backward when its input needs grad (router and experts frozen). The router's matmul
     keeps only its weight; its fp32 softmax keeps the probabilities, top-k the chosen indices, the renormalization its
     two operands; the experts keep the sort order and the token of every routed row (int64), the routing weights in
@@ -333,7 +420,24 @@ def _moe_saved(c: Config, d: _Dims) -> list[int]:
     moe_intermediate_size] each), and the gather back to token order its indices."""
     N, E, k, F = d.N, c.moe_n_expert, c.moe_top_k, c.moe_intermediate_size
     s = [N * E * 4, N * k * 8] + ([N * k * 4, N * 4] if c.moe_norm_topk else [])
-    return s + [N * k * 8, N * k * 8, N * k * d.r, N * k * 8] + [N * k * F * d.a] * 2
+    s += [N * k * 8, N * k * 8, N * k * d.r, N * k * 8]
+    if c.moe_swiglu_limit is not None:
+        # gpt-oss's clamped SwiGLU in plain autograd ops: both clamps' inputs, the clamped gate, its sigmoid, up + 1,
+        # the gate times its sigmoid and the product the routing weight scales
+        s += [N * k * F * d.a] * 7
+    else:
+        s += [N * k * F * d.a] * 2
+    if c.moe_bias:
+        s.append(N * k * c.n_embd * d.a)  # the down projection's bias gathered per routed row, which the weight scales
+    if lora is not None and lora.experts:
+        # lora.LoRAExperts on fc_1, fc_2 and proj: each keeps its input (the routed rows, shared by fc_1 and fc_2;
+        # the gated activation's output for proj), every expert's x @ A_e, scaling * B (all experts at once), and
+        # with dropout a one-byte mask of its input
+        C = c.n_embd
+        s += [N * k * C * d.a, N * k * F * d.a]
+        for in_f, out_f in ((C, F), (C, F), (F, C)):
+            s += [N * k * lora.r * d.a, E * out_f * lora.r * d.a] + ([N * k * in_f] if lora.dropout > 0 else [])
+    return s
 
 
 def _moe_temp(c: Config, d: _Dims) -> list[int]:
@@ -342,6 +446,19 @@ def _moe_temp(c: Config, d: _Dims) -> list[int]:
     gradients."""
     N, C, k, F = d.N, c.n_embd, c.moe_top_k, c.moe_intermediate_size
     return [N * k * C * d.a] * 2 + [N * k * F * d.a] * 2 + [N * C * 4] * 2
+
+
+def _moe_stranded(c: Config, d: _Dims, dequant: int) -> int:
+    """CPU heap left resident by one MoE layer's forward (`_allocator_slack`) with quantized experts: each active
+    expert's projection dequantizes its weight (`dequant` bytes), computes its rows' output, a small tensor alive
+    until all experts' outputs are concatenated, and frees the weight: the outputs, carved from the freed weights'
+    space, leave holes too small for the next expert's weight, so the heap grows by about one dequantized weight
+    per active expert and keeps it. Measured (scripts/bench_estimator.py --model moe --n_layer 4, nf4-dq): ~0.24
+    GiB of peak RSS above the tensors and the dense-fitted slack at micro batch 4 and at 1 alike, i.e. it does not
+    grow with the tokens. Active experts: those at least one of the N*k routed rows picks, under even routing."""
+    E, rows = c.moe_n_expert, d.N * c.moe_top_k
+    active = E * (1 - (1 - 1 / E) ** rows)
+    return int(active * dequant)
 
 
 def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
@@ -355,15 +472,16 @@ def _layer_backward_temp(c: Config, d: _Dims, dequant: int) -> list[int]:
     return max(dense, moe, key=sum) + ([dequant] if dequant else [])
 
 
-def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int) -> int:
+def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int, stranded_bytes: int = 0) -> int:
     """CPU: glibc serves allocations below its self-raising mmap threshold (at most 32 MiB) from heaps it rarely
     gives back: holes and an untrimmed top keep the resident size above the live tensors, by a share of the
     small tensors alive at the peak, more when quantized layers allocate and free a dequantized weight of that
-    size for every matmul. Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
+    size for every matmul, plus what each mixture-of-experts layer strands below its saved tensors
+    (`_moe_stranded`). Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
     cell is about +-5%). CUDA: 0, max_memory_allocated counts live blocks only."""
     if device_type != "cpu":
         return 0
-    return int(CPU_HEAP_FIXED + CPU_HEAP_SLACK * small_bytes + CPU_DEQUANT_CHURN * churn_bytes)
+    return int(CPU_HEAP_FIXED + CPU_HEAP_SLACK * small_bytes + CPU_DEQUANT_CHURN * churn_bytes + stranded_bytes)
 
 
 @dataclass
@@ -424,15 +542,7 @@ def estimate_training_memory(
     `seq_length`: tokens per sample (the longest sample of a batch sets its length); default: the model's context.
     `validation`: whether validation forwards run (finetune's --eval_iters > 0); they can set the peak under int8.
     `shard_world`: ranks the weights are sharded over (--strategy fsdp); the estimate is then one rank's."""
-    if config.moe_n_expert and (config.moe_bias or config.moe_swiglu_limit is not None):
-        # gpt-oss's clamped SwiGLU and expert biases save other tensors than `_moe_saved` counts: refused, not wrong
-        raise UserError(f"the memory estimate does not know gpt-oss's experts yet ({config.hf_architecture}: biased "
-                        "experts, clamped SwiGLU); pass --micro_batch_size as a number, without --estimate_only")
     lora = lora or LoRAConfig()
-    if config.moe_n_expert and (lora.experts or lora.router):
-        # the experts' LoRA pairs and what they save are not counted yet: refused, not wrong
-        raise UserError("the memory estimate does not know a LoRA on the experts or router yet; pass "
-                        "--micro_batch_size as a number, without --estimate_only")
     quantize = QuantMode.parse(quantize)
     prec = parse_precision(precision)
     c = config
@@ -445,7 +555,8 @@ def estimate_training_memory(
               cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
               cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
                         and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
-              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype))
+              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype),
+              w_norm=_dtype_bytes(prec.frozen_other_dtype))
 
     quantize_lm_head = bool(quantize_lm_head)
     shard_world = max(1, int(shard_world))
@@ -463,7 +574,12 @@ def estimate_training_memory(
     parts = {**static, "activations saved": sum(peak.saved), "logits (+ loss gradient)": sum(peak.held),
              "temporaries": sum(peak.temps)}
     if device_type == "cpu":
-        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn)
+        # every MoE layer's forward with quantized experts strands heap (`_moe_stranded`)
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+        expert_dq = max((out_f * in_f * a for name, out_f, in_f in w["quantized_shapes"] if ".experts." in name),
+                        default=0)
+        stranded = _moe_stranded(c, d, expert_dq) * moe_layers if moe_layers else 0
+        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn, stranded)
     phase, temp_note = peak.name, peak.note
     # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted
     load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
@@ -526,10 +642,10 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
                        quantize: Optional[QuantMode], d: _Dims, prec: Precision, n_lora: int,
                        activation_checkpointing: bool) -> _Activations:
     """Saved for backward, block by block (the first block's input never needs grad), then the tail and logits."""
-    grad, blocks, block_max, int8_kept = False, [], [], []
+    grad, blocks, block_max, int8_kept, masks = False, [], [], [], set()
     for i in range(c.n_layer):
         int8_inputs: dict = {}
-        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs)
+        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs, masks)
         blocks += s
         block_max = max(block_max, s, key=sum)
         int8_kept += int8_inputs.values()
@@ -537,7 +653,9 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     tail = _norm_saved(c, d) if grad else []  # ln_f
     head_saved, _ = _linear_saved("lm_head", c.n_embd, c.vocab_size, grad, d, targets, lora, head_quantize, d.r,
                                   set(), "hf")
-    tail += head_saved + [2 * d.T * c.rope_n_elem * d.r]  # + the rope cos/sin
+    # + the rope cos/sin of each RoPE the layers use (Gemma 3's sliding layers have their own; NoPE layers none)
+    ropes = {c.layer_rope(i) for i in range(c.n_layer)} - {None} if c.rope_n_elem else set()
+    tail += head_saved + [2 * d.T * c.rope_n_elem * d.r] * len(ropes)
     if prec.mixed:
         tail.append(n_lora * d.a)  # autocast's low-precision copies of the LoRA weights
     # Logits: the training loop holds them (in chunks of 256 positions for large vocabularies, see
@@ -545,8 +663,11 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     # Counted for every position: an upper bound, as training runs the output layer only where a target exists
     # (GPT(output_mask=...)), which prompt masking and packing make a fraction of the positions.
     V = c.vocab_size
-    # checkpointing: the block inputs, and what it cannot drop (int8 layers' inputs, see _linear_saved)
-    saved_all = ([d.N * c.n_embd * d.r] * c.n_layer + int8_kept if activation_checkpointing else blocks) + tail
+    # checkpointing: the block inputs (the sliding windows' boolean masks among them), and what it cannot drop (int8
+    # layers' inputs, see _linear_saved)
+    windows = {c.layer_window(i) for i in range(c.n_layer)} - {None}
+    block_inputs = [d.N * c.n_embd * d.r] * c.n_layer + [d.T * d.T for w in windows if d.T > w]
+    saved_all = (block_inputs + int8_kept if activation_checkpointing else blocks) + tail
     if "lm_head" not in targets and head_quantize is None:
         # a frozen dense head: losses.head_cross_entropy holds one chunk of logits at a time, in forward, and keeps
         # only the gradient of the hidden states for backward
@@ -554,7 +675,10 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     chunk_T = min(256 if V >= 32000 else d.T, d.T)
     n_chunks = -(-d.T // chunk_T)
     N_c = d.B * chunk_T
-    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, [d.N * 4, d.N * 8], N_c)
+    loss_saved = [d.N * 4, d.N * 8]
+    if c.final_softcap is not None:  # Gemma 2's soft-capped logits (GPT.output): tanh keeps its result, per chunk
+        loss_saved += [N_c * V * d.a] * n_chunks
+    return _Activations(saved_all, block_max, tail, [N_c * V * d.a] * n_chunks, loss_saved, N_c)
 
 
 @dataclass
@@ -719,13 +843,13 @@ def available_memory_bytes(device_type: str) -> int:
 
 
 def plan_micro_batch_size(checkpoint_dir: Path, micro_batch_size: int | str, memory_budget: Optional[float],
-                          estimate_only: bool, accelerator: str, devices: int, lora: LoRAConfig, **settings) -> int:
+                          estimate_only: bool, device_type: str, devices: int, lora: LoRAConfig, **settings) -> int:
     """What finetune/lora.py calls before loading anything: resolves `--micro_batch_size auto` to the largest
     micro batch whose estimate fits `--memory_budget` (GB, default: the memory free now) and prints the estimate
     (to stdout with --estimate_only, else to stderr). `devices`: processes of the run (all machines); `settings`
-    may hold `shard_world` (--strategy fsdp): the estimate is then per rank."""
+    may hold `shard_world` (--strategy fsdp): the estimate is then per rank. `device_type`: the run's resolved
+    accelerator (cpu or cuda)."""
     out = sys.stdout if estimate_only else sys.stderr
-    device_type = "cuda" if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
     kw = dict(config=read_config(checkpoint_dir), lora=lora, device_type=device_type, **settings)
     if micro_batch_size == "auto":
         if memory_budget is None and devices > 1:  # every DDP process would measure a different free memory

@@ -53,18 +53,12 @@ class GPT(nn.Module):
         return emb.cos(), emb.sin()
 
     def layer_rope(self, i: int) -> Optional[bool]:
-        """Which RoPE layer i uses: False the model's, True the sliding layers' own, None none (a NoPE layer)."""
-        c = self.config
-        if c.nope_layers and i in c.nope_layers:
-            return None
-        return c.rope_local_base is not None and self.layer_window(i) is not None
+        """Which RoPE layer i uses (`Config.layer_rope`): False the model's, True the sliding layers' own, None none."""
+        return self.config.layer_rope(i)
 
     def layer_window(self, i: int) -> Optional[int]:
-        """The sliding window of layer i, or None for full attention."""
-        c = self.config
-        if c.layer_types is not None and c.layer_types[i] != "sliding_attention":
-            return None
-        return c.sliding_window_size
+        """The sliding window of layer i, or None for full attention (`Config.layer_window`)."""
+        return self.config.layer_window(i)
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, lm_head_chunk: int = 0,
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,

@@ -10,8 +10,8 @@ import torch
 from lit_qlora.utils import UserError
 
 PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
-ACCELERATORS = ("auto", "cpu", "cuda")  # what --accelerator accepts
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision accepts; "auto" is resolved by `resolve_precision`
+ACCELERATORS = ("auto", "cpu", "cuda")  # what --accelerator accepts; "auto" is resolved by `resolve_accelerator`
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,18 @@ def bound_cpu_matmul_caches(capacity: int = CPU_MATMUL_CACHE) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
-# ---- --precision auto ------------------------------------------------------------------------------
+# ---- --accelerator auto, --precision auto ---------------------------------------------------------
+def resolve_accelerator(accelerator: str) -> str:
+    """The device type an --accelerator value runs on, resolved once per run and passed down: cuda for auto when a GPU
+    is visible, else cpu. An explicit cuda stays cuda without a GPU (an estimate plans for a GPU elsewhere); what
+    loads refuses it there."""
+    if accelerator not in ACCELERATORS:
+        raise UserError(f"unknown --accelerator {accelerator!r}; choose one of {', '.join(ACCELERATORS)}")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them (/proc/cpuinfo); empty elsewhere."""
     try:

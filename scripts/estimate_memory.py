@@ -13,11 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from jsonargparse import ArgumentParser
+
+from lit_qlora.args import LoRAArgs, add_lora_flags, pop_lora_args
 from lit_qlora.config import Config
-from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_to_json, estimate_training_memory, pick_micro_batch_size, read_config
 from lit_qlora.precision import resolve_precision
-from lit_qlora.utils import UserError, run_cli
+from lit_qlora.utils import UserError, run_main
 
 
 def main(
@@ -29,41 +31,33 @@ def main(
     micro_batch_size: int = 1,
     seq_length: Optional[int] = None,
     activation_checkpointing: bool = False,
-    lora_r: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.05,
-    lora_query: bool = True,
-    lora_key: bool = False,
-    lora_value: bool = True,
-    lora_projection: bool = False,
-    lora_mlp: bool = False,
-    lora_head: bool = False,
     quantize_lm_head: Optional[bool] = None,
     device: str = "cpu",
     memory_budget: Optional[float] = None,
     sweep: bool = False,
     json: bool = False,
+    lora: Optional[LoRAArgs] = None,
 ) -> None:
     """Estimate peak training memory.
 
     Args:
         checkpoint_dir: a model folder (only its model_config.json or config.json is read).
         model_name: or a named config (lit_qlora.config.NAMES), e.g. Llama-2-7b-hf.
-        precision, quantize, optimizer, micro_batch_size, activation_checkpointing, lora_*, quantize_lm_head: as in
+        precision, quantize, optimizer, micro_batch_size, activation_checkpointing, quantize_lm_head: as in
             finetune/lora.py.
         seq_length: tokens per sample (the longest sample of a batch); default: the model's context length.
         device: cpu (peak RSS) or cuda (max allocated).
         memory_budget: GB; also print the largest micro batch size whose estimate fits.
         sweep: also print the total for micro batch sizes 1, 2, 4, ... 64.
         json: print the estimate as JSON instead of the table.
+        lora: the --lora_* flags, finetune/lora.py's own (lit_qlora.args.LoRAArgs).
     """
     if (checkpoint_dir is None) == (model_name is None):
         raise UserError("pass one of --checkpoint_dir or --model_name; e.g. --model_name Llama-2-7b-hf")
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
     config = read_config(checkpoint_dir) if checkpoint_dir is not None else Config.from_name(model_name)
-    lora = LoRAConfig(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, query=lora_query, key=lora_key,
-                      value=lora_value, projection=lora_projection, mlp=lora_mlp, head=lora_head)
+    lora = (lora or LoRAArgs()).config()
     precision, _ = resolve_precision(precision, device)
     kw = dict(config=config, lora=lora, precision=precision, quantize=quantize, optimizer=optimizer,
               seq_length=seq_length,
@@ -84,5 +78,21 @@ def main(
             print(f"\nLargest micro batch size within {memory_budget} GB: {mbs} (estimated {fit.total_gb:.2f} GiB)")
 
 
+def estimate_parser() -> ArgumentParser:
+    """main's flags, and finetune/lora.py's --lora_* flags as they are there."""
+    parser = ArgumentParser(prog="scripts/estimate_memory.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="config", help="A YAML file of flags (as --print_config writes it).")
+    parser.add_function_arguments(main, None, skip={"lora"})
+    add_lora_flags(parser)
+    return parser
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
+    values = estimate_parser().parse_args(argv).as_dict()
+    values.pop("config", None)
+    lora = pop_lora_args(values)
+    main(**values, lora=lora)
+
+
 if __name__ == "__main__":
-    run_cli(main)
+    run_main(cli)

@@ -21,7 +21,6 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-import tokenizers
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from lit_qlora.checkpoint import LIT_WEIGHTS, write_safetensors_stream  # noqa: E402
 from lit_qlora.config import Config  # noqa: E402
 from lit_qlora.convert import write_random_checkpoint  # noqa: E402
+from lit_qlora.demo import write_bpe_tokenizer  # noqa: E402
 from lit_qlora.loader import load_model  # noqa: E402
 from lit_qlora.tokenizer import Tokenizer  # noqa: E402
 
@@ -46,20 +46,6 @@ def stdlib_files(limit_bytes: int) -> tuple[list[str], list[str]]:
             (held if side else train).append(text)
             sizes[side] += len(text)
     return train, held
-
-
-def write_tokenizer(folder: Path, texts: list[str], vocab_size: int, block_size: int) -> None:
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                             show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True,
-         "add_eos_token": False, "model_max_length": block_size}, indent=2))
 
 
 def write_records(folder: Path, texts: list[str], n: int, lines: int = 24) -> None:
@@ -136,7 +122,7 @@ def main() -> None:
     train, held = stdlib_files(int(a.corpus_mb * 2**20))
     a.out.mkdir(parents=True, exist_ok=True)
     block_size = 256
-    write_tokenizer(a.out, train, a.vocab_size, block_size)
+    write_bpe_tokenizer(a.out, train, a.vocab_size, block_size)
     heads = a.n_embd // 64
     config = Config(name="stdlib-fixture", hf_architecture="LlamaForCausalLM", block_size=block_size,
                     vocab_size=a.vocab_size, n_layer=a.n_layer, n_head=heads, n_query_groups=heads // 2,

@@ -190,6 +190,15 @@ def randomize_lora(model: torch.nn.Module, seed: int = 0) -> None:
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
 
 
+def random_adapter(folder: Path, seed: int = 0, **targets) -> Adapter:
+    """An adapter of the checkpoint in `folder` on `targets` (LoRAConfig's flags) with random A and B (B not zero: the
+    update is real)."""
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, **targets)
+    model = load_model(folder, precision="32-true", lora=lora, seed=seed)
+    randomize_lora(model, seed)
+    return Adapter.of_model(model, lora)
+
+
 def adapter_of(model, lora: LoRAConfig) -> Adapter:
     return Adapter.of_model(model, lora)
 

@@ -3,6 +3,7 @@ preset under the flags given, --help from the field docstrings, and the `lit-qlo
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from dataclasses import fields
@@ -100,14 +101,63 @@ def test_console_command_runs_the_same_script():
     (["--save_interval", "0"], "--save_interval is 0"),
     (["--grad_clip", "0"], "--grad_clip is 0.0"),
     (["--warmup_steps", "-3"], "--warmup_steps is -3"),
+    # each group checks its own fields when it is built (they were checked by finetune/lora.py's check_flags once the
+    # demo files were built and the precision resolved)
+    (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1, got 0"),
+    (["--max_iters", "0"], "--max_iters must be at least 1, got 0"),
+    (["--optimizer", "SGD"], "unknown --optimizer 'SGD'; choose one of AdamW, AdamW8bit"),
+    (["--nan_policy", "ignore"], "unknown --nan_policy 'ignore'; choose stop or skip"),
+    (["--eval_interval", "0"], "--eval_interval must be at least 1, got 0"),
+    (["--devices", "0"], "--devices must be at least 1, got 0"),
+    (["--num_nodes", "0"], "--num_nodes must be at least 1, got 0"),
+    (["--strategy", "zero3"], "unknown --strategy 'zero3'; choose one of auto, ddp, fsdp"),
+    (["--accelerator", "gpu"], "unknown --accelerator 'gpu'; choose one of auto, cpu, cuda"),
+    (["--data_dir", "d", "--data_sources", "mix.yaml"], "--data_dir and --data_sources both name the data"),
 ])
 def test_values_that_cannot_train_are_refused_when_parsed(argv, expect):
     """Found by the file fuzzer: a hand-edited --config with learning_rate -1 parsed and would have trained."""
     from lit_qlora.utils import UserError
 
     with pytest.raises(UserError) as e:
-        parse_finetune_args(argv)
+        parse_finetune_args(["--checkpoint_dir", "ckpt", *argv])
     assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_demo_data_lies_under_data_sources():
+    """The demo preset's --data_dir is not a second name for the data: --data_sources replaces it."""
+    args = parse_finetune_args(["--data_sources", "mix.yaml"])
+    assert args.data.data_dir == demo.DEMO_DATA_DIR and str(args.data.data_sources) == "mix.yaml"
+
+
+def test_estimate_memory_takes_finetunes_lora_flags(capsys):
+    """scripts/estimate_memory.py reuses the LoRA group (LoRAArgs): the same flags, defaults and help as
+    finetune/lora.py, checked the same way, and every one of them reaches the estimate."""
+    from helpers import run_in_process
+
+    from lit_qlora.args import LoRAArgs
+    from lit_qlora.config import Config
+    from lit_qlora.memory import estimate_training_memory
+
+    estimate = h.ROOT / "scripts" / "estimate_memory.py"
+    parser = runpy.run_path(str(estimate))["estimate_parser"]()
+
+    def lora_flags(p) -> dict:
+        names = {f.name for f in fields(LoRAArgs)}
+        return {a.dest: (a.option_strings, a.default, a.help) for a in p._actions if a.dest in names}
+
+    assert lora_flags(parser) == lora_flags(finetune_parser()) and len(lora_flags(parser)) == len(fields(LoRAArgs))
+    r = run_in_process(estimate, "--model_name", "Llama-2-7b-hf", "--lora_init", "bogus")
+    assert r.returncode == 2 and r.stderr.strip() == "error: unknown --lora_init 'bogus'; choose one of " \
+        "default, gaussian, pissa, olora, loftq"
+    flags = ["--lora_r", "64", "--lora_mlp", "true", "--lora_head", "true", "--lora_dora", "true"]
+    r = run_in_process(estimate, "--model_name", "Llama-2-7b-hf", "--seq_length", "64", "--precision", "32-true",
+                       "--json", "true", *flags)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(capsys.readouterr().out)
+    lora = LoRAArgs(lora_r=64, lora_mlp=True, lora_head=True, lora_dora=True).config()
+    want = estimate_training_memory(Config.from_name("Llama-2-7b-hf"), lora, "32-true", None, micro_batch_size=1,
+                                    seq_length=64)
+    assert got["parts_gb"] == json.loads(json.dumps(want.as_dict()))["parts_gb"]
 
 
 def test_a_config_file_holding_null_is_refused_an_empty_one_is_not(tmp_path):
@@ -169,8 +219,8 @@ def test_a_null_where_a_flag_has_no_left_out_meaning_is_refused(tmp_path, text):
                                           ("precision: bf32-true", "unknown --precision 'bf32-true'"),
                                           # seed 14003: hyperparameters.json's nan_policy "stop" -> Infinity was read
                                           # as the text 'Infinity' and refused only by finetune's later checks
-                                          ("nan_policy: .inf", "--nan_policy is 'Infinity'; it must be stop or skip"),
-                                          ("nan_policy: halt", "--nan_policy is 'halt'; it must be stop or skip"),
+                                          ("nan_policy: .inf", "unknown --nan_policy 'Infinity'; choose stop or skip"),
+                                          ("nan_policy: halt", "unknown --nan_policy 'halt'; choose stop or skip"),
                                           ("accelerator: gpu", "unknown --accelerator 'gpu'; choose one of auto, cpu, "
                                                                "cuda")])
 def test_an_unknown_quantize_or_precision_in_a_config_file_is_refused_when_read(tmp_path, line, expect):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import gguf
 import pytest
 import torch
-from helpers import make_tiny_hf_model
+from helpers import make_tiny_hf_model, random_adapter
 from helpers_tokenizer import make_hf_bpe_tokenizer, make_sentencepiece_tokenizer, tokenizer_test_corpus
 from helpers_train import ROOT, assert_one_line_error, run_script
 
@@ -28,7 +28,6 @@ from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.convert import convert_hf_checkpoint, lit_to_hf_plan
 from lit_qlora.export.gguf_export import export_gguf
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError
 
@@ -405,14 +404,7 @@ ALL = dict(query=True, key=True, value=True, projection=True, mlp=True, head=Tru
 
 
 def make_adapter(model, seed: int = 0, **targets) -> Adapter:
-    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, **{k: targets.get(k, False) for k in ALL})
-    m = load_model(model.folder, precision="32-true", lora=lora, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in lora_modules(m).values():
-            module.lora_A.copy_(torch.randn(module.lora_A.shape, generator=g) * 0.1)
-            module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=g) * 0.1)
-    return Adapter.of_model(m, lora)
+    return random_adapter(model.folder, seed, **{k: targets.get(k, False) for k in ALL})
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen3", "phi3", "qwen3_moe"])

@@ -23,18 +23,16 @@ from types import SimpleNamespace
 import gguf
 import pytest
 import torch
-from helpers import make_tiny_hf_model
+from helpers import make_tiny_hf_model, random_adapter
 from helpers_chat import make_chat_checkpoint
 from safetensors.torch import load_file
 from test_gguf import F32_TOLERANCE, _assert_tensor_types, export, field, tensors_of
 from test_gptoss import by_definition, make_mxfp4_gpt_oss
 
-from lit_qlora.adapter import Adapter
 from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.convert import convert_hf_checkpoint, lit_to_hf_plan
 from lit_qlora.export.gguf_export import export_gguf
 from lit_qlora.loader import load_model, load_model_with_adapter
-from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.utils import UserError
 
 transformers = pytest.importorskip("transformers")
@@ -134,18 +132,6 @@ def hf_of_gguf(path: Path):
     model.load_state_dict({k: v.contiguous() for k, v in sd.items()}, strict=True)
     assert used == set(file), set(file) - used  # every tensor of the file is one of the model's
     return model.eval()
-
-
-def make_adapter(folder: Path, seed: int = 0, **targets) -> Adapter:
-    """An adapter on `targets` (LoRAConfig's flags) with random A and B (B not zero: the update is real)."""
-    lora = LoRAConfig(r=4, alpha=8, dropout=0.0, **targets)
-    m = load_model(folder, precision="32-true", lora=lora, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in lora_modules(m).values():
-            module.lora_A.copy_(torch.randn(module.lora_A.shape, generator=g) * 0.1)
-            module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=g) * 0.1)
-    return Adapter.of_model(m, lora)
 
 
 def hf_of(folder: Path):
@@ -249,7 +235,7 @@ def test_merged_adapter_over_mxfp4_experts(mxfp4, experts, tmp_path):
     experts: the adapted experts are written dense (W + s B A is not an MXFP4 grid); without experts: they stay
     MXFP4."""
     model = SimpleNamespace(folder=mxfp4)
-    adapter = make_adapter(mxfp4, seed=1, query=True, value=True, projection=True, head=True, experts=experts,
+    adapter = random_adapter(mxfp4, seed=1, query=True, value=True, projection=True, head=True, experts=experts,
                            router=True)
     idx = tokens(seed=2)
     ours = load_model_with_adapter(mxfp4, adapter, precision="32-true")(idx)
@@ -267,7 +253,7 @@ def test_lora_only_on_attention_and_router(dense, tmp_path):
     the base file's model plus those updates gives ours."""
     model = SimpleNamespace(folder=dense)
     config = load_model(dense, precision="32-true").config
-    adapter = make_adapter(dense, seed=2, query=True, key=True, value=True, projection=True, router=True)
+    adapter = random_adapter(dense, seed=2, query=True, key=True, value=True, projection=True, router=True)
     path = export(model, tmp_path / "lora", adapter=adapter, lora_only=True, dtype="f32")
     reader = gguf.GGUFReader(path)
     assert field(reader, "general.architecture") == "gpt-oss" and field(reader, "adapter.type") == "lora"
@@ -295,7 +281,7 @@ def test_lora_only_on_attention_and_router(dense, tmp_path):
 
 def test_lora_only_on_experts_is_refused(dense, tmp_path):
     with pytest.raises(UserError, match=r"LoRA on a mixture's experts .*\(drop --lora_only\)"):
-        export(SimpleNamespace(folder=dense), tmp_path, adapter=make_adapter(dense, query=True, experts=True),
+        export(SimpleNamespace(folder=dense), tmp_path, adapter=random_adapter(dense, query=True, experts=True),
                lora_only=True)
     assert not any(tmp_path.iterdir())
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_HF_CONFIGS
 from helpers_train import env
 
 from lit_qlora.config import Config
@@ -18,7 +19,6 @@ from lit_qlora.memory import GiB, estimate_training_memory, pick_micro_batch_siz
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.quant.quantize import memory_report
 from lit_qlora.train.training import head_chunk
-from lit_qlora.utils import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(name="mem-llama", n_layer=2, n_head=8, n_query_groups=2, n_embd=256, intermediate_size=704,
@@ -34,9 +34,15 @@ MOE = dict(name="mem-moe", hf_architecture="Qwen3MoeForCausalLM", n_layer=3, n_h
 QV = LoRAConfig(r=8, alpha=16, dropout=0.05)
 ATTN = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, head=True)
 ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True)
+# a LoRA pair per expert (lora.LoRAExperts) beside attention's; with dropout, on the experts and the router alone
+EXPERTS = LoRAConfig(r=8, alpha=16, dropout=0.0, key=True, projection=True, experts=True)
+EXPERTS_ROUTER = LoRAConfig(r=8, alpha=16, dropout=0.05, experts=True, router=True)
 DORA_QV = LoRAConfig(r=8, alpha=16, dropout=0.0, dora=True)
 DORA_ALL = LoRAConfig(r=8, alpha=16, dropout=0.05, key=True, projection=True, mlp=True, head=True, dora=True)
 BIG = Config.from_name("Llama-2-7b-hf")
+# the families of issue 33 as the model tests build them (soft-caps that clip, sliding windows shorter than the
+# sequences, QK-norm per head and over the projection, post-norms, NoPE layers, Gemma 3's local RoPE, yarn, longrope)
+FAMILIES = ("qwen3", "gemma2", "gemma3", "olmo2", "phi3", "smollm3", "mistral_nemo", "llama_longrope")
 
 
 def _checkpoint(folder: Path, config: Config) -> Path:
@@ -56,6 +62,9 @@ def memory_ckpts(tmp_path_factory):
     for name, cfg in (("llama", LLAMA), ("neox", NEOX), ("moe", MOE)):
         folder = tmp_path_factory.mktemp(name)
         out[name] = (_checkpoint(folder, Config(**cfg)), Config(**cfg))
+    for name in FAMILIES + ("gpt_oss",):
+        config = Config.from_hf_config(TINY_HF_CONFIGS[name])
+        out[name] = (_checkpoint(tmp_path_factory.mktemp(name), config), config)
     return out
 
 
@@ -79,6 +88,21 @@ def test_quantized_bytes_match_bitsandbytes(memory_ckpts, quantize, arch):
     bits = 8 * QuantMode(quantize).layer_bytes(4096, 4096) / 4096**2
     assert bits == pytest.approx({"bnb.int8": 8 + 32 / 4096}.get(quantize, 4.127 if quantize.endswith("-dq") else 4.5),
                                  abs=2e-3)
+
+
+@pytest.mark.parametrize("arch", ["moe", "gpt_oss"])
+def test_expert_lora_parameters_are_counted(memory_ckpts, arch):
+    """A LoRA on the experts (a pair per expert, [E, r, in] and [E, out, r]) and the router: the estimate's trainable
+    parameters are the loaded model's, and its optimizer state follows them."""
+    from lit_qlora.loader import load_model
+
+    folder, config = memory_ckpts[arch]
+    model = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=EXPERTS_ROUTER, config=config, seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted = weight_bytes(config, EXPERTS_ROUTER, "32-true", "bnb.nf4")
+    assert sum(predicted["lora_numels"]) == trainable
+    est = estimate_training_memory(config, EXPERTS_ROUTER, "32-true", "bnb.nf4", micro_batch_size=1, seq_length=16)
+    assert est.extra["optimizer_state"] == pytest.approx(2 * 4 * trainable, abs=4 * len(predicted["lora_numels"]))
 
 
 def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
@@ -121,6 +145,22 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     ("moe", ATTN, "32-true", "bnb.nf4", False),
     ("moe", ATTN, "bf16-mixed", None, False),
     ("moe", QV, "bf16-true", None, True),
+    # the newer families: what their blocks add (Gemma 2's eager soft-capped attention, the post-norms, per-head and
+    # whole-projection QK-norm, Gemma 3's second RoPE table, the masks of sliding windows shorter than the sequence,
+    # NoPE layers' unrotated q and k)
+    *[(arch, lora, "32-true", None, False) for arch in FAMILIES for lora in (QV, ALL)],
+    *[(arch, ALL, "bf16-true", None, False) for arch in ("gemma2", "gemma3", "olmo2", "phi3", "smollm3")],
+    ("gemma3", QV, "bf16-true", "bnb.nf4-dq", False),
+    ("gemma2", ALL, "32-true", None, True),
+    # gpt-oss: sink attention (k and v one zero row longer, the float mask of sink logits), biased experts, the clamped
+    # SwiGLU's plain autograd ops
+    ("gpt_oss", QV, "32-true", None, False),
+    ("gpt_oss", ATTN, "32-true", None, False),
+    ("gpt_oss", ATTN, "bf16-true", None, False),
+    ("moe", EXPERTS, "32-true", None, False),
+    ("moe", EXPERTS_ROUTER, "bf16-true", "bnb.nf4-dq", False),
+    ("gpt_oss", EXPERTS, "bf16-true", None, False),
+    ("gpt_oss", EXPERTS_ROUTER, "32-true", None, False),
 ])
 def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, quantize, ac):
     """The activation model walks GPT.forward; autograd's saved tensors must add up to the same bytes."""
@@ -308,13 +348,3 @@ def test_estimate_only_with_fsdp_is_per_rank(tmp_path):
                                         seq_length=512, shard_world=2)
     assert re.search(rf"\| Total +\| {expected.total_gb:.3f} \|", res.stdout), res.stdout
     assert not (tmp_path / "out").exists()
-
-
-def test_gpt_oss_estimate_is_refused_not_wrong():
-    """gpt-oss's experts (biases, clamped SwiGLU) save tensors the activation model does not count: one line saying
-    so, never a silently low estimate."""
-    config = Config(**{**MOE, "hf_architecture": "GptOssForCausalLM", "qk_norm": None, "moe_bias": True,
-                       "moe_swiglu_limit": 7.0, "moe_swiglu_alpha": 1.702})
-    with pytest.raises(UserError, match="gpt-oss's experts"):
-        estimate_training_memory(config, lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)
-    estimate_training_memory(Config(**MOE), lora=QV, precision="32-true", micro_batch_size=1, seq_length=64)

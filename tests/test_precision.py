@@ -12,6 +12,7 @@ import torch
 
 import lit_qlora.precision as precision
 from lit_qlora.precision import resolve_precision, slow_precision_warning
+from lit_qlora.utils import UserError
 
 AVX2 = {"fpu", "sse2", "avx", "avx2", "fma"}
 AVX512_NO_BF16 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -30,9 +31,14 @@ def test_auto_precision_under_faked_capabilities(monkeypatch, machine, flags, cu
     monkeypatch.setattr(precision, "cpu_flags", lambda: set(flags))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
-    resolved, why = resolve_precision("auto", "cuda" if cuda else "cpu")
+    device_type = precision.resolve_accelerator("auto")  # what finetune and generate resolve once per run
+    resolved, why = resolve_precision("auto", device_type)
+    assert device_type == ("cuda" if cuda else "cpu")
     assert resolved == expected and why.startswith("auto: "), (machine, resolved, why)
     assert resolve_precision("bf16-true", "cpu") == ("bf16-true", "")  # explicit values are kept
+    assert [precision.resolve_accelerator(a) for a in ("cpu", "cuda")] == ["cpu", "cuda"]  # cuda: planned for
+    with pytest.raises(UserError, match="unknown --accelerator 'gpu'; choose one of auto, cpu, cuda"):
+        precision.resolve_accelerator("gpu")
 
 
 def test_cpu_flags_are_read_from_cpuinfo():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,21 @@ def test_layers_an_adapter_changes_are_quantized_from_the_merged_weights(lora_ll
     fresh = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=lora, seed=0, use_stored=False)
     for name, layer in quantized_layers(with_lora).items():
         assert_same_stored(layer, quantized_layers(fresh)[name])
+
+
+def test_layers_a_residual_init_adapts_are_quantized_from_the_residual(lora_llama, tmp_path):
+    """QPiSSA over a checkpoint with a stored quantization: each adapted weight gives up s*B0@A0 before it is
+    quantized, so its base is bitsandbytes' quantization of that residual (as without the file); the others are read."""
+    folder = copy_of(lora_llama.folder, tmp_path)
+    path = quantize_checkpoint(folder, "bnb.nf4", "32-true")
+    lora = replace(lora_cfg(query=True, value=True), init="pissa")
+    kw = dict(precision="32-true", quantize="bnb.nf4", lora=lora, seed=0)
+    ours, reference = load_model(folder, **kw), load_model(folder, use_stored=False, **kw)
+    adapted = [n for n, m in ours.named_modules() if isinstance(m, LoRALinear)]
+    assert ours.stored_quantization == path and ours.layers_quantized_at_load == len(adapted) > 0
+    assert len(adapted) < len(quantized_layers(ours))
+    for name, layer in quantized_layers(ours).items():
+        assert_same_stored(layer, quantized_layers(reference)[name])
 
 
 # ---- 4. generation end to end ----------------------------------------------------------------------------------

@@ -273,6 +273,12 @@ def _num_nodes_without_launcher(t, p):
     return dict(num_nodes=2), ["--num_nodes 2 needs a launcher", "torchrun --nnodes", "SLURM", "Several machines"]
 
 
+def _cuda_without_a_gpu(t, p):  # before: the data was prepared, then Fabric failed with a traceback
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    return dict(accelerator="cuda"), ["--accelerator cuda but no GPU is visible", "--accelerator cpu"]
+
+
 def _num_nodes_zero(t, p):
     return dict(num_nodes=0), ["--num_nodes must be at least 1, got 0"]
 
@@ -328,6 +334,7 @@ CASES = {f.__name__[1:]: f for f in (
     _data_torn_parquet, _data_sources_bad_weight, _data_empty, _batch_size, _batch_size_devices, _quantize,
     _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
     _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero,
+    _cuda_without_a_gpu,
     _loftq_without_4bit, _loftq_on_a_dense_head, _pissa_rank_above_a_part, _rank_above_the_layers,
     _dora_on_moe_experts)}
 # also through a fresh interpreter

@@ -96,15 +96,20 @@ def _write_tokenizer(folder: Path) -> None:
     records = json.loads(DEMO_DATA_FILE.read_text())
     template = get_template("alpaca")
     texts = [template.format(r["instruction"], r.get("input", "")) + r["output"] for r in records]
+    write_bpe_tokenizer(folder, texts, DEMO_CONFIG["vocab_size"], DEMO_CONFIG["block_size"])
+
+
+def write_bpe_tokenizer(folder: Path, texts: list[str], vocab_size: int, block_size: int) -> None:
+    """`folder`/tokenizer.json + tokenizer_config.json: a byte-level BPE of `vocab_size` pieces trained on `texts`,
+    with <unk> <s> </s> <pad> as its first ids (a BOS added, no EOS)."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=DEMO_CONFIG["vocab_size"], special_tokens=specials,
-                                             show_progress=False,
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True,
-         "add_eos_token": False, "model_max_length": DEMO_CONFIG["block_size"]}, indent=2))
+         "add_eos_token": False, "model_max_length": block_size}, indent=2))

@@ -377,8 +377,11 @@ def _parsed_flags(config_file: Path) -> dict:
         import runpy
 
         _FINETUNE.update(runpy.run_path(str(h.FINETUNE)))
+    from lit_qlora.precision import resolve_accelerator
+
     quantize = QuantMode.parse(args.run.quantize)
-    _FINETUNE["check_flags"](args, quantize and quantize.value, args.lora.config())  # finetune's checks of the flags
+    _FINETUNE["check_flags"](args, quantize and quantize.value, args.lora.config(),  # finetune's checks of the flags
+                             resolve_accelerator(args.run.accelerator))
     ensure_converted(args.run.checkpoint_dir, quiet=True)
     if resolve(args.data.data_dir) is None:
         raise UserError(f"no data in {args.data.data_dir}")

@@ -431,7 +431,8 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
     """argv with each `--config FILE` read through lit_qlora.readers (a UserError naming the file and the line or
     the key for undecodable text, bad YAML / JSON, a top level that is not a mapping, a key that is no flag) and
     replaced by its checked content; and the files' names."""
-    flags = {f.name for group in _groups(preference) for f in fields(group)}
+    kinds = {f.name: str(f.type) for group in _groups(preference) for f in fields(group)}
+    flags = set(kinds)
     out, sources, i = [], [], 0
     while i < len(argv):
         a = argv[i]
@@ -460,6 +461,14 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
         if unknown:
             raise UserError(f"--config file {path}: {unknown[0]!r} is not a flag of finetune/lora.py; remove it "
                             "(--help lists every flag)")
+        for key, v in data.items():  # what jsonargparse would turn into text or a number without a word
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UserError(f"--{key} is {v} in --config {path}, not a finite value; give a number or text as "
+                                "--help says, or leave it out for its default")
+            textual = kinds[key].removeprefix("Optional[").rstrip("]") in ("str", "Path")
+            if textual and not isinstance(v, (str, type(None))):
+                raise UserError(f"--{key} is {v!r} in --config {path}, not text; write it in quotes, or leave it out "
+                                "for its default (--help lists the values)")
         out += ["--config", json.dumps(data, default=str)]
         sources.append(str(path))
     return out, sources

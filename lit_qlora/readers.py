@@ -137,11 +137,14 @@ def read_json(path: Path, expect: Optional[type] = dict, what: str = "file",
 
 
 def read_yaml(path: Path, what: str = "file", fix: str = "fix the file") -> Any:
+    """The YAML in `path` (a .json file's JSON); syntax errors name the line and column."""
     import yaml
 
     path = Path(path)
     where = f"{what} {path}" if what != "file" else str(path)
     text = read_text(path, what, fix)
+    if path.suffix.lower() == ".json":  # as JSON: YAML would read a JSON NaN or Infinity as the text "NaN"
+        return parse_json(text, where, fix)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -121,6 +121,8 @@ class Tokenizer:
         tok_config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
         # kept for chat templates: the special-token strings a template sees, sentencepiece prefix settings
         self.tokenizer_config: dict[str, Any] = tok_config
+        if self.backend == "huggingface":
+            self._check_added_tokens(tok_config)
         gen_config = _read_json(self.checkpoint_dir / "generation_config.json")
         model_config = _read_json(self.checkpoint_dir / "config.json")
 
@@ -167,6 +169,20 @@ class Tokenizer:
             raise UserError(f"{source} holds a chat template of {len(template):,} characters; published templates "
                             "are a few KB (tool-calling ones up to ~30 KB): the file is damaged, re-copy it")
         self.chat_template: str | None = template
+
+    def _check_added_tokens(self, tok_config: dict[str, Any]) -> None:
+        """tokenizer_config.json's added tokens (id -> token) must be what tokenizer.json has at those ids:
+        transformers restores a token missing from tokenizer.json from this list, so a tokenizer.json that lost one
+        (the chat markers, usually) would split them into pieces here without a word."""
+        added = {i: t.content for i, t in self.processor.get_added_tokens_decoder().items()}
+        for key, entry in (tok_config.get("added_tokens_decoder") or {}).items():
+            content = _token_str(entry)
+            if content is None or not str(key).isdigit() or added.get(int(key)) == content:
+                continue
+            have = f"{added[int(key)]!r}" if int(key) in added else "no added token"
+            raise UserError(f"{self.checkpoint_dir / 'tokenizer_config.json'} has the added token {content!r} at id "
+                            f"{key}, {self.model_path} has {have} there; the two files disagree: re-copy the "
+                            "tokenizer files of the model")
 
     def _post_processor_specials(self) -> tuple[bool, bool]:
         """Whether tokenizer.json's post-processor adds bos at the start / eos at the end.

@@ -219,7 +219,7 @@ def test_a_null_where_a_flag_has_no_left_out_meaning_is_refused(tmp_path, text):
                                           ("precision: bf32-true", "unknown --precision 'bf32-true'"),
                                           # seed 14003: hyperparameters.json's nan_policy "stop" -> Infinity was read
                                           # as the text 'Infinity' and refused only by finetune's later checks
-                                          ("nan_policy: .inf", "unknown --nan_policy 'Infinity'; choose stop or skip"),
+                                          ("nan_policy: .inf", "--nan_policy is inf in --config"),
                                           ("nan_policy: halt", "unknown --nan_policy 'halt'; choose stop or skip"),
                                           ("accelerator: gpu", "unknown --accelerator 'gpu'; choose one of auto, cpu, "
                                                                "cuda")])
@@ -231,6 +231,23 @@ def test_an_unknown_quantize_or_precision_in_a_config_file_is_refused_when_read(
     with pytest.raises(UserError) as e:
         parse_finetune_args(["--config", str(tmp_path / "run.yaml")])
     assert expect in str(e.value) and f"--config {tmp_path / 'run.yaml'}" in str(e.value)
+
+
+@pytest.mark.parametrize("text, expect", [('"messages_column": NaN', "--messages_column is nan in --config {}, not a"),
+                                          ('"learning_rate": Infinity', "--learning_rate is inf in --config {}, not a"),
+                                          ('"template": 5', "--template is 5 in --config {}, not text; write it in"),
+                                          ('"out_dir": false', "--out_dir is False in --config {}, not text"),
+                                          ('"prompt_column": ["a"]', "--prompt_column is ['a'] in --config {}, not")])
+def test_a_config_value_of_the_wrong_kind_is_refused_when_read(tmp_path, text, expect):
+    """The file fuzzer (seeds 14076-14087): hyperparameters.json's messages_column turned NaN was read as the text
+    'NaN' (jsonargparse turns a number into text for a text flag) and trained on a column of that name; a non-finite
+    number or a number, bool or list where text belongs is refused naming the file and the flag."""
+    (tmp_path / "run.json").write_text('{"checkpoint_dir": "ckpt", %s}' % text)
+    with pytest.raises(UserError) as e:
+        parse_finetune_args(["--config", str(tmp_path / "run.json")])
+    assert expect.format(tmp_path / "run.json") in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "ok.json").write_text('{"checkpoint_dir": "ckpt", "learning_rate": 0.5, "template": "alpaca"}')
+    assert parse_finetune_args(["--config", str(tmp_path / "ok.json")]).train.learning_rate == 0.5
 
 
 @pytest.mark.parametrize("name", ["gpu", "mps", "cuda:0", ""])

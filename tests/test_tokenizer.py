@@ -275,3 +275,26 @@ def test_a_byte_level_tokenizer_without_its_byte_level_step_is_refused(tmp_path,
         Tokenizer(folder)
     assert f"{folder / 'tokenizer.json'} decodes byte-level but has no ByteLevel step" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_tokenizer_json_that_lost_an_added_token_is_refused(hf_dir, tmp_path):
+    """The file fuzzer (seeds 14076-14087): tokenizer.json with its added chat marker deleted was read as it stood, the
+    marker split into byte pieces everywhere, while transformers restores it from tokenizer_config.json's
+    added_tokens_decoder. The two files must agree on every added token."""
+    import transformers
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    hf.save_pretrained(tmp_path)
+    marker = hf.convert_tokens_to_ids("<|im_start|>")
+    added = json.loads((tmp_path / "tokenizer.json").read_text())["added_tokens"]  # as published checkpoints (saved
+    _update_json(tmp_path / "tokenizer_config.json",  # by transformers 4) list them
+                 added_tokens_decoder={str(t.pop("id")): t for t in added})
+    assert Tokenizer(tmp_path).encode("<|im_start|>", bos=False).tolist() == [marker]  # the files agree: read
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|im_start|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(UserError) as e:
+        Tokenizer(tmp_path)
+    assert (f"has the added token '<|im_start|>' at id {marker}, {tmp_path / 'tokenizer.json'} has no added token "
+            "there; the two files disagree" in str(e.value)) and "\n" not in str(e.value)

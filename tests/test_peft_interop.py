@@ -151,3 +151,30 @@ def test_a_dense_adapter_whose_config_has_another_revision_still_imports(lora_ll
     (folder / "adapter_config.json").write_text(json.dumps({**cfg, "revision": True}))
     got, _, _ = import_peft(folder, lora_llama.config)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("damage", ["key", "value"])
+def test_our_exports_damaged_record_is_refused(lora_llama, tmp_path, damage):
+    """The file fuzzer (seed 15011): a byte flip turned the metadata key lit_qlora_lora_config of our own export into
+    lit_qlora_lnra_config, and the import read the file as another tool's, silently dropping what only that record
+    keeps (the exact alpha, LoRA+'s ratio, how a fused layer's LoRA splits); a record that is no JSON object was read
+    past the same way. Both are refused naming the folder; the intact export imports."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = load_model(lora_llama.folder, precision="32-true", lora=lora_cfg(query=True, value=True))
+    randomize_lora(model)
+    folder = adapter_of(model, lora_cfg(query=True, value=True)).export_peft(lora_llama.config, tmp_path / "peft")
+    import_peft(folder, lora_llama.config)
+    weights = folder / "adapter_model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    if damage == "key":
+        meta["lit_qlora_lnra_config"] = meta.pop("lit_qlora_lora_config")
+    else:
+        meta["lit_qlora_lora_config"] = meta["lit_qlora_lora_config"][:-1]
+    save_file(tensors, str(weights), metadata=meta)
+    with pytest.raises(UserError) as e:
+        import_peft(folder, lora_llama.config)
+    assert f"PEFT adapter {folder}" in str(e.value) and "the file is damaged" in str(e.value)
+    assert "\n" not in str(e.value)

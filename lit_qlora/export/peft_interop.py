@@ -473,7 +473,7 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
     where, universe, layout = peft.where, _universe(base_config), qkv_layout(base_config)
     by_cat = _layers_by_category(mods, universe)
     fused = "qkv" in by_cat
-    lit_meta = _lit_meta(peft.metadata)
+    lit_meta = _lit_meta(peft.metadata, peft.where)
     flags = dict(query=fused or "query" in by_cat, key=fused or "key" in by_cat, value=fused or "value" in by_cat,
                  projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat),
                  head="head" in by_cat, experts=any(role != "router" for _, role in peft.moe),
@@ -724,11 +724,24 @@ def _expected_modules(pc: dict, universe: dict) -> list[str]:
     return out
 
 
-def _lit_meta(meta: dict) -> Optional[dict]:
-    try:
-        return json.loads(meta[_META_KEY]) if _META_KEY in meta else None
-    except (json.JSONDecodeError, TypeError):
+def _lit_meta(meta: dict, where: str) -> Optional[dict]:
+    """Our LoRAConfig as our export recorded it in the weights' safetensors metadata; None for another tool's file.
+    A record that is there but damaged (a lit_qlora_ key we never write, text that is no JSON object) is refused:
+    read past, the import would silently lose what only it records (the exact alpha, LoRA+, a fused layer's split)."""
+    stray = [k for k in meta if k.startswith("lit_qlora_") and k != _META_KEY]
+    if stray:
+        raise UserError(f"{where}: its weights' metadata has the key {stray[0]!r}, which lit-qlora never writes (it "
+                        f"writes {_META_KEY!r}): the file is damaged; export the adapter again")
+    if _META_KEY not in meta:
         return None
+    try:
+        lit = json.loads(meta[_META_KEY])
+    except (json.JSONDecodeError, TypeError):
+        lit = None
+    if not isinstance(lit, dict):
+        raise UserError(f"{where}: its weights' {_META_KEY} metadata is not a JSON object: the file is damaged; export "
+                        "the adapter again")
+    return lit
 
 
 def _gate_up_halves(lit: Optional[dict], A: torch.Tensor, B: torch.Tensor):

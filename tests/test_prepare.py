@@ -408,6 +408,8 @@ def test_prepare_dataset_with_conversations(chatml, tmp_path):
 
 @pytest.mark.parametrize("change, expect", [({"template": "x"}, "template is 'x', expected one of"),
                                             ({"template": 3}, "template is 3, expected a string"),
+                                            # the file fuzzer, seed 15015: "plain" -> null was read as no template
+                                            ({"template": None}, "template is None, expected one of"),
                                             ({"max_seq_length": "9"}, "max_seq_length is '9', expected an integer"),
                                             ({"n_train": -1}, "n_train is -1, expected an integer from 0")])
 def test_a_prepare_config_that_lies_is_refused(tmp_path, change, expect):

@@ -234,7 +234,9 @@ def read_prepared_meta(dest: Path | str) -> dict | None:
         return None
     fix = f"it is corrupt: delete {dest} and prepare the data again"
     meta = check_fields(read_json(cfg, dict, fix=fix), cfg, PREPARED_FIELDS, fix=fix)
-    if meta.get("template") not in (None, *TEMPLATE_NAMES):  # the adapter records it: generation renders with it
+    # the adapter records it: generation renders with it (preparing always writes one; a file written by hand may
+    # leave it out, never null it)
+    if meta.get("template") not in (None, *TEMPLATE_NAMES) or "template" in meta and meta["template"] is None:
         raise UserError(f"{cfg}: template is {meta['template']!r}, expected one of {', '.join(TEMPLATE_NAMES)}; {fix}")
     return meta
 

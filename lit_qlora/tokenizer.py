@@ -20,7 +20,6 @@ from lit_qlora.readers import (
     TOKEN_ID_FIELDS,
     TOKENIZER_CONFIG_FIELDS,
     check_file,
-    read_json,
     read_side_json,
     read_text,
 )
@@ -42,14 +41,18 @@ def _steps(component: Any) -> list[dict]:
         inner, list) else [component]
 
 
-def _check_byte_level(path: Path) -> None:
+def _check_byte_level(processor: Any, path: Path) -> None:
     """A tokenizer.json that decodes byte-level (GPT-2, Llama 3, Qwen) maps text to bytes first, in its pre-tokenizer
     (or normalizer): one without that step loads, and encodes every space and non-ASCII character into other ids
-    (the fuzzer, seed 14053: pre_tokenizer deleted). Refused in one line naming the file."""
-    data = read_json(path, dict, "tokenizer file", "re-copy the tokenizer files of the model")
-    if not any(d.get("type") == "ByteLevel" for d in _steps(data.get("decoder"))):
+    (the fuzzer, seed 14053: pre_tokenizer deleted). Refused in one line naming the file. Reads the loaded
+    tokenizer's components (their own small JSON), not the file again."""
+    def steps(name: str) -> list[dict]:
+        component = getattr(processor, name, None)
+        return _steps(json.loads(component.__getstate__()) if component is not None else None)
+
+    if not any(d.get("type") == "ByteLevel" for d in steps("decoder")):
         return
-    if not any(d.get("type") == "ByteLevel" for key in ("pre_tokenizer", "normalizer") for d in _steps(data.get(key))):
+    if not any(d.get("type") == "ByteLevel" for key in ("pre_tokenizer", "normalizer") for d in steps(key)):
         raise UserError(f"{path} decodes byte-level but has no ByteLevel step in its pre_tokenizer or normalizer, so "
                         "text would encode into other ids; re-copy the tokenizer files of the model")
 
@@ -99,7 +102,7 @@ class Tokenizer:
                 self.processor: Any = HFTokenizer.from_file(str(path))
             except Exception as e:
                 raise UserError(f"cannot read {path} ({e}); re-copy the tokenizer files of the model") from e
-            _check_byte_level(path)
+            _check_byte_level(self.processor, path)
             # A tokenizer.json may carry truncation/padding settings; encode() must return every id.
             self.processor.no_truncation()
             self.processor.no_padding()

@@ -431,8 +431,8 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
     """argv with each `--config FILE` read through lit_qlora.readers (a UserError naming the file and the line or
     the key for undecodable text, bad YAML / JSON, a top level that is not a mapping, a key that is no flag) and
     replaced by its checked content; and the files' names."""
-    kinds = {f.name: str(f.type) for group in _groups(preference) for f in fields(group)}
-    flags = set(kinds)
+    hints = {name: hint for group in _groups(preference) for name, hint in get_type_hints(group).items()}
+    flags = set(hints)
     out, sources, i = [], [], 0
     while i < len(argv):
         a = argv[i]
@@ -465,7 +465,7 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
             if isinstance(v, float) and not math.isfinite(v):
                 raise UserError(f"--{key} is {v} in --config {path}, not a finite value; give a number or text as "
                                 "--help says, or leave it out for its default")
-            textual = kinds[key].removeprefix("Optional[").rstrip("]") in ("str", "Path")
+            textual = {t for t in get_args(hints[key]) or (hints[key],) if t is not type(None)} <= {str, Path}
             if textual and not isinstance(v, (str, type(None))):
                 raise UserError(f"--{key} is {v!r} in --config {path}, not text; write it in quotes, or leave it out "
                                 "for its default (--help lists the values)")

@@ -56,18 +56,25 @@ def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
     return out, sum(saved)
 
 
+def _head_case(dtype: torch.dtype, seed: int):
+    """(generator, hidden states x [37, 16], head W [301, 16] with large logits, targets with 5 ignored rows)."""
+    g = torch.Generator().manual_seed(seed)
+    N, C, V = 37, 16, 301
+    x = torch.randn(N, C, generator=g).to(dtype)
+    w = (torch.randn(V, C, generator=g) * 2).to(dtype)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[:5] = -100
+    return g, x, w, targets
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_head_cross_entropy_equals_the_logits_path(dtype, cap):
     """Loss and gradient of the hidden states equal chunked_cross_entropy over softcap(x @ W.T) (Gemma 2's final
     soft-cap included, with logits large enough for it to clip), with ignored targets and chunks that do not divide
     the rows; the logits are never saved: what backward keeps is one [N, C] gradient."""
-    g = torch.Generator().manual_seed(0)
-    N, C, V = 37, 16, 301
-    x = torch.randn(N, C, generator=g).to(dtype)
-    w = (torch.randn(V, C, generator=g) * 2).to(dtype)
-    targets = torch.randint(0, V, (N,), generator=g)
-    targets[:5] = -100
+    g, x, w, targets = _head_case(dtype, seed=0)
+    (N, C), V = x.shape, w.shape[0]
     upstream = 0.29
 
     def logits_path(xi):
@@ -120,12 +127,8 @@ def test_head_cross_entropy_per_position_equals_the_logits_path(dtype, cap):
     """head_cross_entropy(reduction="none"), the preference path: each position's -log p(target) and the hidden
     states' gradient under a per-position upstream gradient equal chunked_cross_entropy(reduction="none") over
     softcap(x @ W.T) (soft-cap clipping, ignored rows, uneven chunks); autograd saves one [N, C] tensor, no logits."""
-    g = torch.Generator().manual_seed(2)
-    N, C, V = 37, 16, 301
-    x = torch.randn(N, C, generator=g).to(dtype)
-    w = (torch.randn(V, C, generator=g) * 2).to(dtype)
-    targets = torch.randint(0, V, (N,), generator=g)
-    targets[:5] = -100
+    g, x, w, targets = _head_case(dtype, seed=2)
+    (N, C), V = x.shape, w.shape[0]
     upstream = torch.randn(N, generator=g) * 3  # one weight per position, signs mixed
 
     def logits_path(xi):

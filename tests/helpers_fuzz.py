@@ -659,6 +659,22 @@ def _ref_chat_template_agrees(d: Path) -> str | None:
     return "transformers renders the template as we do" if same else None
 
 
+def _ref_model_agrees(d: Path) -> str | None:
+    """transformers builds the model of the damaged config.json (with its weights) and its logits on a probe are
+    ours (the converted folder) within 1e-4: the conversion read the file as transformers reads it."""
+    import transformers
+    from helpers import load_ours
+
+    try:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d / "hf_only", dtype=torch.float32).eval()
+    except Exception:  # noqa: BLE001 - the reference refuses it: not a valid file
+        return None
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        same = torch.allclose(load_ours(d / "hf_only")(ids), ref(ids).logits, atol=1e-4)
+    return "transformers builds the same model from it" if same else None
+
+
 def _first_change(original: bytes, target: Path):
     """(path, old value, new value or DELETED) of the one changed JSON value, or None (not JSON / not one change)."""
     try:
@@ -736,8 +752,11 @@ def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
         return _jsonl_rows_valid(original, target)
     if kind in ("hparams_json",):
         return _flag_edit(original, target)
+    if kind == "hf_config":
+        return _ref_model_agrees(d)
     change = _first_change(original, target)
-    if kind == "model_config" and change and change[0] == ["name"] and isinstance(change[2], str):
+    if kind in ("model_config", "run_report_metrics_json", "report_metrics_json") and change and \
+            change[0] in (["name"], ["model"]) and isinstance(change[2], str):
         return "the model's display name"
     if kind == "prepared_config" and change and change[0] == ["template"] and change[2] is DELETED:
         return "template left out (allowed in a hand-written prepared folder: the run records its --template)"

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -708,7 +709,7 @@ def _alpaca_record_edit(original: bytes, target: Path) -> str | None:
     if change is None or len(change[0]) != 2:
         return None
     (_, key), _, new = change
-    if key in ("instruction", "output", "input") and isinstance(new, str) or key == "input" and new is DELETED:
+    if key in ("instruction", "output", "input") and isinstance(new, str) or key == "input" and new in (DELETED, None):
         return "an Alpaca record's text (input is optional)"
     return None
 
@@ -733,8 +734,16 @@ def _flag_edit(original: bytes, target: Path) -> str | None:
     if change is None or len(change[0]) != 1:
         return None
     (name,), old, new = change
-    if new is DELETED or type(new) is type(old) or old is None and isinstance(new, (int, float, str)):
-        return f"the flag {name} left out or set to another valid value"
+    from typing import get_args, get_type_hints
+
+    from lit_qlora.args import _groups
+
+    hints = {n: h for g in _groups(preference=False) for n, h in get_type_hints(g).items()}
+    if name not in hints:
+        return None
+    admits = {t for t in get_args(hints[name]) or (hints[name],) if isinstance(t, type)}  # the flag's declared types
+    if new is DELETED or any(isinstance(new, t) for t in admits) or type(new) is type(old):
+        return f"the flag {name} left out or set to another value of its type"
     return None
 
 
@@ -758,6 +767,10 @@ def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
     if kind in ("model_config", "run_report_metrics_json", "report_metrics_json") and change and \
             change[0] in (["name"], ["model"]) and isinstance(change[2], str):
         return "the model's display name"
+    if kind in ("run_report_metrics_json", "report_metrics_json") and change and \
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                for v in change[1:]):
+        return "a run's recorded figure, another finite number (the report shows what the run wrote)"
     if kind == "prepared_config" and change and change[0] == ["template"] and change[2] is DELETED:
         return "template left out (allowed in a hand-written prepared folder: the run records its --template)"
     return None

@@ -731,6 +731,38 @@ def test_moe_decoding_runs_each_projection_s_active_experts_in_one_kernel_call(f
 
 
 @needs_kernel
+def test_moe_decoding_with_lora_on_the_experts_keeps_a_call_per_expert(family_ckpts, monkeypatch):
+    """An unmerged LoRA on the experts (a pair per expert, `LoRAExperts`) adds its update per expert: decoding runs
+    each active expert's projections through their own kernel calls (3 x top_k per MoE layer and step), never the
+    one-call path, and its logits are those of the model with the kernel turned off (bitsandbytes' path, the same
+    LoRA) within 1e-4 x their std."""
+    from helpers import lora_cfg, randomize_lora
+
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import LoRAExperts
+
+    model = load_model(family_ckpts("qwen3_moe"), precision="32-true", quantize="bnb.nf4",
+                       lora=lora_cfg(query=True, experts=True), seed=0)
+    randomize_lora(model, seed=5)
+    model.eval()
+    want = teacher_forced_logits(model, torch.randint(0, model.config.vocab_size, (PROMPT_LEN + 6,),
+                                                      generator=torch.Generator().manual_seed(4)))
+    assert fast_cpu_4bit_decoding(model) > 0
+    wrapped = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    assert wrapped and all(type(m.base) is d.DecodeExpertWeights for m in wrapped)
+    calls = {"many": 0, "one": 0}
+    monkeypatch.setattr(d, "run_kernel_many", lambda *a, _f=d.run_kernel_many: calls.update(many=1) or _f(*a))
+    monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.update(one=calls["one"] + 1) or _f(*a))
+    c = model.config
+    got = teacher_forced_logits(model, torch.randint(0, c.vocab_size, (PROMPT_LEN + 6,),
+                                                     generator=torch.Generator().manual_seed(4)))
+    n_moe = sum(map(c.is_moe_layer, range(c.n_layer)))
+    assert calls["many"] == 0 and calls["one"] >= 5 * 3 * c.moe_top_k * n_moe
+    assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all(), (got - want).abs().amax(-1) / want.std(-1)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_kernel_decoding_logits_equal_transformers(family_ckpts, kind, monkeypatch, tmp_path):
     """Batch-1 decoding of a 4-bit (nf4-dq) mixture of experts through the kernel, one token per step after a prompt,

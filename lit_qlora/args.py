@@ -57,7 +57,8 @@ class RunArgs:
     """auto (ddp with several processes), ddp, or fsdp: every process holds only its shard of the (4-bit) base, of
     the LoRA weights and of the AdamW state (torch's fully_shard; CPU and CUDA)."""
     seed: int = 1337
-    """Seed of the LoRA initialization, dropout and the data order."""
+    """Seed of the LoRA initialization, dropout and the data order: 0 to 4294967295 (Fabric's seed_everything would
+    replace any other by 0)."""
     compile: bool = False
     """torch.compile each transformer block for the training steps (validation and generation stay eager): a
     one-time compilation, then faster steps (tutorials/performance.md)."""
@@ -92,6 +93,8 @@ class RunArgs:
             raise UserError(f"--devices must be at least 1, got {self.devices}; pass a positive number")
         if self.num_nodes < 1:
             raise UserError(f"--num_nodes must be at least 1, got {self.num_nodes}; pass the number of machines")
+        if not 0 <= self.seed <= 2**32 - 1:
+            raise UserError(f"--seed {self.seed} is out of range; give a number from 0 to {2**32 - 1}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
 
 
@@ -402,6 +405,7 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
     _refuse_nulls(ns, preference, sources)
+    _refuse_huge_counts(ns, preference, sources)
     try:
         return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
     except UserError as e:
@@ -420,6 +424,22 @@ def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:
                 where = f" in --config {', '.join(sources)}" if sources else ""
                 raise UserError(f"--{name} is null{where}; give it a value or leave it out for its default "
                                 "(--help lists every flag)")
+
+
+# No count, size or interval this tool takes is larger than this (2**31 - 1); a larger one is a damaged file or a typo,
+# never a setting: 10**18 --eval_iters would run forever, a 10**18 --max_seq_length would be clamped without a word
+MAX_COUNT = 2**31 - 1
+
+
+def _refuse_huge_counts(ns, preference: bool, sources: list[str]) -> None:
+    """Every integer flag but --seed (RunArgs checks its range) at most MAX_COUNT in size, or a one-line refusal."""
+    for group in _groups(preference):
+        for name, hint in get_type_hints(group).items():
+            v = ns[name]
+            if name != "seed" and isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
+                where = f" in --config {', '.join(sources)}" if sources else ""
+                raise UserError(f"--{name} is {v}{where}, larger than any count this tool takes (at most {MAX_COUNT})"
+                                "; give the value you meant, or leave it out for its default")
 
 
 # what hyperparameters.json records beside the flags: the LoRA settings as one object (also there as lora_* flags) and

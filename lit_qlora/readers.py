@@ -181,12 +181,14 @@ def parse_csv(text: str, where: str, fix: str) -> list[dict]:
 # ---- checking fields -----------------------------------------------------------------------------------------------
 # kinds: "size" an int in 1..MAX_SIZE | "count" an int in 0..MAX_SIZE | "number" a finite number | "positive" a finite
 # number > 0 | "fraction" a finite number in [0, 1] | "str" | "bool" | "object" | "list" | "ids" null, an int >= 0 or a
-# list of them | "str_or_object" a string or an object (a special token of tokenizer_config.json)
+# list of them | "str_or_object" a string or an object with a string "content" (a special token of
+# tokenizer_config.json, as text or as an AddedToken: transformers refuses anything else)
 _EXPECTED = {"size": f"an integer from 1 to {MAX_SIZE}", "count": f"an integer from 0 to {MAX_SIZE}",
              "number": "a finite number", "positive": "a finite number > 0",
              "eps": f"a number in (0, {MAX_EPS:g}] (models use 1e-5 or 1e-6)", "fraction": "a number from 0 to 1",
              "str": "a string", "bool": "true or false", "object": "an object", "list": "a list",
-             "ids": "a token id, a list of them or null", "str_or_object": "a string or an object",
+             "ids": "a token id, a list of them or null",
+             "str_or_object": 'a string or an object with a string "content"',
              "template": "a string or a list of objects", "int": "an integer", "float": "a number"}
 
 
@@ -223,7 +225,7 @@ def _fits(kind: str, v: Any) -> bool:
         return v is None or (_is_int(v) and 0 <= v <= MAX_SIZE) or (
             isinstance(v, list) and all(_is_int(x) and 0 <= x <= MAX_SIZE for x in v))
     if kind == "str_or_object":
-        return isinstance(v, (str, dict))
+        return isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"), str)
     if kind == "int":
         return _is_int(v)
     if kind == "float":  # any number, NaN and inf included (a diverged run's loss)
@@ -516,7 +518,8 @@ def check_config_dict(data: Any, where: object, fix: str) -> dict:
 
 # ---- the tokenizer's side files (each optional) ----------------------------------------------------------------------
 TOKENIZER_CONFIG_FIELDS = {"bos_token": "str_or_object", "eos_token": "str_or_object", "pad_token": "str_or_object",
-                           "unk_token": "str_or_object", "add_bos_token": "bool", "add_eos_token": "bool",
+                           "unk_token": "str_or_object", "sep_token": "str_or_object", "cls_token": "str_or_object",
+                           "mask_token": "str_or_object", "add_bos_token": "bool", "add_eos_token": "bool",
                            "chat_template": "template", "added_tokens_decoder": "object", "model_max_length": "number"}
 GENERATION_CONFIG_FIELDS = {"bos_token_id": "ids", "eos_token_id": "ids", "pad_token_id": "ids"}
 TOKEN_ID_FIELDS = {"bos_token_id": "ids", "eos_token_id": "ids", "pad_token_id": "ids"}  # what config.json adds

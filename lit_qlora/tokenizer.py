@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ _FIELDS = {"tokenizer_config.json": TOKENIZER_CONFIG_FIELDS, "generation_config.
 
 
 MAX_CHAT_TEMPLATE = 1 << 20  # characters: 30x the largest published chat template; more is a damaged file
+# the special tokens tokenizer_config.json names by role (transformers' SPECIAL_TOKENS_ATTRIBUTES)
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _steps(component: Any) -> list[dict]:
@@ -126,6 +129,7 @@ class Tokenizer:
         self.tokenizer_config: dict[str, Any] = tok_config
         if self.backend == "huggingface":
             self._check_added_tokens(tok_config)
+            self._add_named_specials(tok_config)
         gen_config = _read_json(self.checkpoint_dir / "generation_config.json")
         model_config = _read_json(self.checkpoint_dir / "config.json")
 
@@ -186,6 +190,28 @@ class Tokenizer:
             raise UserError(f"{self.checkpoint_dir / 'tokenizer_config.json'} has the added token {content!r} at id "
                             f"{key}, {self.model_path} has {have} there; the two files disagree: re-copy the "
                             "tokenizer files of the model")
+
+    def _add_named_specials(self, tok_config: dict[str, Any]) -> None:
+        """The tokens tokenizer_config.json names (bos, eos, ..., additional_special_tokens) as special tokens of the
+        tokenizer, as transformers adds them when it loads the folder (whatever tokenizer.json's added_tokens list
+        says: a token of the vocabulary that the list left out still encodes as one special token there, and
+        llama.cpp's converter marks it a control token). Only tokens of the vocabulary: a name that is none of its
+        tokens would be a new id beyond the model's embedding."""
+        from tokenizers import AddedToken
+
+        extra = tok_config.get("additional_special_tokens") or tok_config.get("extra_special_tokens") or []
+        named = [_token_str(tok_config.get(k)) for k in NAMED_SPECIAL_TOKENS]
+        named += [_token_str(t) for t in (extra if isinstance(extra, list) else [])]
+        added = {t.content for t in self.processor.get_added_tokens_decoder().values() if t.special}
+        named = [t for t in dict.fromkeys(named) if t and t not in added]
+        for t in (t for t in named if self.processor.token_to_id(t) is None):
+            shown = t if len(t) <= 40 else f"{t[:40]}... ({len(t):,} characters)"
+            print(f"warning: {self.checkpoint_dir / 'tokenizer_config.json'} names the special token {shown!r}, "
+                  f"which is no token of {self.model_path.name}: not used (transformers would add it as a new id "
+                  "beyond the model's embedding); re-copy the file if it was not meant so", file=sys.stderr)
+        missing = [t for t in named if self.processor.token_to_id(t) is not None]
+        if missing:
+            self.processor.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
     def _post_processor_specials(self) -> tuple[bool, bool]:
         """Whether tokenizer.json's post-processor adds bos at the start / eos at the end.

@@ -10,8 +10,9 @@ the CLI that reads it, and classifies the outcome:
 - "changed": a file that existed before the case was modified by it.
 
 The table splits "accepted" by what was read: the same as from the pristine file; something else, and a warning named
-the file ("said so"); tensor payload bytes of a safetensors file changed ("undetectable": the format has no checksum);
-or something else without a word ("wrong": a reader to fix, or a valid file that says something else, to review).
+the file ("said so"); data bytes of a safetensors or parquet file changed ("undetectable": the format has no
+checksum); a damaged file that is still valid, read as the format's reference reads it ("valid file": `valid_edit`);
+or something else without a word ("wrong": a reader to fix).
 
 In-process, the reading path is the function the CLI calls (the CLI's own first steps for finetune); `run_cli_case`
 runs a damaged file through the real script as a subprocess.
@@ -582,19 +583,200 @@ def run_case(pristine: dict[str, Path], kind: str, seed: int, work: Path) -> dic
     if changed:
         outcome, detail = "changed", f"modified {changed[:3]}"
     if detail == "reads differently" and _payload_only(original, target):
-        detail = "undetectable: tensor payload bytes"  # safetensors has no checksum: another valid number
-    damage = _text_diff(original, target) if detail.startswith("reads differently") else ""
+        detail = "undetectable: payload bytes"  # safetensors / parquet data: no checksum, another valid value
+    elif detail == "reads differently" and (why := valid_edit(kind, original, d, target)):
+        detail = f"valid file: {why}"
+    damage = _text_diff(original, target) if detail.startswith(("reads differently", "valid file")) else ""
     shutil.rmtree(d, ignore_errors=True)
     return {"kind": kind, "seed": seed, "corruption": what, "outcome": outcome, "detail": detail, "damage": damage}
 
 
+# ---- valid files that say something else ----------------------------------------------------------------------------
+# A damaged file that is still a valid file of its kind is another input, not a reader to fix: an Alpaca record whose
+# output now reads "cohor", a chat template whose text changed, a flag file that leaves a flag out. Each rule below
+# decides that by the format's reference (transformers' tokenizer and chat template on the damaged folder, compared
+# with what we read) or by the format's definition (what a field may hold), never by our own reader's acceptance.
+PROBE = "<s>hello</s> world <pad>, 12<unk>"
+
+
+def _ref_tokenizer_agrees(d: Path) -> str | None:
+    """transformers loads the damaged tokenizer folder and reads it as we do: the same special ids and ids of a
+    probe text with every special token in it."""
+    import transformers
+
+    from lit_qlora.tokenizer import Tokenizer
+
+    try:
+        ref = transformers.AutoTokenizer.from_pretrained(d / "ckpt")
+    except Exception:  # noqa: BLE001 - the reference refuses it: not a valid file
+        return None
+    ours = Tokenizer(d / "ckpt")
+    same = (ours.bos_id == ref.bos_token_id and ours.eos_id == ref.eos_token_id
+            and ours.encode(PROBE, bos=False).tolist() == ref(PROBE, add_special_tokens=False)["input_ids"])
+    return "transformers reads the tokenizer as we do" if same else None
+
+
+def _ref_gguf_agrees(d: Path) -> str | None:
+    """The exported GGUF's special ids and token types are what llama.cpp's converter takes from transformers'
+    tokenizer of the damaged folder (an added token: control if special, else user-defined; bos / eos / unk / pad
+    from the tokenizer's attributes)."""
+    import gguf
+    import transformers
+
+    try:
+        ref = transformers.AutoTokenizer.from_pretrained(d / "ckpt")
+    except Exception:  # noqa: BLE001
+        return None
+    reader = gguf.GGUFReader(d / "model.gguf")
+
+    def field(name):  # the field's values (one per element of an array), or None without it
+        f = reader.fields.get(name)
+        return None if f is None else [int(f.parts[i][0]) for i in f.data]
+
+    types = field("tokenizer.ggml.token_type")
+    ids = {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+    ids = {k: v[0] if v else None for k, v in ids.items()}
+    want = {"bos": ref.bos_token_id, "eos": ref.eos_token_id, "unknown": ref.unk_token_id, "padding": ref.pad_token_id}
+    added = {i: (gguf.TokenType.CONTROL if t.special else gguf.TokenType.USER_DEFINED)
+             for i, t in ref.added_tokens_decoder.items()}
+    same = ids == want and all(types[i] == t for i, t in added.items())
+    return "llama.cpp's converter would read the tokenizer as we wrote it" if same else None
+
+
+def _ref_chat_template_agrees(d: Path) -> str | None:
+    """transformers' apply_chat_template on the damaged folder renders what we render."""
+    import transformers
+
+    from lit_qlora.data.chat_template import render_chat
+    from lit_qlora.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    try:
+        text = transformers.AutoTokenizer.from_pretrained(d / "ckpt").apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001
+        return None
+    same = text == render_chat(Tokenizer(d / "ckpt"), messages)
+    return "transformers renders the template as we do" if same else None
+
+
+def _ref_model_agrees(d: Path) -> str | None:
+    """transformers builds the model of the damaged config.json (with its weights) and its logits on a probe are
+    ours (the converted folder) within 1e-4: the conversion read the file as transformers reads it."""
+    import transformers
+    from helpers import load_ours
+
+    try:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d / "hf_only", dtype=torch.float32).eval()
+    except Exception:  # noqa: BLE001 - the reference refuses it: not a valid file
+        return None
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        same = torch.allclose(load_ours(d / "hf_only")(ids), ref(ids).logits, atol=1e-4)
+    return "transformers builds the same model from it" if same else None
+
+
+def _first_change(original: bytes, target: Path):
+    """(path, old value, new value or DELETED) of the one changed JSON value, or None (not JSON / not one change)."""
+    try:
+        old, new = json.loads(original), json.loads(target.read_bytes())
+    except (ValueError, OSError):
+        return None
+    path, a, b = [], old, new
+    while isinstance(a, (dict, list)) and type(a) is type(b):
+        if isinstance(a, dict):
+            diff = [k for k in set(a) | set(b) if a.get(k, DELETED) != b.get(k, DELETED)]
+        else:
+            if len(a) != len(b):
+                break
+            diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if len(diff) != 1:
+            break
+        path.append(diff[0])
+        a, b = (a.get(diff[0], DELETED), b.get(diff[0], DELETED)) if isinstance(a, dict) else (a[diff[0]], b[diff[0]])
+        if b is DELETED or a is DELETED or not isinstance(a, (dict, list)):
+            return path, a, b
+    return None
+
+
+DELETED = object()
+
+
+def _alpaca_record_edit(original: bytes, target: Path) -> str | None:
+    """Stanford Alpaca's format: a list of records with text instruction and output, and a text input that may be
+    left out. One record's text changed, or its input left out, is another valid file."""
+    change = _first_change(original, target)
+    if change is None or len(change[0]) != 2:
+        return None
+    (_, key), _, new = change
+    if key in ("instruction", "output", "input") and isinstance(new, str) or key == "input" and new is DELETED:
+        return "an Alpaca record's text (input is optional)"
+    return None
+
+
+def _jsonl_rows_valid(original: bytes, target: Path) -> str | None:
+    """Chat JSONL: every line an object whose messages have a role and text content; a file cut at a line end is a
+    valid shorter file."""
+    try:
+        rows = [json.loads(ln) for ln in target.read_bytes().decode().splitlines() if ln.strip()]
+    except (ValueError, OSError):
+        return None
+    ok = rows and all(isinstance(r, dict) and isinstance(r.get("messages"), list) and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        for m in r["messages"]) for r in rows)
+    return "valid chat rows (fewer, or other text)" if ok else None
+
+
+def _flag_edit(original: bytes, target: Path) -> str | None:
+    """A --config / hyperparameters.json file: a flag left out (its default) or set to another value of its type is
+    another valid setting (values out of a flag's range are refused by the reader, so an accepted one is in range)."""
+    change = _first_change(original, target)
+    if change is None or len(change[0]) != 1:
+        return None
+    (name,), old, new = change
+    if new is DELETED or type(new) is type(old) or old is None and isinstance(new, (int, float, str)):
+        return f"the flag {name} left out or set to another valid value"
+    return None
+
+
+def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
+    """Why the damaged file of a case that read differently without a word is a valid file of its kind, or None."""
+    if kind in ("tokenizer_config", "tokenizer_json", "generation_config"):
+        return _ref_tokenizer_agrees(d)
+    if kind in ("tokenizer_config_gguf", "tokenizer_json_gguf"):
+        return _ref_gguf_agrees(d)
+    if kind == "chat_template_jinja":
+        return _ref_chat_template_agrees(d)
+    if kind == "alpaca_json":
+        return _alpaca_record_edit(original, target)
+    if kind in ("chat_jsonl",):
+        return _jsonl_rows_valid(original, target)
+    if kind in ("hparams_json",):
+        return _flag_edit(original, target)
+    if kind == "hf_config":
+        return _ref_model_agrees(d)
+    change = _first_change(original, target)
+    if kind in ("model_config", "run_report_metrics_json", "report_metrics_json") and change and \
+            change[0] in (["name"], ["model"]) and isinstance(change[2], str):
+        return "the model's display name"
+    if kind == "prepared_config" and change and change[0] == ["template"] and change[2] is DELETED:
+        return "template left out (allowed in a hand-written prepared folder: the run records its --template)"
+    return None
+
+
 def _payload_only(original: bytes, target: Path) -> bool:
-    """Whether a safetensors file's damage lies wholly in its tensor bytes (the header untouched, the size kept)."""
+    """Whether the damage lies wholly in a file's data bytes, which its format does not checksum: a safetensors
+    file's tensor bytes (the header untouched), a parquet file's data pages (the magic and the footer, its metadata,
+    untouched; pyarrow writes no page checksums unless asked). The size kept."""
     try:
         damaged = target.read_bytes()
     except OSError:
         return False
-    if len(original) < 8 or len(damaged) != len(original) or not target.name.endswith(".safetensors"):
+    if len(original) < 12 or len(damaged) != len(original):
+        return False
+    if target.name.endswith(".parquet"):
+        footer = 8 + struct.unpack("<I", original[-8:-4])[0]
+        return original[:4] == damaged[:4] and original[-footer:] == damaged[-footer:]
+    if not target.name.endswith(".safetensors"):
         return False
     start = 8 + struct.unpack("<Q", original[:8])[0]
     return original[:start] == damaged[:start]
@@ -661,17 +843,20 @@ def _class(r: dict) -> str:
     """refused | same reading | said so | undetectable | wrong (a silent different reading) | traceback | changed."""
     if r["outcome"] != "accepted":
         return r["outcome"]
+    if r["detail"].startswith("valid file: "):
+        return "valid file"
     return {"same reading": "same reading", "reads differently, said so": "said so",
             "reads differently": "wrong"}.get(r["detail"], "undetectable")
 
 
-CLASSES = ("refused", "same reading", "said so", "undetectable", "wrong", "traceback", "changed")
+CLASSES = ("refused", "same reading", "said so", "undetectable", "valid file", "wrong", "traceback", "changed")
 
 
 def table(results: list[dict]) -> str:
     """The outcome table: refused (one line), accepted with the same reading as the pristine file, accepted reading
-    differently and saying so (a warning naming the file), undetectable (tensor payload bytes), wrong (a silent
-    different reading, to review: a valid file that says something else, or a reader to fix), traceback, changed."""
+    differently and saying so (a warning naming the file), undetectable (payload bytes), valid file (read as the
+    format's reference reads it), wrong (a silent different reading of a file that is not valid: a reader to fix),
+    traceback, changed."""
     counts = Counter(_class(r) for r in results)
     lines = ["| outcome | cases |", "|---|---|"]
     for name in CLASSES:
@@ -701,7 +886,7 @@ def main() -> None:
     for r in results:
         if r["outcome"] in ("traceback", "changed"):
             print(f"{r['kind']} seed {r['seed']} ({r['corruption']}): {r['outcome']}: {r['detail']}")
-        if args.show_accepted and r["detail"].startswith("reads differently"):
+        if args.show_accepted and r["detail"].startswith(("reads differently", "valid file")):
             print(f"accepted, {r['detail']}: {r['kind']} seed {r['seed']} ({r['corruption']}): {r['damage']}")
     print(table(results))
     shutil.rmtree(base, ignore_errors=True)

@@ -113,6 +113,12 @@ def test_console_command_runs_the_same_script():
     (["--strategy", "zero3"], "unknown --strategy 'zero3'; choose one of auto, ddp, fsdp"),
     (["--accelerator", "gpu"], "unknown --accelerator 'gpu'; choose one of auto, cpu, cuda"),
     (["--data_dir", "d", "--data_sources", "mix.yaml"], "--data_dir and --data_sources both name the data"),
+    # the file fuzzer (seed 16006): a 10**18 --max_seq_length in hyperparameters.json was clamped to the model's
+    # context without a word; Fabric's seed_everything replaces a seed outside 0..2**32-1 by 0
+    (["--max_seq_length", str(10**18)], "--max_seq_length is 1000000000000000000, larger than any count"),
+    (["--eval_iters", str(2**31)], "--eval_iters is 2147483648, larger than any count this tool takes"),
+    (["--seed", "-1"], "--seed -1 is out of range; give a number from 0 to 4294967295"),
+    (["--seed", str(2**32)], "--seed 4294967296 is out of range"),
 ])
 def test_values_that_cannot_train_are_refused_when_parsed(argv, expect):
     """Found by the file fuzzer: a hand-edited --config with learning_rate -1 parsed and would have trained."""

@@ -1,5 +1,6 @@
 """Every bad input refused: seeded corruptions of every file kind the CLIs read (tests/helpers_fuzz.py) end accepted
-(the damage is undetectable or harmless) or refused in one line, never in a traceback, and leave every other file as
+(the damage is undetectable or harmless, or the file is still valid and read as the format's reference reads it) or
+refused in one line, never in a traceback or a silent other reading of a wrong file, and leave every other file as
 it was; a sample goes through the real scripts. And one training run per --out_dir (an OS lock, gone with its
 process).
 
@@ -26,7 +27,8 @@ def pristine(train_setup, tmp_path_factory):
 
 
 def _check(results: list[dict]) -> None:
-    bad = [r for r in results if r["outcome"] in ("traceback", "changed")]
+    """No traceback, no file changed, and no silent different reading of a file that is not valid ("wrong")."""
+    bad = [r for r in results if fz._class(r) in ("traceback", "changed", "wrong")]
     assert not bad, "\n".join(f"{r['kind']} seed {r['seed']} ({r['corruption']}): {r['outcome']}: {r['detail']}"
                               for r in bad) + "\n" + fz.table(results)
 
@@ -102,6 +104,40 @@ def test_damaged_text_files_are_refused_by_convert_and_prepare(pristine, tmp_pat
                                                                 pristine["ckpt"], "--destination_path",
                                                                 tmp_path / "prep"])
     h.assert_one_line_error(r, str(data), "not UTF-8", "offset 50")
+
+
+def test_a_valid_file_is_told_apart_from_a_wrong_reading_by_the_reference(pristine, tmp_path, monkeypatch):
+    """The "valid file" class: a damaged file that still is a valid one, read as the format's reference reads it. A
+    tokenizer_config.json naming another token as bos is one (transformers agrees with our reading); the same edit
+    read by a Tokenizer that ignored the tokens tokenizer_config.json names is not (transformers disagrees); an Alpaca
+    record with its input renamed 'Input' is not (the format has no such field)."""
+    d = fz._case_folder(pristine, tmp_path / "case")
+    target = d / "ckpt" / "tokenizer_config.json"
+    original = target.read_bytes()
+    data = json.loads(original)
+    data["bos_token"] = "x"
+    target.write_text(json.dumps(data))
+    assert fz.valid_edit("tokenizer_config", original, d, target) == "transformers reads the tokenizer as we do"
+    tok_json = d / "ckpt" / "tokenizer.json"
+    spec = json.loads(tok_json.read_text())
+    spec["added_tokens"] = []  # transformers still makes <s> </s> <unk> <pad> special (tokenizer_config names them)
+    tok_json.write_text(json.dumps(spec))
+    assert fz.valid_edit("tokenizer_config", original, d, target)
+    from lit_qlora.tokenizer import Tokenizer
+
+    monkeypatch.setattr(Tokenizer, "_add_named_specials", lambda self, config: None)  # a reader that forgets them
+    assert fz.valid_edit("tokenizer_config", original, d, target) is None
+
+    alpaca = d / "data" / "tasks.json"
+    original = alpaca.read_bytes()
+    records = json.loads(original)
+    records[3]["output"] = "another answer"
+    alpaca.write_text(json.dumps(records))
+    assert fz.valid_edit("alpaca_json", original, d, alpaca) == "an Alpaca record's text (input is optional)"
+    records = json.loads(original)
+    records[3]["Input"] = records[3].pop("input", "x")  # the one change: a field renamed
+    alpaca.write_text(json.dumps(records))
+    assert fz.valid_edit("alpaca_json", original, d, alpaca) is None
 
 
 def test_hyperparameters_json_is_accepted_as_config(pristine):

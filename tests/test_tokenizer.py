@@ -298,3 +298,26 @@ def test_a_tokenizer_json_that_lost_an_added_token_is_refused(hf_dir, tmp_path):
         Tokenizer(tmp_path)
     assert (f"has the added token '<|im_start|>' at id {marker}, {tmp_path / 'tokenizer.json'} has no added token "
             "there; the two files disagree" in str(e.value)) and "\n" not in str(e.value)
+
+
+def test_the_special_tokens_tokenizer_config_names_are_special_as_in_transformers(hf_dir, tmp_path):
+    """The file fuzzer (seed 16000): tokenizer.json with its added_tokens list emptied still encodes "</s>" as one
+    special token in transformers (it adds the tokens tokenizer_config.json names), and llama.cpp's converter marks
+    them control tokens; we read them as plain text pieces and wrote them as normal tokens to GGUF."""
+    import transformers
+
+    shutil.copytree(hf_dir, tmp_path, dirs_exist_ok=True)
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert {t["content"] for t in data["added_tokens"]} >= {"<s>", "</s>"}
+    data["added_tokens"] = []
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = Tokenizer(tmp_path)
+    for text in ["a</s>b", "<s>x <pad> </s></s>", "<unk>", CORPUS[3] + "</s>"]:
+        assert tok.encode(text, bos=False).tolist() == ref(text, add_special_tokens=False)["input_ids"], repr(text)
+    special = {i for i, t in tok.processor.get_added_tokens_decoder().items() if t.special}
+    assert special == {i for i, t in ref.added_tokens_decoder.items() if t.special} == {0, 1, 2, 3}
+    del data["added_tokens"]  # transformers cannot load this one (a KeyError); tokenizers can, and so do we
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    ids = Tokenizer(tmp_path).encode("a</s>b", bos=False).tolist()
+    assert ids == ref("a</s>b", add_special_tokens=False)["input_ids"]

@@ -30,11 +30,11 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lit_qlora.data.records import ROLES, is_conversation_record, iter_rows, normalize_conversation  # noqa: F401
+from lit_qlora.tokenizer import NAMED_SPECIAL_TOKENS
 from lit_qlora.utils import UserError
 
 IGNORE_INDEX = -100
 # The named special tokens a tokenizer passes to its template (transformers' special_tokens_map).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 # ----------------------------------------------------------------------------------------------
 # Rendering

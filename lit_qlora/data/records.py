@@ -238,6 +238,11 @@ def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[st
                             f"or name the right field with {flag}")
     for key in (*required, *optional):
         check_text(rec.get(key), key, where)
+        if key not in rec:  # an optional field under another case ('Input'): read as absent, the text lost
+            other = next((k for k in rec if isinstance(k, str) and k.strip().lower() == key.lower()), None)
+            if other is not None:
+                raise UserError(f"{where} has a field {other!r} but no {key!r} (field names are case-sensitive); "
+                                f"rename it to {key!r}, or name the right field with {_key_flag(key)}")
 
 
 def check_text(value: Any, key: str, where: str) -> None:

@@ -304,7 +304,7 @@ def read_vocab(checkpoint_dir: Path, vocab_size: int) -> GGUFVocab:
     tok_json = checkpoint_dir / "tokenizer.json"
     data = read_json(tok_json, dict, "tokenizer file") if tok_json.is_file() else None  # checked by Tokenizer too
     if data is not None and _is_byte_level(data):
-        vocab = _bpe_vocab(data, tok_json)
+        vocab = _bpe_vocab(data, tok_json, tok)
     elif (checkpoint_dir / "tokenizer.model").is_file():
         # llama.cpp's sentencepiece tokenizer needs the pieces' scores, which only tokenizer.model has
         vocab = _sentencepiece_vocab(checkpoint_dir / "tokenizer.model", checkpoint_dir)
@@ -378,10 +378,13 @@ def _pre_name(data: dict, path: Path) -> str:
     return name
 
 
-def _bpe_vocab(data: dict, path: Path) -> GGUFVocab:
+def _bpe_vocab(data: dict, path: Path, tok: Tokenizer) -> GGUFVocab:
     model = data["model"]
     by_id = {int(i): token for token, i in model["vocab"].items()}
-    added = {int(t["id"]): t for t in data.get("added_tokens", [])}
+    # the added tokens as the loaded tokenizer has them: tokenizer.json's list and the special tokens
+    # tokenizer_config.json names (Tokenizer adds those as transformers does, and llama.cpp's converter reads them)
+    added = {i: {"content": t.content, "special": t.special}
+             for i, t in tok.processor.get_added_tokens_decoder().items()}
     by_id.update({i: t["content"] for i, t in added.items()})
     n = max(by_id) + 1 if by_id else 0
     tokens, types = [], []

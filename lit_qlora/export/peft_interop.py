@@ -632,6 +632,8 @@ def _read_peft_config(folder: Path) -> dict:
     fix = "save the adapter again with PEFT's save_pretrained"
     # peft_type required, as PEFT's own PeftConfig.from_pretrained requires it (every save_pretrained writes it)
     pc = check_fields(read_json(path, dict, "PEFT adapter config", fix), path, _PEFT_FIELDS, ("peft_type",), fix=fix)
+    # a null rank or alpha has no meaning (PEFT builds no layer from it); left out, they take LoraConfig's defaults
+    check_fields(pc, path, {"r": "size", "lora_alpha": "positive"}, fix=fix, nullable=False)
     tm = pc.get("target_modules")
     check_value(tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm)),
                 path, "target_modules", tm, "a module name, a regex or a list of names", fix)

@@ -630,7 +630,7 @@ class Experts(nn.Module):
         # two large tensors per layer, not two small ones per expert (long-lived small tensors between the freed
         # temporaries of the experts, their dequantized weights, fragment the CPU heap: +30-60% peak RSS measured).
         # The gate and up projections read the same rows: one call for both where they can (decoding: one kernel
-        # call for all of the active experts' gate and up weights, see lit_qlora/quant/decode4bit.py).
+        # call for all of the active experts' gate and up weights: DecodeExpertWeights, in the 4-bit decode kernel).
         if not any(hasattr(m, "per_expert") for m in (self.fc_1, self.fc_2)):
             a, b = self.fc_1.many_with(self.fc_2, routed, experts, sizes)
         else:  # a LoRA on either: each expert in turn (the rows split once, see each_expert)
@@ -691,7 +691,7 @@ class ExpertWeights(nn.Module):
     def many(self, x: torch.Tensor, experts: list[int], sizes: list[int], bias: bool = True) -> torch.Tensor:
         """x [sum(sizes), in], the rows routed to experts[i] being the i-th group of sizes[i] rows -> [sum(sizes), out],
         each group through its expert (`forward`), in the same order. The quantized form computes all the groups of
-        a decoding step in one kernel call (lit_qlora/quant/decode4bit.py)."""
+        a decoding step in one kernel call (the 4-bit decode kernel's DecodeExpertWeights)."""
         return each_expert(self, x.split(sizes), experts, bias)
 
     def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],

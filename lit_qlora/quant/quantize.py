@@ -562,7 +562,7 @@ class QuantizedExpertWeights(nn.Module):
         return y if self.bias is None or not bias else y + self.bias[e].to(y.dtype)
 
     def many(self, x: torch.Tensor, experts: list[int], sizes: list[int], bias: bool = True) -> torch.Tensor:
-        """`ExpertWeights.many`: each expert's layer in turn (decode4bit.DecodeExpertWeights: one kernel call)."""
+        """`ExpertWeights.many`: each expert's layer in turn (generation's DecodeExpertWeights: one kernel call)."""
         return each_expert(self, x.split(sizes), experts, bias)
 
     def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],

@@ -623,25 +623,27 @@ class Experts(nn.Module):
         order = chosen.reshape(-1).argsort(stable=True)  # the N*k pairs, grouped by expert
         token = order // k
         counts = torch.bincount(chosen.reshape(-1), minlength=self.fc_1.n_expert).tolist()
-        active = [(e, n) for e, n in enumerate(counts) if n]
-        sizes = [n for _, n in active]
-        # split, not slices: the backward of a slice makes a zero tensor of all N*k rows for every expert (most of a
-        # step's time with 64 experts), split's concatenates the experts' gradients once
-        routed = x[token].split(sizes)
-        fc_1, fc_2, proj = (per_expert(m) for m in (self.fc_1, self.fc_2, self.proj))  # (with a LoRA on experts)
-        # Each projection of every active expert, then one [N*k, ...] tensor of all of them: what backward keeps is
+        experts = [e for e, n in enumerate(counts) if n]
+        sizes = [counts[e] for e in experts]
+        routed = x[token]  # [N*k, C]: sizes[i] rows for experts[i], one after the other
+        # Each projection of every active expert, as one [N*k, ...] tensor of all of them: what backward keeps is
         # two large tensors per layer, not two small ones per expert (long-lived small tensors between the freed
         # temporaries of the experts, their dequantized weights, fragment the CPU heap: +30-60% peak RSS measured).
+        # The gate and up projections read the same rows: one call for both where they can (decoding: one kernel
+        # call for all of the active experts' gate and up weights: DecodeExpertWeights, in the 4-bit decode kernel).
+        if not any(hasattr(m, "per_expert") for m in (self.fc_1, self.fc_2)):
+            a, b = self.fc_1.many_with(self.fc_2, routed, experts, sizes)
+        else:  # a LoRA on either: each expert in turn (the rows split once, see each_expert)
+            routed = routed.split(sizes)
+            a, b = (each_expert(per_expert(m), routed, experts) for m in (self.fc_1, self.fc_2))
         # The routing weight scales the hidden state before the down projection (the same sum): backward then needs
         # no copy of the [N*k, C] outputs.
-        a = torch.cat([fc_1(h, e) for (e, _), h in zip(active, routed)])
-        b = torch.cat([fc_2(h, e) for (e, _), h in zip(active, routed)])
         scale = weights.reshape(-1, 1)[order]  # [N*k, 1]
         if self.swiglu is None:
             h = gated_activation(a, b, self.activation, scale)
         else:
             h = clamped_swiglu(a, b, *self.swiglu) * scale
-        y = torch.cat([proj(h_e, e, bias=False) for (e, _), h_e in zip(active, h.split(sizes))])
+        y = projection(self.proj)(h, experts, sizes, bias=False)
         proj_bias = getattr(self.proj, "base", self.proj).bias  # (a LoRA on the experts wraps them as `base`)
         if proj_bias is not None:  # gpt-oss: the down projection's bias, weighted as its output is
             y = y + scale * proj_bias[chosen.reshape(-1)[order]].to(y.dtype)
@@ -650,9 +652,26 @@ class Experts(nn.Module):
 
 
 def per_expert(m: nn.Module):
-    """(x, e) -> expert e of the stacked projection `m` on its rows x, for one forward: `m` itself, or what a LoRA
-    over it prepares once per forward (lit_qlora.lora.LoRAExperts.per_expert)."""
+    """(x, e, bias=True) -> expert e of the stacked projection `m` on its rows x, for one forward: `m` itself, or what
+    a LoRA over it prepares once per forward (lit_qlora.lora.LoRAExperts.per_expert)."""
     return m.per_expert() if hasattr(m, "per_expert") else m
+
+
+def projection(m: nn.Module):
+    """(x, experts, sizes, bias=True) -> `ExpertWeights.many` of the stacked projection `m` for one forward: `m.many`,
+    or with a LoRA over m each expert in turn."""
+    if not hasattr(m, "per_expert"):
+        return m.many
+    run = m.per_expert()
+    return lambda x, experts, sizes, bias=True: each_expert(run, x.split(sizes), experts, bias)
+
+
+def each_expert(run, xs, experts: list[int], bias: bool = True) -> torch.Tensor:
+    """`ExpertWeights.many` one expert at a time: run(xs[i], experts[i], bias=bias) for each group of rows, as one
+    tensor. The groups are a split of the rows, not slices: the backward of a slice makes a zero tensor of all the
+    rows for every expert (most of a step's time with 64 experts), split's concatenates the experts' gradients once
+    (and once for the gate and up projections together when they read the same split)."""
+    return torch.cat([run(h, e, bias=bias) for h, e in zip(xs, experts)])
 
 
 class ExpertWeights(nn.Module):
@@ -668,6 +687,19 @@ class ExpertWeights(nn.Module):
     def forward(self, x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
         """Expert e's x @ weight[e]^T (+ bias[e] unless `bias` is False)."""
         return cpu_half.linear(x, self.weight[e], None if self.bias is None or not bias else self.bias[e])
+
+    def many(self, x: torch.Tensor, experts: list[int], sizes: list[int], bias: bool = True) -> torch.Tensor:
+        """x [sum(sizes), in], the rows routed to experts[i] being the i-th group of sizes[i] rows -> [sum(sizes), out],
+        each group through its expert (`forward`), in the same order. The quantized form computes all the groups of
+        a decoding step in one kernel call (the 4-bit decode kernel's DecodeExpertWeights)."""
+        return each_expert(self, x.split(sizes), experts, bias)
+
+    def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],
+                  sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self.many, other.many) of the same rows: another projection of the same experts (the gate's and the up
+        projection's), which the quantized form computes in the same kernel call as its own while decoding."""
+        xs = x.split(sizes)
+        return each_expert(self, xs, experts), each_expert(other, xs, experts)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

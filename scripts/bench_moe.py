@@ -17,7 +17,9 @@ Figures per side. Training (--quantize, LoRA r 8 on q/k/v/o): median step time (
 step) as tokens/s, the process's peak resident set (loading included), and iteration 1's loss on the same batch (both
 sides print a hash of the token ids they trained on; the run stops if they differ). Decoding (--decode_quantize,
 greedy, batch 1): new tokens per second after the prompt (the time of --new_tokens tokens minus the time of the
-first, which includes the prompt), the best of --decode_runs runs, and the peak resident set.
+first, which includes the prompt), the best of --decode_runs runs, and the peak resident set. With
+--per_expert_decode a third row, "ours/expert", decodes as ours did before one kernel call ran all the active experts
+of a projection (`decode4bit.DecodeExpertWeights`): a kernel call per expert and projection (the same tokens).
 """
 from __future__ import annotations
 
@@ -123,13 +125,18 @@ def bnb_config(quantize: str, a: argparse.Namespace):
                                            bnb_4bit_use_double_quant=quantize.endswith("-dq"))
 
 
-def decode_ours(folder: Path, a: argparse.Namespace):
+def decode_ours(folder: Path, a: argparse.Namespace, per_expert: bool = False):
     from lit_qlora.generation import generate
     from lit_qlora.inference import fast_cpu_4bit_decoding
     from lit_qlora.loader import load_model
+    from lit_qlora.quant.quantize import QuantizedExpertWeights
 
     model = load_model(folder, precision=a.precision, quantize=a.decode_quantize).eval()
     fast_cpu_4bit_decoding(model)  # as generate/*.py loads it (lit_qlora.inference.load_for_inference)
+    if per_expert:  # back to a kernel call per expert and projection
+        for m in model.modules():
+            if isinstance(m, QuantizedExpertWeights):
+                m.__class__ = QuantizedExpertWeights
     prompt = batch(a)[0, :a.prompt]
     return lambda n: generate(model, prompt, n)[a.prompt:].tolist(), prompt
 
@@ -163,7 +170,7 @@ def child(side: str, task: str, folder: Path, a: argparse.Namespace) -> None:
         sec = statistics.median(times)
         result = dict(loss=first, step_s=sec, tokens_per_s=a.batch * (a.length - 1) / sec, ids=ids_hash(idx))
     else:
-        run, prompt = (decode_ours if side == "ours" else decode_hf)(folder, a)
+        run, prompt = decode_hf(folder, a) if side == "hf" else decode_ours(folder, a, side == "ours/expert")
         run(2)  # warm-up (the kernel's first call compiles or loads it)
         best = float("inf")
         for _ in range(a.decode_runs):
@@ -191,7 +198,9 @@ def main() -> None:
     p.add_argument("--decode_quantize", default="bnb.nf4", help="decoding's --quantize")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-true"])
     p.add_argument("--tasks", default="train,decode")
-    p.add_argument("--side", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--per_expert_decode", action="store_true",
+                   help="also decode with a kernel call per expert and projection (as ours did before)")
+    p.add_argument("--side", choices=["ours", "hf", "ours/expert"], help=argparse.SUPPRESS)
     p.add_argument("--task", choices=["train", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -202,9 +211,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = dict(zip(("ours", "hf"), make_folders(Path(tmp), a)))
         for task in a.tasks.split(","):
-            for side in ("ours", "hf"):
+            extra = ("ours/expert",) if task == "decode" and a.per_expert_decode else ()
+            for side in ("ours", "hf", *extra):
                 out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", side, "--task", task,
-                                      "--folder", str(folders[side])], capture_output=True, text=True)
+                                      "--folder", str(folders[side.split("/")[0]])], capture_output=True, text=True)
                 if out.returncode:
                     sys.exit(f"{side} {task} failed:\n{out.stderr[-3000:]}")
                 rows[task, side] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -227,11 +237,15 @@ def main() -> None:
     if ("decode", "ours") in rows:
         ours, hf = rows["decode", "ours"], rows["decode", "hf"]
         print(f"\nBatch-1 decoding: {a.decode_quantize}, greedy, {a.prompt}-token prompt, {a.new_tokens} new tokens")
-        print(f"{'':6} {'tokens/s':>10} {'peak RSS GiB':>13}  first tokens")
-        for r in (ours, hf):
-            print(f"{r['side']:6} {r['tokens_per_s']:10.2f} {r['peak_rss_gib']:13.3f}  {r['first_tokens']}")
+        per_expert = rows.get(("decode", "ours/expert"))
+        print(f"{'':11} {'tokens/s':>10} {'peak RSS GiB':>13}  first tokens")
+        for r in (ours, hf, per_expert or None):
+            if r:
+                print(f"{r['side']:11} {r['tokens_per_s']:10.2f} {r['peak_rss_gib']:13.3f}  {r['first_tokens']}")
         print(f"ours / hf: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x tokens/s, "
               f"{ours['peak_rss_gib'] / hf['peak_rss_gib']:.2f}x peak RSS")
+        if per_expert:
+            print(f"ours / ours/expert: {ours['tokens_per_s'] / per_expert['tokens_per_s']:.2f}x tokens/s")
 
 
 def cpu_name() -> str:

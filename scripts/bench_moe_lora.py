@@ -74,8 +74,8 @@ def share_expert_pairs(model: torch.nn.Module, rank: int = 0) -> None:
     def per_expert(self):
         A, B = self.lora_A[0], self.lora_B[0] * self.scaling
 
-        def run(x: torch.Tensor, e: int) -> torch.Tensor:
-            return torch.addmm(self.base(x, e), x @ A.T, B.T)
+        def run(x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
+            return torch.addmm(self.base(x, e, bias=bias), x @ A.T, B.T)
         return run
 
     for m in model.modules():

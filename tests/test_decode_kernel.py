@@ -356,6 +356,32 @@ def test_kernel_scales_a_dora_sum_per_row(mode, rows, dtype, variant):
         assert_close_to_reference(y, layer, x, lib, lora=(A, B), rowscale=scale)
 
 
+@needs_kernel
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_many_layers_in_one_call_are_each_layer_alone_bit_for_bit(shape, dtype, variant, monkeypatch):
+    """q4_linear_many (`run_kernel_many`, a mixture's active experts while decoding): two projections of three layers
+    each (nf4, nf4-dq, fp4-dq; one with a bias), each layer on its own group of rows (1, 4, 2 rows; and one row each,
+    the decoding loop), in one call: every output equals that layer's own call on its rows, bit for bit, whatever the
+    threads (their row groups handed out across layers)."""
+    lib = lib_for(variant)
+    monkeypatch.setattr(d, "PARALLEL_MIN_WEIGHTS", 0)  # two threads even for these small layers
+    modes = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4-dq"]
+    n, k = shape
+    projections = [[quantized_layer(mode, out_f, k, dtype=dtype, bias=i == 1 and out_f == n, seed=10 * j + i)
+                    for i, mode in enumerate(modes)] for j, out_f in enumerate([n, 7])]
+    states = [[d._State(layer, lib) for layer in layers] for layers in projections]
+    for sizes in [[1, 4, 2], [1, 1, 1]]:
+        x = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(len(sizes))).to(dtype)
+        got = d.run_kernel_many(lib, states, x, sizes)
+        for y, layers, layer_states in zip(got, projections, states):
+            assert y.dtype == dtype and y.shape == (sum(sizes), layers[0].out_features)
+            want = [d.run_kernel(lib, st, h, layer.out_features)
+                    for st, h, layer in zip(layer_states, x.split(sizes), layers)]
+            assert torch.equal(y, torch.cat(want)), sizes
+
+
 def lora_over(layer: nn.Module, parts=None, seed: int = 0):
     """A LoRALinear (r 4, alpha 8) over `layer` with random A and B, in the layer's compute dtype."""
     from lit_qlora.lora import LoRALinear
@@ -614,14 +640,19 @@ def test_moe_decoding_reads_only_the_active_experts_through_the_kernel(family_ck
             for e, layer in enumerate(m.layers):
                 owner[id(layer.weight)] = (name.rsplit(".", 2)[0], e)
     ran: list[tuple[str, int]] = []
-    real = d.run_kernel
+    real, real_many = d.run_kernel, d.run_kernel_many
 
     def run_kernel(lib, state, *args):
         if id(state.param) in owner:
             ran.append(owner[id(state.param)])
         return real(lib, state, *args)
 
+    def run_kernel_many(lib, projections, *args):  # the active experts of a projection (or two) in one call
+        ran.extend(owner[id(state.param)] for states in projections for state in states)
+        return real_many(lib, projections, *args)
+
     monkeypatch.setattr(d, "run_kernel", run_kernel)
+    monkeypatch.setattr(d, "run_kernel_many", run_kernel_many)
     picked: dict[str, list[int]] = {}  # MoE layer -> the experts its router picks for the token
     for name, m in model.named_modules():
         if isinstance(m, MoE):
@@ -648,6 +679,87 @@ def test_moe_decoding_reads_only_the_active_experts_through_the_kernel(family_ck
             want = sorted((layer, e) for layer, experts in picked.items() for e in experts for _ in range(3))
             assert sorted(ran) == want and len(set(want)) == n_moe * c.moe_top_k
         model.clear_kv_cache()
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.nf4-dq"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_moe_decoding_runs_each_projection_s_active_experts_in_one_kernel_call(family_ckpts, kind, mode, precision,
+                                                                              monkeypatch):
+    """A decoding step of a mixture (batch 1, and batch 3 through the KV cache) runs, in every MoE layer, the active
+    experts' gate and up projections in one kernel call and their down projection in a second (DecodeExpertWeights),
+    where a call per expert and projection ran before (3 x top_k per layer): the logits of every step are the same
+    bits as those of the per-expert path (QuantizedExpertWeights' own, each expert's DecodeLinear4bit) on the same
+    model, fp32 and bf16, gpt-oss's expert biases included (the kernel computes every row with the same code)."""
+    from lit_qlora.quant.quantize import QuantizedExpertWeights
+
+    model, _ = quantized_for_generation(family_ckpts(kind), mode, precision, monkeypatch)
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExpertWeights)]
+    assert experts and all(type(m) is d.DecodeExpertWeights for m in experts)
+    calls: list[int] = []  # per call: how many projections it ran
+    monkeypatch.setattr(d, "run_kernel_many", lambda lib, projections, *a, _f=d.run_kernel_many:
+                        calls.append(len(projections)) or _f(lib, projections, *a))
+    c = model.config
+    n_moe = sum(map(c.is_moe_layer, range(c.n_layer)))
+
+    def decode(seq: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+        """The logits of each step after a prompt, teacher-forced, and the calls of each step."""
+        steps, per_step = [], []
+        with torch.inference_mode():
+            model.set_kv_cache(seq.size(0), seq.size(1))
+            model(seq[:, :PROMPT_LEN], input_pos=torch.arange(PROMPT_LEN))
+            for t in range(PROMPT_LEN, seq.size(1)):
+                calls.clear()
+                steps.append(model(seq[:, t:t + 1], input_pos=torch.tensor([t])).float())
+                per_step.append(list(calls))
+            model.clear_kv_cache()
+        return torch.cat(steps, 1), per_step
+
+    for batch in (1, 3):
+        seq = torch.randint(0, c.vocab_size, (batch, PROMPT_LEN + 6), generator=torch.Generator().manual_seed(batch))
+        got, per_step = decode(seq)
+        assert all(step == [2, 1] * n_moe for step in per_step), per_step
+        for m in experts:  # the per-expert path on the same weights
+            m.__class__ = QuantizedExpertWeights
+        want, per_step = decode(seq)
+        assert not any(per_step)
+        for m in experts:
+            m.__class__ = d.DecodeExpertWeights
+        assert torch.equal(got, want), (got - want).abs().max()
+    assert d.disable_fast_decode(model) and all(type(m) is QuantizedExpertWeights for m in experts)
+
+
+@needs_kernel
+def test_moe_decoding_with_lora_on_the_experts_keeps_a_call_per_expert(family_ckpts, monkeypatch):
+    """An unmerged LoRA on the experts (a pair per expert, `LoRAExperts`) adds its update per expert: decoding runs
+    each active expert's projections through their own kernel calls (3 x top_k per MoE layer and step), never the
+    one-call path, and its logits are those of the model with the kernel turned off (bitsandbytes' path, the same
+    LoRA) within 1e-4 x their std."""
+    from helpers import lora_cfg, randomize_lora
+
+    from lit_qlora.inference import fast_cpu_4bit_decoding
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import LoRAExperts
+
+    model = load_model(family_ckpts("qwen3_moe"), precision="32-true", quantize="bnb.nf4",
+                       lora=lora_cfg(query=True, experts=True), seed=0)
+    randomize_lora(model, seed=5)
+    model.eval()
+    want = teacher_forced_logits(model, torch.randint(0, model.config.vocab_size, (PROMPT_LEN + 6,),
+                                                      generator=torch.Generator().manual_seed(4)))
+    assert fast_cpu_4bit_decoding(model) > 0
+    wrapped = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    assert wrapped and all(type(m.base) is d.DecodeExpertWeights for m in wrapped)
+    calls = {"many": 0, "one": 0}
+    monkeypatch.setattr(d, "run_kernel_many", lambda *a, _f=d.run_kernel_many: calls.update(many=1) or _f(*a))
+    monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.update(one=calls["one"] + 1) or _f(*a))
+    c = model.config
+    got = teacher_forced_logits(model, torch.randint(0, c.vocab_size, (PROMPT_LEN + 6,),
+                                                     generator=torch.Generator().manual_seed(4)))
+    n_moe = sum(map(c.is_moe_layer, range(c.n_layer)))
+    assert calls["many"] == 0 and calls["one"] >= 5 * 3 * c.moe_top_k * n_moe
+    assert ((got - want).abs().amax(-1) <= 1e-4 * want.std(-1)).all(), (got - want).abs().amax(-1) / want.std(-1)
 
 
 @needs_kernel

@@ -33,6 +33,11 @@
  * then costs one call per adapted layer where separate torch ops cost five and their Python around them.
  * `q4_linear_dora` is DoRA's form of it: y = g * (x @ W^T + (x @ A^T) @ B^T) (+ bias), g [N] the fp32 factor of
  * each output row (magnitude / row norm of W + B A, 1 for rows without LoRA), still rounded once.
+ *
+ * `q4_linear_many` runs several layers, each on its own rows, in one call and one OpenMP region: a mixture of
+ * experts' active experts of a projection (and the up projection's with the gate's) while decoding, where a call
+ * per expert cost a ctypes call, an OpenMP region and their Python each. The groups of four rows of all the layers
+ * are handed out to the threads as one list; each row is computed by the same code as in q4_linear (same bits).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -443,99 +448,161 @@ DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
 
-/* y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows; that sum without the bias
- * times rowscale[N] when given: DoRA). x and y are fp32 (dtype 0) or bf16 (dtype 1), row-major and contiguous. Accumulates in fp32; the rows of W are shared out between
- * `nthreads` OpenMP threads. Returns 0, or -1 when K is odd (rows would start mid-byte) or memory runs out. */
-static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                  const float *B, int64_t r, const float *rowscale) {
-    const int64_t n = L->n, k = L->k, kh = k / 2;
+/* One product to compute: y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows; that sum
+ * without the bias times rowscale[N] when given: DoRA), with what `job_start` prepares for it: the activations
+ * de-interleaved (xs) or permuted for the bf16 loop (xs16), the LoRA's x @ A^T (ax). */
+typedef struct {
+    const q4_layer *L;
+    void *y;
+    int64_t M, r;
+    const float *B, *rowscale;
+    float *xs, *ax;
+    uint16_t *xs16;
+    int b2_shift; /* see block_scale */
+} job_t;
+
+static void job_free(job_t *J) {
+    free(J->xs);
+    free(J->xs16);
+    free(J->ax);
+    J->xs = J->ax = NULL;
+    J->xs16 = NULL;
+}
+
+/* Fill J for layer L on x (fp32, dtype 0, or bf16, dtype 1; row-major, contiguous). Returns 0, or -1 when K is odd
+ * (rows would start mid-byte) or memory runs out (nothing left allocated then). */
+static int job_start(job_t *J, const q4_layer *L, const void *x, void *y, int64_t M, int dtype, const float *A,
+                     const float *B, int64_t r, const float *rowscale) {
+    const int64_t k = L->k, kh = k / 2;
+    *J = (job_t){L, y, M, r, B, rowscale, NULL, NULL, NULL, -1};
     if (k % 2) return -1;
-    float *ax = NULL; /* the LoRA's x @ A^T [M, r], computed once before the rows are shared out */
-    if (A && r > 0) {
-        ax = (float *)malloc(sizeof(float) * (size_t)(M * r + k));
-        if (!ax) return -1;
-        float *xrow = ax + M * r;
+    if (A && r > 0) { /* the LoRA's x @ A^T [M, r], computed once before the rows are shared out */
+        J->ax = (float *)malloc(sizeof(float) * (size_t)(M * r + k));
+        if (!J->ax) return -1;
+        float *xrow = J->ax + M * r;
         for (int64_t m = 0; m < M; m++) {
             for (int64_t j = 0; j < k; j++)
                 xrow[j] = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[m * k + j]) : ((const float *)x)[m * k + j];
-            for (int64_t j = 0; j < r; j++) ax[m * r + j] = dot_f32(A + j * k, xrow, k);
+            for (int64_t j = 0; j < r; j++) J->ax[m * r + j] = dot_f32(A + j * k, xrow, k);
         }
     }
     /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
-    const int bf16dot = Q4_BF16DOT && dtype == 1 && L->blocksize == 64 && k % 64 == 0;
-    uint16_t *xs16 = NULL;
-    float *xs = NULL;
-    if (bf16dot) {
-        xs16 = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * k > 0 ? M * k : 1));
-        if (!xs16) { free(ax); return -1; }
+    const size_t cells = (size_t)(M * k > 0 ? M * k : 1);
+    if (Q4_BF16DOT && dtype == 1 && L->blocksize == 64 && k % 64 == 0) {
+        J->xs16 = (uint16_t *)malloc(sizeof(uint16_t) * cells);
+        if (!J->xs16) { job_free(J); return -1; }
 #if Q4_BF16DOT
-        for (int64_t m = 0; m < M; m++) permute_for_bf16dot((const uint16_t *)x + m * k, xs16 + m * k, k);
+        for (int64_t m = 0; m < M; m++) permute_for_bf16dot((const uint16_t *)x + m * k, J->xs16 + m * k, k);
 #endif
     } else {
-        xs = (float *)malloc(sizeof(float) * (size_t)(M * k > 0 ? M * k : 1));
-        if (!xs) { free(ax); return -1; }
-    }
-    for (int64_t m = 0; xs && m < M; m++) {
-        float *xe = xs + m * k, *xo = xe + kh;
-        if (dtype == 1) {
-            const uint16_t *xb = (const uint16_t *)x + m * k;
-            for (int64_t j = 0; j < kh; j++) { xe[j] = bf16_to_f32(xb[2 * j]); xo[j] = bf16_to_f32(xb[2 * j + 1]); }
-        } else {
-            const float *xf = (const float *)x + m * k;
-            for (int64_t j = 0; j < kh; j++) { xe[j] = xf[2 * j]; xo[j] = xf[2 * j + 1]; }
-        }
-    }
-    const int threads = nthreads > 0 ? nthreads : 1;
-    /* Rows are handed out in chunks as threads ask for them: on a machine shared with other work one core may
-     * be busy, and a static split would leave the whole layer waiting for it. */
-    int64_t chunk = n / (16 * (int64_t)threads);
-    chunk = chunk < 16 ? 16 : chunk;  /* rows */
-    int b2_shift = -1; /* see block_scale */
-    if (L->blocksize2 > 0 && (L->blocksize2 & (L->blocksize2 - 1)) == 0)
-        b2_shift = __builtin_ctzll((unsigned long long)L->blocksize2);
-    const int64_t groups = (n + 3) / 4, group_chunk = chunk / 4; /* rows go out four at a time */
-    (void)group_chunk;
-#pragma omp parallel for schedule(dynamic, group_chunk) num_threads(threads)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t o0 = 4 * g, o1 = o0 + 4 < n ? o0 + 4 : n;
-#if Q4_ISA == 512
-        if (M == 1 && o1 - o0 == 4 && (xs16 || (L->blocksize == 64 && k % 64 == 0))) {
-            /* decoding: four rows share their activation loads and their horizontal sums */
-            float out4[4];
-#if Q4_BF16DOT
-            if (xs16) rows4_bf16dot(L, o0, xs16, b2_shift, out4);
-            else
-#endif
-                rows4_fp32(L, o0, xs, b2_shift, out4);
-            for (int j = 0; j < 4; j++) put(y, dtype, o0 + j, finish(L, B, ax, r, rowscale, 0, o0 + j, out4[j]));
-            continue;
-        }
-#endif
-        for (int64_t o = o0; o < o1; o++) {
-            float out[MAX_TILE];
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
-                const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
-                const float *xt = xs ? xs + m0 * k : NULL;
-                const uint16_t *xt16 = xs16 ? xs16 + m0 * k : NULL;
-                switch (mt) {
-                    case 1: tile_1(L, o, xt, xt16, b2_shift, out); break;
-                    case 2: tile_2(L, o, xt, xt16, b2_shift, out); break;
-                    case 3: tile_3(L, o, xt, xt16, b2_shift, out); break;
-                    default: tile_4(L, o, xt, xt16, b2_shift, out); break;
-                }
-                for (int64_t m = 0; m < mt; m++)
-                    put(y, dtype, (m0 + m) * n + o, finish(L, B, ax, r, rowscale, m0 + m, o, out[m]));
+        J->xs = (float *)malloc(sizeof(float) * cells);
+        if (!J->xs) { job_free(J); return -1; }
+        for (int64_t m = 0; m < M; m++) {
+            float *xe = J->xs + m * k, *xo = xe + kh;
+            if (dtype == 1) {
+                const uint16_t *xb = (const uint16_t *)x + m * k;
+                for (int64_t j = 0; j < kh; j++) { xe[j] = bf16_to_f32(xb[2 * j]); xo[j] = bf16_to_f32(xb[2 * j + 1]); }
+            } else {
+                const float *xf = (const float *)x + m * k;
+                for (int64_t j = 0; j < kh; j++) { xe[j] = xf[2 * j]; xo[j] = xf[2 * j + 1]; }
             }
         }
     }
-    free(xs);
-    free(xs16);
-    free(ax);
+    if (L->blocksize2 > 0 && (L->blocksize2 & (L->blocksize2 - 1)) == 0)
+        J->b2_shift = __builtin_ctzll((unsigned long long)L->blocksize2);
+    return 0;
+}
+
+/* Rows 4g .. 4g+3 of J's output: what one thread does at a time. */
+static void job_rows(const job_t *J, int dtype, int64_t g) {
+    const q4_layer *L = J->L;
+    const int64_t n = L->n, k = L->k, M = J->M, o0 = 4 * g, o1 = o0 + 4 < n ? o0 + 4 : n;
+    const float *xs = J->xs;
+    const uint16_t *xs16 = J->xs16;
+#if Q4_ISA == 512
+    if (M == 1 && o1 - o0 == 4 && (xs16 || (L->blocksize == 64 && k % 64 == 0))) {
+        /* decoding: four rows share their activation loads and their horizontal sums */
+        float out4[4];
+#if Q4_BF16DOT
+        if (xs16) rows4_bf16dot(L, o0, xs16, J->b2_shift, out4);
+        else
+#endif
+            rows4_fp32(L, o0, xs, J->b2_shift, out4);
+        for (int j = 0; j < 4; j++)
+            put(J->y, dtype, o0 + j, finish(L, J->B, J->ax, J->r, J->rowscale, 0, o0 + j, out4[j]));
+        return;
+    }
+#endif
+    for (int64_t o = o0; o < o1; o++) {
+        float out[MAX_TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_TILE) {
+            const int64_t mt = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
+            const float *xt = xs ? xs + m0 * k : NULL;
+            const uint16_t *xt16 = xs16 ? xs16 + m0 * k : NULL;
+            switch (mt) {
+                case 1: tile_1(L, o, xt, xt16, J->b2_shift, out); break;
+                case 2: tile_2(L, o, xt, xt16, J->b2_shift, out); break;
+                case 3: tile_3(L, o, xt, xt16, J->b2_shift, out); break;
+                default: tile_4(L, o, xt, xt16, J->b2_shift, out); break;
+            }
+            for (int64_t m = 0; m < mt; m++)
+                put(J->y, dtype, (m0 + m) * n + o, finish(L, J->B, J->ax, J->r, J->rowscale, m0 + m, o, out[m]));
+        }
+    }
+}
+
+/* The groups of four rows of `count` jobs, numbered one after the other, shared out between `nthreads` OpenMP
+ * threads. They are handed out in chunks as threads ask for them: on a machine shared with other work one core may
+ * be busy, and a static split would leave the whole call waiting for it. */
+static void run_jobs(const job_t *jobs, int64_t count, int dtype, int nthreads) {
+    int64_t groups = 0, rows = 0;
+    for (int64_t i = 0; i < count; i++) {
+        groups += (jobs[i].L->n + 3) / 4;
+        rows += jobs[i].L->n;
+    }
+    const int threads = nthreads > 0 ? nthreads : 1;
+    int64_t chunk = rows / (16 * (int64_t)threads);
+    chunk = chunk < 16 ? 16 : chunk; /* rows */
+    const int64_t group_chunk = chunk / 4;
+    (void)group_chunk;
+    int64_t job = 0, first = 0; /* each thread's own: the job of the last group it took, and that job's first group */
+#pragma omp parallel for schedule(dynamic, group_chunk) num_threads(threads) firstprivate(job, first)
+    for (int64_t g = 0; g < groups; g++) {
+        if (g < first) job = first = 0; /* (a thread's chunks come in increasing order: this is never taken) */
+        while (g - first >= (jobs[job].L->n + 3) / 4) first += (jobs[job++].L->n + 3) / 4;
+        job_rows(&jobs[job], dtype, g - first);
+    }
+}
+
+/* One layer (see job_t), its rows shared out between `nthreads` OpenMP threads; fp32 accumulation. Returns 0, or -1
+ * when K is odd or memory runs out. */
+static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
+                  const float *B, int64_t r, const float *rowscale) {
+    job_t J;
+    if (job_start(&J, L, x, y, M, dtype, A, B, r, rowscale)) return -1;
+    run_jobs(&J, 1, dtype, nthreads);
+    job_free(&J);
     return 0;
 }
 
 int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
     return linear(L, x, y, M, dtype, nthreads, NULL, NULL, 0, NULL);
+}
+
+/* `count` layers in one call, ys[i][Ms[i], N_i] = xs[i] @ W_i^T (+ bias_i), all in one OpenMP region: a mixture of
+ * experts' active experts of one projection while decoding, one call where there would be one per expert. Each
+ * output row is computed exactly as q4_linear computes it (the same code), so the results are the same bits. */
+int q4_linear_many(const q4_layer *const *Ls, const void *const *xs, void *const *ys, const int64_t *Ms,
+                   int64_t count, int dtype, int nthreads) {
+    job_t *jobs = (job_t *)calloc((size_t)(count > 0 ? count : 1), sizeof(job_t));
+    if (!jobs) return -1;
+    int failed = 0;
+    for (int64_t i = 0; i < count && !failed; i++)
+        failed = job_start(&jobs[i], Ls[i], xs[i], ys[i], Ms[i], dtype, NULL, NULL, 0, NULL);
+    if (!failed) run_jobs(jobs, count, dtype, nthreads);
+    for (int64_t i = 0; i < count; i++) job_free(&jobs[i]);
+    free(jobs);
+    return failed ? -1 : 0;
 }
 
 int q4_linear_lora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,

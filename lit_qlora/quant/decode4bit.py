@@ -12,7 +12,9 @@ runs the kernel for up to `MAX_KERNEL_ROWS` activation rows (decoding) and dequa
 (prefill: faster for many rows), with bitsandbytes' own dequantization, a few million weights at a time. Whenever
 a gradient is needed it takes bitsandbytes' own forward, so a converted layer never silently stops gradients;
 training code never converts layers anyway. An unmerged LoRA layer over such a layer becomes `DecodeLoRALinear`:
-its decoding steps add the update inside the same kernel call (`q4_linear_lora`).
+its decoding steps add the update inside the same kernel call (`q4_linear_lora`). A mixture's experts of one
+projection become `DecodeExpertWeights`: a decoding step runs the active experts' gate and up projections in one
+kernel call and their down projection in another (`q4_linear_many`), not a call per expert and projection.
 
 The compiled library is cached per source hash, compiler, flags and CPU flags under
 `$LIT_QLORA_CACHE` (default `$XDG_CACHE_HOME/lit_qlora` or `~/.cache/lit_qlora`). Without a working C compiler
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRALinear
-from lit_qlora.quant.quantize import PartsQuantState, has_parts, quiet_bnb_import
+from lit_qlora.quant.quantize import PartsQuantState, QuantizedExpertWeights, has_parts, quiet_bnb_import
 
 bnb = quiet_bnb_import()
 
@@ -177,6 +179,8 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear_lora.restype = ctypes.c_int
     lib.q4_linear_dora.argtypes = lib.q4_linear_lora.argtypes + [ctypes.c_void_p]
     lib.q4_linear_dora.restype = ctypes.c_int
+    lib.q4_linear_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.q4_linear_many.restype = ctypes.c_int
     lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
     return lib
 
@@ -245,6 +249,7 @@ class _Part:
             layer.absmax = self.absmax.data_ptr()
         self.layer = layer
         self.ref = ctypes.byref(layer)
+        self.addr = ctypes.addressof(layer)
 
 
 class _State:
@@ -307,6 +312,33 @@ def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: i
                   rowscale[piece] if rowscale is not None else None)
         outs.append(y)
     return torch.cat(outs, dim=-1)
+
+
+def run_kernel_many(lib: ctypes.CDLL, projections: list[list[_State]], x: torch.Tensor,
+                    sizes: list[int]) -> list[torch.Tensor]:
+    """One kernel call (`q4_linear_many`) for several layers on groups of the rows of x [sum(sizes), in] (fp32 or
+    bf16, contiguous): for each projection (a list of layer states, each quantized whole, with the same out_features)
+    the output [sum(sizes), out] whose i-th group of sizes[i] rows is layer i of it on the i-th group of x. The same
+    bits as `run_kernel` per layer: the kernel computes every output row with the same code."""
+    count = len(projections) * len(sizes)
+    Ls, xs, ys = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+    Ms = (ctypes.c_int64 * count)(*sizes * len(projections))
+    outs, i, work = [], 0, 0
+    x_ptr, x_row = x.data_ptr(), x.shape[-1] * x.element_size()
+    for states in projections:
+        part0 = states[0].parts[0]
+        y = x.new_empty((x.shape[0], part0.rows))
+        y_ptr, y_row, row = y.data_ptr(), part0.rows * y.element_size(), 0
+        for state, m in zip(states, sizes):
+            part = state.parts[0]
+            Ls[i], xs[i], ys[i] = part.addr, x_ptr + row * x_row, y_ptr + row * y_row
+            work += part.weights * min(m, 4)
+            row, i = row + m, i + 1
+        outs.append(y)
+    threads = 1 if work < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
+    if lib.q4_linear_many(Ls, xs, ys, Ms, count, _DTYPE_CODES[x.dtype], threads):
+        raise MemoryError("the 4-bit decode kernel could not allocate its activation buffers")
+    return outs
 
 
 def _scales(qs) -> torch.Tensor:
@@ -424,6 +456,57 @@ class DecodeLoRALinear(LoRALinear):
         return super().forward(x)
 
 
+class DecodeExpertWeights(QuantizedExpertWeights):
+    """A `QuantizedExpertWeights` whose experts are `DecodeLinear4bit` layers, for generation: a decoding step (no
+    gradient, at most MAX_KERNEL_ROWS rows per expert, fp32 or bf16 on CPU) runs the active experts of the projection,
+    and of the up projection too when asked for the gate's (`many_with`), in one kernel call (`run_kernel_many`)
+    instead of one call (and its Python) per expert; the same bits as per expert. Anything else goes per expert, as
+    `QuantizedExpertWeights` does. Made by `enable_fast_decode`, never constructed."""
+
+    def many(self, x: torch.Tensor, experts: list[int], sizes: list[int], bias: bool = True) -> torch.Tensor:
+        states = self._states(x, experts, sizes)
+        if states is None:
+            return super().many(x, experts, sizes, bias)
+        y, = run_kernel_many(kernel(), [states], x.contiguous(), sizes)
+        return self._add_bias(y, experts, sizes) if bias else y
+
+    def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],
+                  sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = self._states(x, experts, sizes)
+        theirs = other._states(x, experts, sizes) if mine is not None and type(other) is DecodeExpertWeights else None
+        if theirs is None:
+            return super().many_with(other, x, experts, sizes)
+        a, b = run_kernel_many(kernel(), [mine, theirs], x.contiguous(), sizes)
+        return self._add_bias(a, experts, sizes), other._add_bias(b, experts, sizes)
+
+    def _states(self, x: torch.Tensor, experts: list[int], sizes: list[int]) -> Optional[list[_State]]:
+        """The kernel states of `experts`' layers when the kernel takes x in one call, else None."""
+        lib = kernel()
+        if (lib is None or not sizes or x.device.type != "cpu" or x.dtype not in _DTYPE_CODES
+                or max(sizes) > MAX_KERNEL_ROWS or torch.is_grad_enabled() and x.requires_grad):
+            return None
+        states, layers = [], list(self.layers._modules.values())  # (ModuleList's indexing costs ~1 us an expert)
+        for e in experts:
+            layer = layers[e]
+            if type(layer) is not DecodeLinear4bit:
+                return None
+            if layer._q4 is None or not layer._q4.current(layer):
+                if not supports(layer):
+                    return None
+                layer._q4 = _State(layer, lib)
+            if len(layer._q4.parts) != 1:
+                return None
+            states.append(layer._q4)
+        return states
+
+    def _add_bias(self, y: torch.Tensor, experts: list[int], sizes: list[int]) -> torch.Tensor:
+        """Each group's expert bias (gpt-oss), added as `QuantizedExpertWeights.forward` adds it."""
+        if self.bias is None:
+            return y
+        rows = torch.tensor(experts).repeat_interleave(torch.tensor(sizes))
+        return y + self.bias[rows].to(y.dtype)
+
+
 def enable_fast_decode(model: nn.Module) -> int:
     """Switch every 4-bit layer of `model` that the kernel supports to it (for models that will not be trained);
     returns how many. 0 when the kernel is unavailable: the model then keeps bitsandbytes' path."""
@@ -441,6 +524,9 @@ def enable_fast_decode(model: nn.Module) -> int:
     for m in model.modules():  # unmerged adapters over those layers: base and update in one call
         if type(m) is LoRALinear and type(m.base) is DecodeLinear4bit:
             m.__class__ = DecodeLoRALinear
+        # a mixture's experts of one projection, all on the kernel: the active ones in one call per decoding step
+        if type(m) is QuantizedExpertWeights and all(type(e) is DecodeLinear4bit for e in m.layers):
+            m.__class__ = DecodeExpertWeights
     return len(layers)
 
 
@@ -450,6 +536,8 @@ def disable_fast_decode(model: nn.Module) -> int:
     for m in model.modules():
         if type(m) is DecodeLoRALinear:
             m.__class__ = LoRALinear
+        if type(m) is DecodeExpertWeights:
+            m.__class__ = QuantizedExpertWeights
         if type(m) is DecodeLinear4bit:
             m.__class__ = m.__dict__.pop("_class_before_decode", bnb.nn.Linear4bit)
             m.__dict__.pop("_q4", None)

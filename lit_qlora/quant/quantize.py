@@ -20,7 +20,7 @@ import torch.nn as nn
 from lit_qlora.checkpoint import FileTensor, as_tensor
 from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRALinear
-from lit_qlora.model import ExpertWeights, each_expert
+from lit_qlora.model import ExpertWeights
 from lit_qlora.precision import parse_precision
 from lit_qlora.quant.mxfp4 import Mxfp4Tensor
 from lit_qlora.quant.quant_mode import QuantMode
@@ -561,15 +561,8 @@ class QuantizedExpertWeights(nn.Module):
             y = _ExpertMatmul.apply(x, layer, dtype)
         return y if self.bias is None or not bias else y + self.bias[e].to(y.dtype)
 
-    def many(self, x: torch.Tensor, experts: list[int], sizes: list[int], bias: bool = True) -> torch.Tensor:
-        """`ExpertWeights.many`: each expert's layer in turn (generation's DecodeExpertWeights: one kernel call)."""
-        return each_expert(self, x.split(sizes), experts, bias)
-
-    def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],
-                  sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`ExpertWeights.many_with`: each expert's layer in turn."""
-        xs = x.split(sizes)
-        return each_expert(self, xs, experts), each_expert(other, xs, experts)
+    # each expert's layer in turn, as the dense form does (generation's DecodeExpertWeights: one kernel call)
+    many, many_with = ExpertWeights.many, ExpertWeights.many_with
 
 
 def dequantize_4bit_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:

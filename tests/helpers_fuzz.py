@@ -618,9 +618,9 @@ def _ref_tokenizer_agrees(d: Path) -> str | None:
 
 
 def _ref_gguf_agrees(d: Path) -> str | None:
-    """The exported GGUF's special ids and token types are what llama.cpp's converter takes from transformers'
-    tokenizer of the damaged folder (an added token: control if special, else user-defined; bos / eos / unk / pad
-    from the tokenizer's attributes)."""
+    """The exported GGUF's special ids and token types are what llama.cpp's converter takes from the damaged folder:
+    token types from transformers' tokenizer (an added token: control if special, else user-defined), bos / eos /
+    unk / pad from gguf-py's SpecialVocab."""
     import gguf
     import transformers
 
@@ -637,7 +637,10 @@ def _ref_gguf_agrees(d: Path) -> str | None:
     types = field("tokenizer.ggml.token_type")
     ids = {k: field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
     ids = {k: v[0] if v else None for k, v in ids.items()}
-    want = {"bos": ref.bos_token_id, "eos": ref.eos_token_id, "unknown": ref.unk_token_id, "padding": ref.pad_token_id}
+    # the special ids as the converter takes them: gguf-py's SpecialVocab (tokenizer_config.json, then config.json)
+    special = gguf.SpecialVocab(d / "ckpt", load_merges=False).special_token_ids
+    want = {"bos": special.get("bos"), "eos": special.get("eos"), "unknown": special.get("unk"),
+            "padding": special.get("pad")}
     added = {i: (gguf.TokenType.CONTROL if t.special else gguf.TokenType.USER_DEFINED)
              for i, t in ref.added_tokens_decoder.items()}
     same = ids == want and all(types[i] == t for i, t in added.items())
@@ -747,6 +750,34 @@ def _flag_edit(original: bytes, target: Path) -> str | None:
     return None
 
 
+def _mixture_entry_removed(original: bytes, target: Path) -> str | None:
+    """A --data_sources file with one whole entry (file and weight) removed, or one source's weight / epochs set to
+    another positive number, is a valid mixture."""
+    import yaml
+
+    try:
+        old, new = yaml.safe_load(original), yaml.safe_load(target.read_bytes())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    if isinstance(old, dict) and isinstance(new, dict) and old.keys() == new.keys():
+        changed = [k for k in old if old[k] != new[k]]
+        if len(changed) != 1:
+            return None
+        old, new = old[changed[0]], new[changed[0]]
+    if isinstance(old, list) and isinstance(new, list) and new and len(new) == len(old) - 1 and \
+            any(old[:i] + old[i + 1:] == new for i in range(len(old))):
+        return "a mixture with one of its sources left out"
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        diff = [(a, b) for a, b in zip(old, new) if a != b]
+        if len(diff) == 1 and isinstance(diff[0][1], dict) and diff[0][0].keys() == diff[0][1].keys():
+            (a, b), = diff
+            keys = [k for k in a if a[k] != b[k]]
+            if keys in (["weight"], ["epochs"]) and isinstance(b[keys[0]], (int, float)) and \
+                    not isinstance(b[keys[0]], bool) and math.isfinite(b[keys[0]]) and b[keys[0]] > 0:
+                return f"a source's {keys[0]} set to another positive number"
+    return None
+
+
 def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
     """Why the damaged file of a case that read differently without a word is a valid file of its kind, or None."""
     if kind in ("tokenizer_config", "tokenizer_json", "generation_config"):
@@ -763,6 +794,8 @@ def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
         return _flag_edit(original, target)
     if kind == "hf_config":
         return _ref_model_agrees(d)
+    if kind == "data_sources_yaml":
+        return _mixture_entry_removed(original, target)
     change = _first_change(original, target)
     if kind in ("model_config", "run_report_metrics_json", "report_metrics_json") and change and \
             change[0] in (["name"], ["model"]) and isinstance(change[2], str):

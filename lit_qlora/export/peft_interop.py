@@ -730,7 +730,9 @@ def _lit_meta(meta: dict, where: str) -> Optional[dict]:
     """Our LoRAConfig as our export recorded it in the weights' safetensors metadata; None for another tool's file.
     A record that is there but damaged (a lit_qlora_ key we never write, text that is no JSON object) is refused:
     read past, the import would silently lose what only it records (the exact alpha, LoRA+, a fused layer's split)."""
-    stray = [k for k in meta if k.startswith("lit_qlora_") and k != _META_KEY]
+    # a key of ours with a flipped byte: anything but ours that names lit / qlora, or differs from ours in one place
+    stray = [k for k in meta if k != _META_KEY and ("qlora" in k.lower() or k.lower().startswith("lit") or (
+        len(k) == len(_META_KEY) and sum(a != b for a, b in zip(k, _META_KEY)) == 1))]
     if stray:
         raise UserError(f"{where}: its weights' metadata has the key {stray[0]!r}, which lit-qlora never writes (it "
                         f"writes {_META_KEY!r}): the file is damaged; export the adapter again")

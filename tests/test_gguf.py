@@ -404,20 +404,21 @@ ALL = dict(query=True, key=True, value=True, projection=True, mlp=True, head=Tru
 
 
 def make_adapter(model, seed: int = 0, **targets) -> Adapter:
-    return random_adapter(model.folder, seed, **{k: targets.get(k, False) for k in ALL})
+    return random_adapter(model.folder, seed, **{**{k: False for k in ALL}, **targets})
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen3", "phi3", "qwen3_moe"])
 @torch.no_grad()
 def test_merged_adapter_through_the_script(models, kind, tmp_path):
     """--lora_path: merged in full precision (on llama3 and qwen3 the LoRA on the tied head unties it: an output
-    tensor; on phi3 the LoRAs of fc_1 and fc_2 land in the two halves of one ffn_up; on qwen3_moe attention and head:
-    LoRA on experts is not implemented)."""
+    tensor; on phi3 the LoRAs of fc_1 and fc_2 land in the two halves of one ffn_up; on qwen3_moe a pair per expert
+    on every projection of the experts, and the router's, merged into ffn_*_exps and ffn_gate_inp)."""
     import runpy
     import sys
 
     model = models[kind]
-    adapter = make_adapter(model, **(ALL if not model.config.moe_n_expert else {**ALL, "mlp": False}))
+    moe = dict(mlp=False, experts=True, router=True)
+    adapter = make_adapter(model, **(ALL if not model.config.moe_n_expert else {**ALL, **moe}))
     adapter.save(tmp_path / "adapter.pth")
     idx = tokens(model.config, 2, seq_len(model), seed=1)  # phi3: transformers' reader drops its window
     ours = load_model_with_adapter(model.folder, adapter, precision="32-true")(idx)

@@ -745,6 +745,8 @@ def _flag_edit(original: bytes, target: Path) -> str | None:
     if name not in hints:
         return None
     admits = {t for t in get_args(hints[name]) or (hints[name],) if isinstance(t, type)}  # the flag's declared types
+    if float in admits and not isinstance(new, bool):
+        admits.add(int)  # a whole number is a float flag's value too (jsonargparse, YAML)
     if new is DELETED or any(isinstance(new, t) for t in admits) or type(new) is type(old):
         return f"the flag {name} left out or set to another value of its type"
     return None
@@ -801,9 +803,10 @@ def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
             change[0] in (["name"], ["model"]) and isinstance(change[2], str):
         return "the model's display name"
     if kind in ("run_report_metrics_json", "report_metrics_json") and change and \
-            all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                for v in change[1:]):
-        return "a run's recorded figure, another finite number (the report shows what the run wrote)"
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in change[1:]) and \
+            (all(math.isfinite(v) and v >= 0 for v in change[1:]) or "loss" in str(change[0][-1])):
+        return ("a run's recorded figure, another number (the report shows what the run wrote; a loss may be inf "
+                "or NaN: a diverged run's)")
     if kind == "prepared_config" and change and change[0] == ["template"] and change[2] is DELETED:
         return "template left out (allowed in a hand-written prepared folder: the run records its --template)"
     return None

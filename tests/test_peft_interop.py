@@ -130,6 +130,25 @@ def test_an_adapter_config_without_peft_type_is_refused_as_peft_refuses_it(lora_
     assert "'peft_type'" in str(e.value)
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: c.pop("lora_alpha"), "has no 'lora_alpha'"),
+    (lambda c: c.update(lora_alpha=10**18), "lora_alpha is 1000000000000000000, expected at most 2147483647"),
+    (lambda c: c.update(r=None), "has no 'r'"),
+])
+def test_an_adapter_config_with_its_rank_or_alpha_lost_is_refused(lora_llama, tmp_path, damage, message):
+    """The file fuzzer (seeds 18033, 22014, 22031): lora_alpha's key damaged ('lora_alphaaa...') was read with
+    PEFT's default alpha 8 instead of the adapter's 16 (PEFT does the same, with a warning that the key is unknown),
+    an alpha of 10**18 scaled the update by 10**18, a null r was a TypeError. save_pretrained always writes both."""
+    folder = _save_peft(lora_llama, tmp_path, target_modules=["q_proj", "v_proj"])
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["lora_alpha"] and config["r"]
+    damage(config)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as e:
+        import_peft(folder, lora_llama.config)
+    assert "\n" not in str(e.value) and str(folder / "adapter_config.json") in str(e.value) and message in str(e.value)
+
+
 def test_export_peft_script(lora_llama, tmp_path):
     model = load_model(lora_llama.folder, precision="32-true", lora=lora_cfg(), seed=0)
     Adapter.of_model(model, lora_cfg()).save(tmp_path / "adapter.pth")

@@ -31,7 +31,7 @@ from lit_qlora.checkpoint import lit_param_shapes
 from lit_qlora.config import Config
 from lit_qlora.convert import family, qkv_from_hf, qkv_layout, qkv_to_hf
 from lit_qlora.lora import EXPERT_PROJECTIONS, LoRAConfig, is_expert_target, lora_targets
-from lit_qlora.readers import check_fields, check_value, load_torch, read_json, safetensors_header
+from lit_qlora.readers import MAX_SIZE, check_fields, check_value, load_torch, read_json, safetensors_header
 from lit_qlora.utils import UserError, atomic_write
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -632,8 +632,11 @@ def _read_peft_config(folder: Path) -> dict:
     fix = "save the adapter again with PEFT's save_pretrained"
     # peft_type required, as PEFT's own PeftConfig.from_pretrained requires it (every save_pretrained writes it)
     pc = check_fields(read_json(path, dict, "PEFT adapter config", fix), path, _PEFT_FIELDS, ("peft_type",), fix=fix)
-    # a null rank or alpha has no meaning (PEFT builds no layer from it); left out, they take LoraConfig's defaults
-    check_fields(pc, path, {"r": "size", "lora_alpha": "positive"}, fix=fix, nullable=False)
+    # the rank and alpha are the adapter's math: PEFT's save_pretrained always writes them, so one left out (PEFT
+    # would take its default, 8) or null is a damaged file, as is an alpha no adapter uses (it scales B A by alpha / r)
+    if pc.get("peft_type") == "LORA":
+        check_fields(pc, path, {"r": "size", "lora_alpha": "positive"}, ("r", "lora_alpha"), fix=fix, nullable=False)
+        check_value(pc["lora_alpha"] <= MAX_SIZE, path, "lora_alpha", pc["lora_alpha"], f"at most {MAX_SIZE}", fix)
     tm = pc.get("target_modules")
     check_value(tm is None or isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm)),
                 path, "target_modules", tm, "a module name, a regex or a list of names", fix)

@@ -416,7 +416,8 @@ def check_config_values(cfg: Any, where: str = "the model config") -> None:
     v = cfg.rotary_percentage
     check_value(_is_number(v) and 0 < v <= 1, where, "rotary_percentage", v, "a number in (0, 1]", fix)
     check_value(isinstance(cfg.name, str), where, "name", cfg.name, "a string", fix)
-    check_value(cfg.hf_architecture in SPECS, where, "hf_architecture", cfg.hf_architecture,
+    arch = cfg.hf_architecture
+    check_value(isinstance(arch, str) and arch in SPECS, where, "hf_architecture", arch,
                 "an architecture this package implements (" + ", ".join(sorted(SPECS)[:3]) + ", ...)", fix)
     check_value(cfg.rope_scaling is None or isinstance(cfg.rope_scaling, dict), where, "rope_scaling",
                 cfg.rope_scaling, "an object or null", fix)

@@ -63,10 +63,11 @@ def test_an_unknown_hf_architecture_in_our_config_is_refused(tmp_path):
     path = tmp_path / "model_config.json"
     config.save(path)
     data = json.loads(path.read_text())
-    data["hf_architecture"] = "LlamaForCaus`lLM"
-    path.write_text(json.dumps(data))
-    with pytest.raises(UserError, match="hf_architecture"):
-        Config.from_file(path)
+    for damaged in ("LlamaForCaus`lLM", {}, ["LlamaForCausalLM"]):  # (seed 23018: an object there was a TypeError)
+        data["hf_architecture"] = damaged
+        path.write_text(json.dumps(data))
+        with pytest.raises(UserError, match="hf_architecture"):
+            Config.from_file(path)
 
 
 @pytest.mark.parametrize("field, value", [

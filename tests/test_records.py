@@ -125,3 +125,16 @@ def test_numbers_where_text_belongs_are_refused_in_every_format(tmp_path):
     assert_one_line_message(e, "record 0", "'output' is a number (3)", "not text")
 
 
+
+
+@pytest.mark.parametrize("name", ["Input", "inrut", " input"])
+def test_a_misspelt_input_field_is_refused_not_read_as_absent(tmp_path, name):
+    """The file fuzzer (seeds 3, 23018): an Alpaca record whose 'input' became 'Input' or 'inrut' was read with no
+    input at all, its text silently lost. A column of another name ('index', 'context') is still the user's own."""
+    records = [{"instruction": "a", "input": "b", "output": "c"}, {"instruction": "d", name: "e", "output": "f"}]
+    path = write_json(tmp_path / "data.json", records)
+    with pytest.raises(UserError) as e:
+        load_records(path)
+    assert f"record 1 in {path} has a field {name!r} but no 'input'" in str(e.value) and "\n" not in str(e.value)
+    records[1] = {"instruction": "d", "index": 3, "context": "x", "output": "f"}
+    assert load_records(write_json(tmp_path / "ok.json", records))[1]["index"] == 3

@@ -238,11 +238,19 @@ def check_record(rec: Any, required: tuple[str, ...], where: str, flags: dict[st
                             f"or name the right field with {flag}")
     for key in (*required, *optional):
         check_text(rec.get(key), key, where)
-        if key not in rec:  # an optional field under another case ('Input'): read as absent, the text lost
-            other = next((k for k in rec if isinstance(k, str) and k.strip().lower() == key.lower()), None)
+        if key not in rec:  # an optional field misspelt ('Input', 'inptu'): read as absent, its text lost
+            other = next((k for k in rec if isinstance(k, str) and _misspelt(k, key)), None)
             if other is not None:
-                raise UserError(f"{where} has a field {other!r} but no {key!r} (field names are case-sensitive); "
-                                f"rename it to {key!r}, or name the right field with {_key_flag(key)}")
+                raise UserError(f"{where} has a field {other!r} but no {key!r} (a misspelling, or another case: "
+                                f"field names are exact); rename it to {key!r}, or name the right field with "
+                                f"{_key_flag(key)}")
+
+
+def _misspelt(name: str, field: str) -> bool:
+    """Whether `name` is `field` in another case or with one letter changed (not a column of its own: 'index' is
+    three letters from 'input')."""
+    a, b = name.strip().lower(), field.lower()
+    return a == b or len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
 
 
 def check_text(value: Any, key: str, where: str) -> None:

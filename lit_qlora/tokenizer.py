@@ -60,6 +60,23 @@ def _check_byte_level(processor: Any, path: Path) -> None:
                         "text would encode into other ids; re-copy the tokenizer files of the model")
 
 
+def _check_template_specials(processor: Any, path: Path) -> None:
+    """A TemplateProcessing post-processor (Llama 3's bos, BERT's [CLS] / [SEP]) adds the tokens its templates name
+    from its own special_tokens table; one whose table lost a name loads, and tokenizers panics on the first encode
+    with special tokens (the fuzzer, seed 25003: special_tokens.<s> deleted; transformers fails the same way).
+    Refused in one line naming the token."""
+    component = getattr(processor, "post_processor", None)
+    state = json.loads(component.__getstate__()) if component is not None else None
+    steps = state.get("processors") if isinstance(state, dict) and state.get("type") == "Sequence" else [state]
+    for step in (s for s in steps or [] if isinstance(s, dict) and s.get("type") == "TemplateProcessing"):
+        table = step.get("special_tokens") or {}
+        for piece in (p for key in ("single", "pair") for p in step.get(key) or []):
+            name = piece.get("SpecialToken", {}).get("id") if isinstance(piece, dict) else None
+            if name is not None and name not in table:
+                raise UserError(f"{path}'s post_processor template adds {name!r}, which its special_tokens table "
+                                "does not hold; re-copy the tokenizer files of the model")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """An optional side file of the tokenizer ({} without it), its fields checked (lit_qlora.readers)."""
     return read_side_json(path, _FIELDS.get(path.name, {}))
@@ -222,7 +239,14 @@ class Tokenizer:
         if self.backend != "huggingface":
             return False, False
         plain = self.processor.encode("a", add_special_tokens=False).ids
-        full = self.processor.encode("a", add_special_tokens=True).ids
+        _check_template_specials(self.processor, self.model_path)
+        try:
+            full = self.processor.encode("a", add_special_tokens=True).ids
+        except BaseException as e:  # tokenizers panics (a BaseException) where a post-processor cannot run
+            if type(e).__name__ != "PanicException":
+                raise
+            raise UserError(f"{self.model_path}'s post_processor fails on the text 'a' ({e}); re-copy the tokenizer "
+                            "files of the model") from None
         if self.bos_id is None and len(full) > len(plain) and full[1:][: len(plain)] == plain:
             self.bos_id = full[0]  # the configs named no bos, but the post-processor uses one
         starts = bool(full) and full[0] == self.bos_id and plain[:1] != [self.bos_id]

@@ -321,3 +321,26 @@ def test_the_special_tokens_tokenizer_config_names_are_special_as_in_transformer
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     ids = Tokenizer(tmp_path).encode("a</s>b", bos=False).tolist()
     assert ids == ref("a</s>b", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["template", "in_a_sequence"])
+def test_a_post_processor_template_naming_a_token_its_table_lost_is_refused(tmp_path, hf_dir, nested):
+    """The fuzzer, seed 25003: tokenizer.json's TemplateProcessing with special_tokens.<s> deleted loads in tokenizers
+    and panics (pyo3's PanicException, a BaseException) on the first encode with special tokens, in transformers too.
+    Refused in one line naming the token, whether the template is the post-processor or one step of a Sequence."""
+    import transformers
+
+    folder = tmp_path / "tok"
+    shutil.copytree(hf_dir, folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    assert data["post_processor"]["type"] == "TemplateProcessing" and Tokenizer(folder).add_bos  # intact: read
+    del data["post_processor"]["special_tokens"]["<s>"]
+    if nested:
+        data["post_processor"] = {"type": "Sequence", "processors": [data["post_processor"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(BaseException, match="no entry found"):  # the reference cannot use the file either
+        transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))("a")
+    with pytest.raises(UserError) as e:
+        Tokenizer(folder)
+    assert (f"{folder / 'tokenizer.json'}'s post_processor template adds '<s>', which its special_tokens table does "
+            "not hold" in str(e.value)) and "\n" not in str(e.value)

@@ -4,6 +4,8 @@ reference."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import runpy
 import sys
@@ -21,6 +23,7 @@ from lit_qlora.convert import convert_hf_checkpoint
 from lit_qlora.loader import load_model
 from lit_qlora.lora import LoRAConfig, lora_modules
 from lit_qlora.model import GPT
+from lit_qlora.quant.quantize import load_bnb
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320  # every tiny config
@@ -207,6 +210,38 @@ def hf_model(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_4bit(folder: Path, mode: str = "bnb.nf4"):
+    """transformers + bitsandbytes' own 4-bit model of `folder` (what a QLoRA user of HF PEFT starts from), fp32
+    compute, in eval mode, computing as on every CPU: dequantized weight, fp32 matmul. On a CPU with AVX512-BF16,
+    bitsandbytes would repack each 4-bit layer at its first eval-mode forward and compute it in bf16 from then on
+    (logits ~1e-3 away from the fp32 product, and an assertion on a layer whose out_features is not a multiple of
+    32), which is another function than the one being compared. And there bitsandbytes 0.50's CPU kernel
+    dequantizes a layer whose in_features is not a multiple of 64 with its blocks taken per row, not as the flat
+    tensor was quantized (tests/test_quantize.py shows it), so such a layer computes with bitsandbytes' own
+    dequantization of its bytes taken flat, the layout they were quantized in."""
+    import warnings
+
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4" if "nf4" in mode else "fp4",
+                                             bnb_4bit_use_double_quant=mode.endswith("-dq"),
+                                             bnb_4bit_compute_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map={"": "cpu"},
+                                                                  quantization_config=config).eval()
+    F = load_bnb().functional
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            if m.in_features % 64:
+                state = copy.copy(m.weight.quant_state)
+                state.shape = torch.Size([m.weight.quant_state.shape.numel()])
+                w = F.dequantize_4bit(m.weight.data.reshape(-1), state).reshape(m.weight.quant_state.shape)
+                m.forward = functools.partial(torch.nn.functional.linear, weight=w, bias=m.bias)
+    return model
 
 
 def run_in_process(script: "Path | str", *args) -> SimpleNamespace:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY_HF_CONFIGS, load_ours, make_tiny_hf_model, random_tokens
+from helpers import TINY_HF_CONFIGS, hf_4bit, load_ours, make_tiny_hf_model, random_tokens
 
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_hf_checkpoint
@@ -218,22 +218,6 @@ def test_qwen3_moe_decoder_sparse_step_places_the_dense_layers_as_transformers(t
     assert (again(idx).logits - hf(idx).logits).abs().max().item() == 0
 
 
-def _hf_4bit(folder, mode: str):
-    """transformers + bitsandbytes' own 4-bit model of `folder` (what a QLoRA user of HF PEFT starts from), fp32
-    compute."""
-    import warnings
-
-    import transformers
-
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4" if "nf4" in mode else "fp4",
-                                             bnb_4bit_use_double_quant=mode.endswith("-dq"),
-                                             bnb_4bit_compute_dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map={"": "cpu"},
-                                                                 quantization_config=config).eval()
-
-
 # transformers' BitsAndBytesConfig leaves a mixture's stacked experts dense (tests/test_moe.py compares experts with
 # bitsandbytes' layer per expert instead), and Falcon's FalconLinear layers too (5.24: the model stays dense)
 _HF_QUANTIZES = [k for k, v in TINY_HF_CONFIGS.items()
@@ -265,7 +249,7 @@ def test_4bit_logits_equal_transformers_and_bitsandbytes_on_a_bf16_checkpoint(tm
         elif name.endswith("v_proj.weight"):
             p.mul_(0.25)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
-    ref = _hf_4bit(tmp_path, "bnb.nf4-dq")
+    ref = hf_4bit(tmp_path, "bnb.nf4-dq")
     ours = load_model(tmp_path, precision="32-true", quantize="bnb.nf4-dq").eval()
     idx = random_tokens(2, 12, seed=3)
     expected, got = ref(idx).logits, ours(idx)

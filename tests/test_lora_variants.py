@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomize_lora
+from helpers import ALL, adapter_of, hf_4bit, hf_model, lora_cfg, random_tokens, randomize_lora
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import LoRAArgs
@@ -322,7 +322,6 @@ def test_unmerged_dora_decodes_through_the_kernel_as_peft_on_bitsandbytes(lora_l
     PEFT's own DoRA layers compute on the same weights (fp32: logits within 1e-4) through the kernel (up to 16 rows)
     and the dense prefill path alike; greedy tokens equal HF's generate. Red with the factor left out of the kernel
     call or the DoRA layers kept off the kernel (the DecodeLoRALinear count)."""
-    import transformers
     from peft import PeftModel
 
     from lit_qlora.generation import generate
@@ -332,11 +331,7 @@ def test_unmerged_dora_decodes_through_the_kernel_as_peft_on_bitsandbytes(lora_l
     peft_model = _peft_dora_model(lora_llama, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
     peft_model.save_pretrained(tmp_path / "peft")
     adapter = Adapter.load(tmp_path / "peft", lora_llama.config)
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                            bnb_4bit_compute_dtype=torch.float32)
-    hf4 = transformers.AutoModelForCausalLM.from_pretrained(lora_llama.folder, quantization_config=quant,
-                                                            dtype=torch.float32, device_map={"": "cpu"})
-    ref = PeftModel.from_pretrained(hf4, tmp_path / "peft").eval()
+    ref = PeftModel.from_pretrained(hf_4bit(lora_llama.folder, "bnb.nf4"), tmp_path / "peft").eval()
     ours = load_model_with_adapter(lora_llama.folder, adapter, precision="32-true", quantize="bnb.nf4").eval()
     if fast_cpu_4bit_decoding(ours) == 0:
         assert kernel() is None

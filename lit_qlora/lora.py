@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from lit_qlora.config import Config
 from lit_qlora.kernels import cpu_half
-from lit_qlora.model import GPT, linear
+from lit_qlora.model import GPT, ExpertWeights, linear
 from lit_qlora.utils import UserError
 
 # Up to this many rows of 16-bit activations (a decoding step: one per sequence) the LoRA products run in fp32 on CPU
@@ -349,6 +349,9 @@ class LoRAExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, e: int, bias: bool = True) -> torch.Tensor:
         return self.per_expert()(x, e, bias)
+
+    # each expert in turn with its update, the per-expert views taken once (per_expert), the rows split once
+    many, many_with = ExpertWeights.many, ExpertWeights.many_with
 
     def delta_weight(self) -> torch.Tensor:
         """The dense update of every expert's weight: [E, out, in] in fp32."""

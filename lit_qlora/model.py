@@ -629,13 +629,9 @@ class Experts(nn.Module):
         # Each projection of every active expert, as one [N*k, ...] tensor of all of them: what backward keeps is
         # two large tensors per layer, not two small ones per expert (long-lived small tensors between the freed
         # temporaries of the experts, their dequantized weights, fragment the CPU heap: +30-60% peak RSS measured).
-        # The gate and up projections read the same rows: one call for both where they can (decoding: one kernel
-        # call for all of the active experts' gate and up weights: DecodeExpertWeights, in the 4-bit decode kernel).
-        if not any(hasattr(m, "per_expert") for m in (self.fc_1, self.fc_2)):
-            a, b = self.fc_1.many_with(self.fc_2, routed, experts, sizes)
-        else:  # a LoRA on either: each expert in turn (the rows split once, see each_expert)
-            routed = routed.split(sizes)
-            a, b = (each_expert(per_expert(m), routed, experts) for m in (self.fc_1, self.fc_2))
+        # The gate and up projections read the same rows: one call for both (decoding: one kernel call for all of
+        # the active experts' gate and up weights: DecodeExpertWeights, in the 4-bit decode kernel).
+        a, b = self.fc_1.many_with(self.fc_2, routed, experts, sizes)
         # The routing weight scales the hidden state before the down projection (the same sum): backward then needs
         # no copy of the [N*k, C] outputs.
         scale = weights.reshape(-1, 1)[order]  # [N*k, 1]
@@ -643,7 +639,7 @@ class Experts(nn.Module):
             h = gated_activation(a, b, self.activation, scale)
         else:
             h = clamped_swiglu(a, b, *self.swiglu) * scale
-        y = projection(self.proj)(h, experts, sizes, bias=False)
+        y = self.proj.many(h, experts, sizes, bias=False)
         proj_bias = getattr(self.proj, "base", self.proj).bias  # (a LoRA on the experts wraps them as `base`)
         if proj_bias is not None:  # gpt-oss: the down projection's bias, weighted as its output is
             y = y + scale * proj_bias[chosen.reshape(-1)[order]].to(y.dtype)
@@ -655,15 +651,6 @@ def per_expert(m: nn.Module):
     """(x, e, bias=True) -> expert e of the stacked projection `m` on its rows x, for one forward: `m` itself, or what
     a LoRA over it prepares once per forward (lit_qlora.lora.LoRAExperts.per_expert)."""
     return m.per_expert() if hasattr(m, "per_expert") else m
-
-
-def projection(m: nn.Module):
-    """(x, experts, sizes, bias=True) -> `ExpertWeights.many` of the stacked projection `m` for one forward: `m.many`,
-    or with a LoRA over m each expert in turn."""
-    if not hasattr(m, "per_expert"):
-        return m.many
-    run = m.per_expert()
-    return lambda x, experts, sizes, bias=True: each_expert(run, x.split(sizes), experts, bias)
 
 
 def each_expert(run, xs, experts: list[int], bias: bool = True) -> torch.Tensor:
@@ -692,14 +679,14 @@ class ExpertWeights(nn.Module):
         """x [sum(sizes), in], the rows routed to experts[i] being the i-th group of sizes[i] rows -> [sum(sizes), out],
         each group through its expert (`forward`), in the same order. The quantized form computes all the groups of
         a decoding step in one kernel call (the 4-bit decode kernel's DecodeExpertWeights)."""
-        return each_expert(self, x.split(sizes), experts, bias)
+        return each_expert(per_expert(self), x.split(sizes), experts, bias)
 
     def many_with(self, other: nn.Module, x: torch.Tensor, experts: list[int],
                   sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(self.many, other.many) of the same rows: another projection of the same experts (the gate's and the up
         projection's), which the quantized form computes in the same kernel call as its own while decoding."""
         xs = x.split(sizes)
-        return each_expert(self, xs, experts), each_expert(other, xs, experts)
+        return each_expert(per_expert(self), xs, experts), each_expert(per_expert(other), xs, experts)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -564,7 +564,7 @@ static void run_jobs(const job_t *jobs, int64_t count, int dtype, int nthreads) 
     int64_t chunk = rows / (16 * (int64_t)threads);
     chunk = chunk < 16 ? 16 : chunk; /* rows */
     const int64_t group_chunk = chunk / 4;
-    (void)group_chunk;
+    (void)group_chunk; /* (read only by the pragma: unused when compiled without OpenMP) */
     int64_t job = 0, first = 0; /* each thread's own: the job of the last group it took, and that job's first group */
 #pragma omp parallel for schedule(dynamic, group_chunk) num_threads(threads) firstprivate(job, first)
     for (int64_t g = 0; g < groups; g++) {

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -20,8 +19,8 @@ from lit_qlora.data.templates import CHAT, check_template_name, get_template
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import (
+    autocast_for,
     bound_cpu_matmul_caches,
-    parse_precision,
     resolve_accelerator,
     resolve_precision,
     slow_precision_warning,
@@ -185,12 +184,6 @@ class StreamPrinter:
         if len(text) > len(self.printed):
             self.write(text[len(self.printed):])
         self.printed = text
-
-
-def autocast_for(precision: str, device: torch.device):
-    """*-mixed keeps embeddings and norms in fp32 and Linear weights low: compute under autocast, as in training."""
-    prec = parse_precision(precision)
-    return torch.autocast(device.type, dtype=prec.dtype) if prec.mixed else nullcontext()
 
 
 def run_prompts(model, tokenizer, prompt: Union[str, torch.Tensor], max_new_tokens: int, temperature: float,

@@ -37,15 +37,25 @@ class GPT(nn.Module):
         self.activation_checkpointing = False  # recompute each block in backward instead of keeping its activations
         self.compiled_blocks: Optional[list] = None  # set by compile_blocks(): used for training steps only
 
-    def rope_cache(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cache(self, positions: torch.Tensor, local: bool = False,
+                   lengths: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the given positions, computed in fp32 like the reference implementations: [T, rope_n_elem]
         for positions [T], [B, T, rope_n_elem] for per-row positions [B, T] (packed samples). `local`: the
-        sliding layers' RoPE where the model has one of its own (Gemma 3: another base, no scaling)."""
+        sliding layers' RoPE where the model has one of its own (Gemma 3: another base, no scaling).
+        `lengths`: rows of different sequences (the engine's), each row's longrope factors picked by the length
+        given for it (what the same call would reach for that sequence alone) instead of the batch's."""
         c = self.config
         base, scaling = (c.rope_local_base, None) if local else (c.rope_base, c.rope_scaling)
+        if lengths is not None and scaling and scaling.get("rope_type") == "longrope":
+            rows = [self._rope_rows(row, base, scaling, n) for row, n in zip(positions, lengths)]
+            return torch.stack([cos for cos, _ in rows]), torch.stack([sin for _, sin in rows])
         # longrope picks its factors by the length this call reaches, as transformers does
         seq_len = int(positions.max()) + 1 if scaling and scaling.get("rope_type") == "longrope" else 0
-        inv_freq, factor = rope_inv_freq(c.rope_n_elem, base, scaling, positions.device, seq_len)
+        return self._rope_rows(positions, base, scaling, seq_len)
+
+    def _rope_rows(self, positions: torch.Tensor, base: float, scaling: Optional[dict],
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, factor = rope_inv_freq(self.config.rope_n_elem, base, scaling, positions.device, seq_len)
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., T, n/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, n]
         if factor != 1.0:  # yarn / longrope scale cos and sin
@@ -64,7 +74,7 @@ class GPT(nn.Module):
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
                 output_mask: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                 reduction: str = "sum", prefixes: Optional[torch.Tensor] = None,
-                router_aux: bool = False) -> torch.Tensor | list | tuple:
+                router_aux: bool = False, batch=None) -> torch.Tensor | list | tuple:
         """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode). With
         `targets` (of the positions that reach the output layer: [B, T], or [N] under `output_mask`) the summed
         cross entropy instead of the logits, or with reduction "none" each position's, -log p(target) in fp32
@@ -77,50 +87,49 @@ class GPT(nn.Module):
         causally, and its positions go on from the prefix's. `output_mask` [B, T]: only those positions go through
         the output layer (the ones that have a target), giving logits [N, V].
 
+        `batch`: one step of the batched engine (lit_qlora.engine.kv.StepBatch): rows of different sequences, each
+        at its own positions (`batch.positions` [B, T]) over its own cached keys and values (`batch.caches[i]`,
+        whose `update` writes the new ones and returns every row's [B, G, L, hs]), seen through
+        `batch.mask(window)` [B, 1, T, L].
+
         `router_aux` (a mixture of experts): (that output, the routers' load-balancing loss, the expert load [L, E])
         of this forward (`router_aux_loss`; padding, segment -1, not counted)."""
         if router_aux:
             return self._with_routing(idx, input_pos=input_pos, lm_head_chunk=lm_head_chunk, positions=positions,
                                       segments=segments, output_mask=output_mask, targets=targets,
-                                      reduction=reduction, prefixes=prefixes)
+                                      reduction=reduction, prefixes=prefixes, batch=batch)
         B, T = idx.shape
         x = self.transformer.wte(idx)  # [B, T, C]
         if self.config.scale_embeddings:
             # Gemma rounds the normalizer to the activation dtype before multiplying
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         training = self.training and torch.is_grad_enabled()
-        if segments is None:
+        if batch is not None:
+            positions = batch.positions
+        elif segments is None:
             if input_pos is not None and self.kv_caches is None:
                 raise RuntimeError("call set_kv_cache() before passing input_pos")
             positions = torch.arange(T, device=idx.device) if input_pos is None else input_pos
+        per_row = segments is not None or batch is not None  # positions [B, T]: RoPE tables per row
         all_spans = sample_spans(segments, prefixes) if segments is not None else None
         ropes: dict = {}  # layer_rope(i) -> (cos, sin)
         attention: dict = {}  # layer_window(i) -> (mask, kv_len, spans)
         for i, block in enumerate(self.transformer.h):
             kind, window = self.layer_rope(i), self.layer_window(i)
             if kind not in ropes:
-                if kind is None:  # no rotation: apply_rope leaves q and k as they are
-                    ropes[kind] = (x.new_empty(0), x.new_empty(0))
-                else:
-                    cos, sin = self.rope_cache(positions, local=kind)
-                    if segments is not None:
-                        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, n]: broadcast over heads
-                    ropes[kind] = (cos.to(x.dtype), sin.to(x.dtype))
+                lengths = batch.rope_lengths if batch is not None else None
+                ropes[kind] = self._rope_for(kind, positions, per_row, x, lengths)
             if window not in attention:
-                if segments is not None:
-                    mask, kv_len, spans = None, T, all_spans
-                    if (training and self.compiled_blocks is not None) or (
-                            window is not None and max(context for row in spans for context in span_contexts(row))
-                            > window):
-                        # one mask for the whole batch: a compiled graph would be specialized on every batch's
-                        # sample lengths, and a sample longer than the sliding window needs the window's mask anyway
-                        mask, spans = packed_attention_mask(segments, positions, window, prefixes), None
-                    attention[window] = (mask, kv_len, spans)
+                if batch is not None:
+                    attention[window] = (batch.mask(window), batch.kv_len, None)
+                elif segments is not None:
+                    attention[window] = self._packed_attention(segments, positions, prefixes, all_spans, window,
+                                                               training)
                 else:
                     attention[window] = (*self._mask(positions, T, input_pos is not None, idx.device, window), None)
             cos, sin = ropes[kind]
             mask, kv_len, spans = attention[window]
-            cache = self.kv_caches[i] if input_pos is not None else None
+            cache = batch.caches[i] if batch is not None else self.kv_caches[i] if input_pos is not None else None
             if training and self.compiled_blocks is not None:
                 block = self.compiled_blocks[i]
             if self.activation_checkpointing and training:
@@ -128,11 +137,38 @@ class GPT(nn.Module):
                                                       use_reentrant=False)
             else:
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len, spans)
-        x = self.transformer.ln_f(x)
+        return self._head(self.transformer.ln_f(x), output_mask, targets, lm_head_chunk, reduction)
+
+    def _rope_for(self, kind: Optional[bool], positions: torch.Tensor, per_row: bool, x: torch.Tensor,
+                  lengths: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of RoPE kind `kind` (`layer_rope`) at `positions`, in x's dtype: [T, n], or [B, 1, T, n] for
+        positions per row (broadcast over heads); empty for layers without rotation."""
+        if kind is None:  # no rotation: apply_rope leaves q and k as they are
+            return x.new_empty(0), x.new_empty(0)
+        cos, sin = self.rope_cache(positions, local=kind, lengths=lengths)
+        if per_row:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def _packed_attention(self, segments: torch.Tensor, positions: torch.Tensor, prefixes: Optional[torch.Tensor],
+                          spans: list, window: Optional[int], training: bool) -> tuple:
+        """(mask, kv_len, spans) for rows of packed samples: one attention call per sample (`spans`), or one mask for
+        the whole batch where it must be."""
+        T = segments.size(1)
+        if (training and self.compiled_blocks is not None) or (
+                window is not None and max(context for row in spans for context in span_contexts(row)) > window):
+            # one mask for the whole batch: a compiled graph would be specialized on every batch's sample lengths,
+            # and a sample longer than the sliding window needs the window's mask anyway
+            return packed_attention_mask(segments, positions, window, prefixes), T, None
+        return None, T, spans
+
+    def _head(self, x: torch.Tensor, output_mask: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+              lm_head_chunk: int, reduction: str) -> torch.Tensor | list:
+        """The output layer on the final hidden states x [B, T, C] (see `forward`)."""
         if output_mask is not None:
             # Why: prompt and padding positions have no target. Skipping them in the output layer saves its matmuls
             # and, with a large vocabulary, most of the step's peak memory (the logits and their fp32 softmax).
-            x, dim, lm_head_chunk = x[output_mask], 0, lm_head_chunk * B  # [N, C]
+            x, dim, lm_head_chunk = x[output_mask], 0, lm_head_chunk * x.size(0)  # [N, C]
         else:
             dim = 1
         if targets is not None:

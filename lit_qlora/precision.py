@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -145,3 +146,9 @@ def slow_precision_warning(precision: str, device_type: str) -> Optional[str]:
         cost = "autocast's emulated kernels make steps several times slower than --precision 32-true"
     return (f"warning: --precision {precision} on a CPU without native {name} support: {cost} "
             "(tutorials/performance.md); --precision auto picks for you")
+
+
+def autocast_for(precision: str, device: torch.device):
+    """*-mixed keeps embeddings and norms in fp32 and Linear weights low: compute under autocast, as in training."""
+    prec = parse_precision(precision)
+    return torch.autocast(device.type, dtype=prec.dtype) if prec.mixed else nullcontext()

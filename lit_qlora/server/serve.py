@@ -20,23 +20,18 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.nn as nn
 
-from lit_qlora.adapter import Adapter
 from lit_qlora.data.chat_template import encode_chat, stop_ids, template_of
 from lit_qlora.data.templates import CHAT
+from lit_qlora.engine.adapters import AdapterBank
+from lit_qlora.engine.text import TextStream
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
-from lit_qlora.lora import LoRAExperts, LoRALinear, is_expert_target
-from lit_qlora.precision import parse_precision
-from lit_qlora.quant.decode4bit import DecodeLinear4bit, DecodeLoRALinear
-from lit_qlora.quant.quant_mode import QuantMode
-from lit_qlora.quant.quantize import dequantize_weight, is_quantized
 from lit_qlora.utils import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -71,156 +66,6 @@ def parse_lora_paths(items: list[str]) -> dict[str, Path]:
             raise UserError(f"--lora_path names {name!r} twice; give each adapter its own name")
         out[name] = Path(path)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Several adapters over one base
-
-
-class AdapterBank:
-    """The base model's own layers, and for each adapter a LoRA wrapper (`LoRALinear`, or `DecodeLoRALinear` over a
-    4-bit kernel layer) around each layer it targets, holding that adapter's tensors in the precision's trainable
-    dtype: the same modules generate/lora.py --merge false builds, sharing the base layer objects. What one adapter
-    holds is its A and B in that dtype (and a DoRA adapter its magnitudes) and nothing else (tests/test_serve.py
-    counts the tensor storage): the file's tensors are copied out and dropped, and the fp32 decoding copies
-    (`LoRALinear._decode_weights`, 2.4x the bf16 tensors with every target adapted) exist for the active adapter
-    only. DoRA's row norms of a base layer (one fp32 vector) are shared by every DoRA adapter of that layer.
-
-    An adapter started by PiSSA / OLoRA (trained over a base that gave up s*B0@A0) is served as the same update over
-    the shared original base, a LoRA of rank 2r (`Adapter.as_plain_lora`); over a quantized base that is the base
-    quantized whole rather than the residual it trained on, as a merged generation is. A LoftQ adapter's base is its
-    own quantized residual: served only where that is the shared base (one LoftQ step: the base itself, quantized
-    in the same mode)."""
-
-    def __init__(self, model: nn.Module, precision: str, quantize: Optional[str] = None) -> None:
-        self.model = model
-        self.dtype = parse_precision(precision).trainable_dtype
-        self.quantize = QuantMode.parse(quantize)
-        self.base_layers: dict[str, nn.Module] = {}  # module name -> the model's own layer
-        self.wrappers: dict[str, dict[str, LoRALinear | LoRAExperts]] = {}  # adapter -> module name -> wrapper
-        self.adapters: dict[str, Adapter] = {}  # their settings and training record (tensors dropped)
-        self.active: Optional[str] = None  # None: the bare base
-        self._no_dropout = nn.Identity()  # one for every wrapper (a module each is ~2 KB of Python dicts)
-        self._row_norms2: dict[str, torch.Tensor] = {}  # module name -> ||W||^2 of each row (DoRA), made once
-
-    def servable(self, name: str, adapter: Adapter) -> Adapter:
-        """The adapter as an update over the shared base (see the class), or a one-line UserError."""
-        cfg = adapter.config
-        if cfg.init == "loftq":
-            trained = QuantMode.parse(adapter.train.get("quantize"))
-            if cfg.loftq_iters > 1 or trained != self.quantize:
-                served = self.quantize or "not quantized"
-                raise UserError(f"adapter {name} is a LoftQ adapter (--lora_init loftq, --loftq_iters "
-                                f"{cfg.loftq_iters}, trained over {trained or 'no quantization'}): it belongs to its "
-                                f"own quantized residual, not to the base served here ({served}); merge it "
-                                "(scripts/merge_lora.py) and serve the merged folder")
-            # one step: the residual is the whole weight (A0, B0 = 0), quantized as the server quantizes it
-            tensors = {k: v for k, v in adapter.lora.items() if not k.endswith(("lora_A0", "lora_B0"))}
-            return Adapter(tensors, replace(cfg, init="default"), adapter.model_config, adapter.train)
-        return adapter.as_plain_lora()
-
-    def add(self, name: str, adapter: Adapter) -> None:
-        adapter = self.servable(name, adapter)
-        cfg = adapter.config
-        wrappers = {}
-        for module_name, parts in adapter.targets().items():
-            if module_name not in self.base_layers:
-                self.base_layers[module_name] = self.model.get_submodule(module_name)
-            base = self.base_layers[module_name]
-            if is_expert_target(module_name):  # a stacked projection of experts: one pair per expert (never DoRA)
-                w = LoRAExperts(base, cfg.r, cfg.alpha, cfg.dropout, rslora=cfg.rslora)
-            else:
-                w = LoRALinear(base, base.in_features, base.out_features, cfg.r, cfg.alpha, cfg.dropout, parts,
-                               rslora=cfg.rslora, dora=cfg.dora)
-            device = w.lora_A.device
-            names = ("lora_A", "lora_B", "lora_magnitude") if cfg.dora else ("lora_A", "lora_B")
-            try:
-                tensors = [adapter.lora[f"{module_name}.{k}"] for k in names]
-            except KeyError as e:
-                raise UserError(f"adapter {name} has no tensor {e.args[0]}; it is incomplete: use another checkpoint "
-                                "of it") from None
-            wanted = [getattr(w, k).shape for k in names]
-            if [t.shape for t in tensors] != wanted:
-                raise UserError(f"adapter {name}'s tensors of {module_name} have shapes "
-                                f"{'/'.join(str(tuple(t.shape)) for t in tensors)}, the base model expects "
-                                f"{'/'.join(str(tuple(s)) for s in wanted)}; use the base model the adapter was "
-                                "trained on")
-            # copies, never the loaded tensors themselves (which may be views of the file's pages or of one storage)
-            for k, t in zip(names, tensors):
-                setattr(w, k, nn.Parameter(t.to(device=device, dtype=self.dtype, copy=True), requires_grad=False))
-            if cfg.dora:
-                w.lora_wnorm2 = self._row_norms(module_name, base)
-            w.dropout = self._no_dropout  # never trained here: dropout is the identity whatever its p
-            w.eval()
-            if type(base) is DecodeLinear4bit:  # base and update in one kernel call, as enable_fast_decode does
-                w.__class__ = DecodeLoRALinear
-            wrappers[module_name] = w
-        self.wrappers[name] = wrappers
-        adapter.lora = {}  # the wrappers hold the tensors now (no second copy kept)
-        self.adapters[name] = adapter
-
-    def _row_norms(self, module_name: str, base: nn.Module) -> torch.Tensor:
-        """||W||^2 of each row of a base layer, from its weight as served (a 4-bit one dequantized once, then freed),
-        as the loader starts a DoRA layer (`LoRALinear.init_dora`)."""
-        if module_name not in self._row_norms2:
-            with torch.no_grad():
-                w = dequantize_weight(base) if is_quantized(base) else base.weight
-                self._row_norms2[module_name] = w.float().square().sum(1)
-        return self._row_norms2[module_name]
-
-    def activate(self, name: Optional[str]) -> None:
-        """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere)."""
-        if name == self.active:
-            return
-        for w in self.wrappers.get(self.active, {}).values():  # its fp32 decoding copies: ~2.4x its own size
-            w.drop_decode_weights()
-        wrappers = self.wrappers.get(name, {}) if name is not None else {}
-        for module_name, base in self.base_layers.items():
-            parent_name, _, child = module_name.rpartition(".")
-            parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            setattr(parent, child, wrappers.get(module_name, base))
-        self.active = name
-
-    def lora_bytes(self, name: str) -> int:
-        return sum(p.numel() * p.element_size() for w in self.wrappers[name].values() for p in w.parameters(False))
-
-
-# ----------------------------------------------------------------------------------------------
-# Text as it is generated, with stop strings
-
-
-class TextStream:
-    """The text of generated ids, handed out in pieces that add up to the final text: a character split over byte
-    tokens is held back until complete, and so is any tail that could begin a stop string. `feed` returns (new
-    text, whether a stop string ended the text); the text then ends before the stop string."""
-
-    def __init__(self, tokenizer, skip_ids: set[int], stops: list[str]) -> None:
-        self.tokenizer, self.skip, self.stops = tokenizer, skip_ids, [s for s in stops if s]
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def feed(self, token_id: int) -> tuple[str, bool]:
-        if token_id in self.skip:
-            return "", False
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            return self._emit(text[:min(hits)]), True
-        if text.endswith("\ufffd"):
-            return "", False
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._emit(text[:len(text) - hold]), False
-
-    def finish(self) -> str:
-        """What was held back (a partial stop string that never completed, a cut-off character)."""
-        return self._emit(self.tokenizer.decode(self.ids))
-
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        piece, self.sent = text[len(self.sent):], text
-        return piece
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""The keys and values of every running sequence in one bounded pool of fixed-size blocks (paged, as vLLM's), and the
+batch a step of the engine hands to `GPT.forward`.
+
+Why blocks: sequences of different lengths share one budget without each reserving the longest one's length, a
+finished sequence gives its blocks back at once, and a prompt prefix already computed (the chat's next turn, the
+other completions of one prompt) is shared block by block instead of computed again (`KVPool.lookup`).
+
+A block's position p of a sequence lives in slot `table[p // block_size] * block_size + p % block_size` of each
+layer's [slots, G, hs] tensors; one more slot at the end takes what padding positions write. Every slot starts at
+zero and only ever holds finite keys and values, so what a row does not see (masked) can never turn into NaN.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class _Cached:
+    """A full block of the prefix cache: its block, the key of the block before it and its tokens (compared on every
+    hit: a hash alone could collide)."""
+    block: int
+    parent: Optional[int]
+    tokens: tuple
+
+
+class KVPool:
+    """`blocks` blocks of `block_size` positions for every layer, allocated once (zeros). Blocks are taken by
+    sequences (`take`), given back (`give_back`), and the full blocks of a prompt are kept, keyed by the adapter and
+    every token up to their end, for the next sequence that starts with the same ids (`publish`, `lookup`): a kept
+    block nobody uses any more stays until its room is needed (least recently used first)."""
+
+    def __init__(self, n_layer: int, n_groups: int, head_size: int, blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.block_size, self.blocks = block_size, blocks
+        self.scratch = blocks * block_size  # the slot padding writes to
+        shape = (blocks * block_size + 1, n_groups, head_size)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.refs = [0] * blocks
+        self.free = list(range(blocks - 1, -1, -1))  # never used or evicted: taken from the end
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.cache: dict[int, _Cached] = {}  # key -> cached block
+        self.key_of: dict[int, int] = {}  # cached block -> its key
+
+    @staticmethod
+    def bytes_per_token(n_layer: int, n_groups: int, head_size: int, dtype: torch.dtype) -> int:
+        return 2 * n_layer * n_groups * head_size * torch.empty(0, dtype=dtype).element_size()
+
+    def available(self) -> int:
+        """Blocks that can be taken now (free, or cached and idle)."""
+        return len(self.free) + len(self.idle)
+
+    def take(self) -> int:
+        """One block for a sequence to write: a free one, else the idle cached block used longest ago."""
+        if self.free:
+            block = self.free.pop()
+        else:
+            block, _ = self.idle.popitem(last=False)
+            del self.cache[self.key_of.pop(block)]
+        self.refs[block] = 1
+        return block
+
+    def hold(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.idle.pop(block, None)
+        self.refs[block] += 1
+
+    def give_back(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.key_of:
+                    self.idle[block] = None
+                else:
+                    self.free.append(block)
+
+    @staticmethod
+    def key(parent: Optional[int], adapter: Optional[str], tokens: tuple) -> int:
+        return hash((parent, adapter, tokens))
+
+    def lookup(self, adapter: Optional[str], ids: list[int], limit: int) -> list[int]:
+        """The cached blocks that hold the first positions of `ids` under `adapter`, at most `limit` positions' worth
+        (whole blocks only), each held for the caller."""
+        bs, found, parent = self.block_size, [], None
+        for j in range(limit // bs):
+            tokens = tuple(ids[j * bs:(j + 1) * bs])
+            key = self.key(parent, adapter, tokens)
+            hit = self.cache.get(key)
+            if hit is None or hit.parent != parent or hit.tokens != tokens:
+                break
+            self.hold(hit.block)
+            found.append(hit.block)
+            parent = key
+        return found
+
+    def publish(self, adapter: Optional[str], ids: list[int], table: list[int], upto: int) -> None:
+        """Offer the full blocks of `table` that hold positions below `upto` of `ids` to later sequences."""
+        bs, parent = self.block_size, None
+        for j in range(upto // bs):
+            tokens = tuple(ids[j * bs:(j + 1) * bs])
+            key = self.key(parent, adapter, tokens)
+            block = table[j]
+            if key not in self.cache and block not in self.key_of:
+                self.cache[key] = _Cached(block, parent, tokens)
+                self.key_of[block] = key
+            parent = key
+
+    def slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """The slots of positions start..end-1 of a sequence whose blocks are `table`."""
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class PagedLayer:
+    """What one layer's attention reads and writes in one step (`GPT.forward(batch=...)`): the new keys and values
+    go to their slots, and every row's keys and values come back as [B, G, L, hs] in position order."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> None:
+        self.k, self.v, self.write, self.read = k, v, write, read
+
+    def update(self, input_pos, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, G, T, hs = k.shape
+        self.k.index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, G, hs).to(self.k.dtype))
+        self.v.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, G, hs).to(self.v.dtype))
+        L = self.read.size(1)
+        keys = self.k.index_select(0, self.read.view(-1)).view(B, L, G, hs).transpose(1, 2)
+        values = self.v.index_select(0, self.read.view(-1)).view(B, L, G, hs).transpose(1, 2)
+        return keys.to(k.dtype), values.to(v.dtype)
+
+
+class StepBatch:
+    """One forward of the engine: B rows of T token slots each (a row's real tokens first, then padding), row b
+    holding positions positions[b] of its sequence, whose cached keys and values (after this step's are written)
+    are its first lengths[b] positions. What `GPT.forward(batch=...)` reads. `rope_lengths[b]`: the length row b's
+    sequence reaches in the call that would compute these positions alone (a prompt's whole length in each of its
+    chunks, then one more per token), by which longrope picks its factors (`GPT.rope_cache`)."""
+
+    def __init__(self, pool: KVPool, positions: torch.Tensor, real: torch.Tensor, tables: list[list[int]],
+                 lengths: list[int], rope_lengths: list[int]) -> None:
+        device = positions.device
+        B, T = positions.shape
+        self.positions, self.real, self.lengths, self.rope_lengths = positions, real, lengths, rope_lengths
+        self.kv_len = L = max(lengths)
+        write = [pool.slots(table, int(p[0]), int(p[0]) + int(n)) + [pool.scratch] * (T - int(n))
+                 for table, p, n in zip(tables, positions, real.sum(1))]
+        read = [pool.slots(table, 0, n) + [pool.scratch] * (L - n) for table, n in zip(tables, lengths)]
+        self.write = torch.tensor(write, dtype=torch.long, device=device).view(-1)
+        self.read = torch.tensor(read, dtype=torch.long, device=device)
+        self.caches = [PagedLayer(k, v, self.write, self.read) for k, v in zip(pool.k, pool.v)]
+        self._masks: dict = {}
+
+    def mask(self, window: Optional[int]) -> torch.Tensor:
+        """[B, 1, T, L]: a token sees its own sequence's keys up to its position (the last `window` of them); a
+        padding slot sees its row's first key only (its output is never used; a row of nothing would be NaN)."""
+        if window not in self._masks:
+            keys = torch.arange(self.kv_len, device=self.positions.device)
+            pos = self.positions[:, :, None]
+            seen = keys[None, None, :] <= pos
+            if window is not None:
+                seen &= keys[None, None, :] > pos - window
+            seen &= keys[None, None, :] < torch.tensor(self.lengths, device=pos.device)[:, None, None]
+            seen = torch.where(self.real[:, :, None], seen, keys[None, None, :] == 0)
+            self._masks[window] = seen.unsqueeze(1)
+        return self._masks[window]

@@ -21,7 +21,7 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.lora import LoRAExperts, LoRALinear, is_expert_target
 from lit_qlora.model import linear
 from lit_qlora.precision import parse_precision
-from lit_qlora.quant.decode4bit import DecodeLinear4bit, DecodeLoRALinear
+from lit_qlora.quant.decode4bit import DecodeLinear4bit, DecodeLoRALinear, Segments
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.quant.quantize import dequantize_weight, is_quantized
 from lit_qlora.utils import UserError
@@ -46,8 +46,15 @@ class RowLoRALinear(nn.Module):
         self.loras: dict[str, LoRALinear] = {}  # not submodules: the bank holds them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(self.base, x)
         segments = self.routes.segments
+        if (segments and type(self.base) is DecodeLinear4bit and not torch.is_grad_enabled()
+                and not torch.is_autocast_enabled(x.device.type)):
+            # the base and every row's update in one kernel call, summed in fp32 and rounded once (as
+            # DecodeLoRALinear does for one adapter)
+            y = self.base.kernel_forward(x, segments=self._kernel_segments(x))
+            if y is not None:
+                return y
+        y = linear(self.base, x)
         if not segments:
             return y
         rows, out = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
@@ -56,6 +63,23 @@ class RowLoRALinear(nn.Module):
             if lora is not None:
                 out[start:end] = lora._frozen_forward(rows[start:end], out[start:end])
         return y
+
+    def _kernel_segments(self, x: torch.Tensor) -> Segments:
+        """`routes` as the kernel takes them: every row in a run, a run of base rows with no LoRA."""
+        rows = x.numel() // self.in_features
+        ends, loras, at = [], [], 0
+        for name, start, end in self.routes.segments:
+            if start > at:
+                ends.append(start)
+                loras.append(None)
+            lora = self.loras.get(name)
+            ends.append(end)
+            loras.append(lora._decode_weights() if lora is not None else None)
+            at = end
+        if at < rows:
+            ends.append(rows)
+            loras.append(None)
+        return Segments(ends, loras)
 
 
 class AdapterBank:

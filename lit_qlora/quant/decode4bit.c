@@ -64,7 +64,7 @@
 #define Q4_BF16DOT 0
 #endif
 
-#define MAX_TILE 4 /* activation rows that share one decoding of a weight row */
+#define MAX_TILE 8 /* activation rows that share one decoding of a weight row */
 /* Bytes ahead of the weights being read that the AVX512 loops ask into the cache: decoding streams every weight
  * from memory once, and the hardware prefetcher alone left them 10-28% slower (SmolLM2-135M, AMD EPYC, one thread,
  * kernel time per token: fp32 10.7 against 9.7 ms, bf16 8.7 against 6.8 ms; 2 to 16 KB ahead all did as well).
@@ -115,7 +115,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* Accumulators of one weight row against up to MAX_TILE activation rows. */
 typedef struct {
 #if Q4_ISA == 512
-    __m512 v[MAX_TILE][4];
+    __m512 v[MAX_TILE][2]; /* the products of high nibbles in [0], of low nibbles in [1] (bf16 loop: [0] only) */
 #elif Q4_ISA == 2
     __m256 v[MAX_TILE][2];
 #endif
@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) void segment(const float *code, con
 #if Q4_ISA == 512
     /* The block's 16 possible weight values, scaled once: code[i] * absmax, as bitsandbytes computes them. */
     const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(s));
-    for (; c + 32 <= nbytes; c += 32) { /* two 16-byte steps into separate accumulators (FMA latency) */
+    for (; c + 32 <= nbytes; c += 32) { /* two 16-byte steps */
         __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + c)));
         __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wp + c + 16)));
         /* vpermps reads only the low 4 bits of each index: the low nibble needs no mask */
@@ -144,8 +144,8 @@ static inline __attribute__((always_inline)) void segment(const float *code, con
             const float *xe = xs + (int64_t)m * k + j0 + c, *xo = xe + kh;
             acc->v[m][0] = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xe), acc->v[m][0]);
             acc->v[m][1] = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xo), acc->v[m][1]);
-            acc->v[m][2] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc->v[m][2]);
-            acc->v[m][3] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc->v[m][3]);
+            acc->v[m][0] = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xe + 16), acc->v[m][0]);
+            acc->v[m][1] = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xo + 16), acc->v[m][1]);
         }
     }
     for (; c + 16 <= nbytes; c += 16) {
@@ -266,6 +266,20 @@ static inline __attribute__((always_inline)) block_t fp32_block(const uint8_t *w
 }
 #endif
 
+#if Q4_ISA == 512
+/* The horizontal sums of four vectors at once, into out[0..4): pairwise interleaves leave [a0, a1, a2, a3] partial
+ * sums in every 128-bit lane, then the lanes are added (10 operations, where four separate sums take about 30). */
+static inline __attribute__((always_inline)) void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *out) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+#endif
+
 /* Dot products of weight row `o` with `mt` activation rows (de-interleaved in xs, or, for the bf16 loop, as bf16
  * bits in xs16) into out[0..mt). */
 static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int64_t o, const float *xs,
@@ -274,7 +288,7 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
     acc_t acc;
     for (int m = 0; m < mt; m++) {
 #if Q4_ISA == 512
-        for (int a = 0; a < 4; a++) acc.v[m][a] = _mm512_setzero_ps();
+        for (int a = 0; a < 2; a++) acc.v[m][a] = _mm512_setzero_ps();
 #elif Q4_ISA == 2
         for (int a = 0; a < 2; a++) acc.v[m][a] = _mm256_setzero_ps();
 #endif
@@ -295,7 +309,7 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
         if (c < k) {
             const __m512 sc = _mm512_set1_ps(block_scale(L, b0 + nblk - 1, b2_shift));
             for (int m = 0; m < mt; m++)
-                acc.v[m][1] = _mm512_fmadd_ps(bf16_block_dot(wp, t, xs16 + (int64_t)m * k + c), sc, acc.v[m][1]);
+                acc.v[m][0] = _mm512_fmadd_ps(bf16_block_dot(wp, t, xs16 + (int64_t)m * k + c), sc, acc.v[m][0]);
         }
     } else
 #endif
@@ -310,8 +324,8 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
                 const float *xe = xs + (int64_t)m * k + 32 * i, *xo = xe + k / 2;
                 acc.v[m][0] = _mm512_fmadd_ps(w.hi0, _mm512_loadu_ps(xe), acc.v[m][0]);
                 acc.v[m][1] = _mm512_fmadd_ps(w.lo0, _mm512_loadu_ps(xo), acc.v[m][1]);
-                acc.v[m][2] = _mm512_fmadd_ps(w.hi1, _mm512_loadu_ps(xe + 16), acc.v[m][2]);
-                acc.v[m][3] = _mm512_fmadd_ps(w.lo1, _mm512_loadu_ps(xo + 16), acc.v[m][3]);
+                acc.v[m][0] = _mm512_fmadd_ps(w.hi1, _mm512_loadu_ps(xe + 16), acc.v[m][0]);
+                acc.v[m][1] = _mm512_fmadd_ps(w.lo1, _mm512_loadu_ps(xo + 16), acc.v[m][1]);
             }
         }
     } else
@@ -331,11 +345,20 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
             e = seg_end;
         }
     }
-    for (int m = 0; m < mt; m++) {
 #if Q4_ISA == 512
-        __m512 v = _mm512_add_ps(_mm512_add_ps(acc.v[m][0], acc.v[m][1]), _mm512_add_ps(acc.v[m][2], acc.v[m][3]));
-        acc.s[m] += _mm512_reduce_add_ps(v);
-#elif Q4_ISA == 2
+    /* every row's sum in the same order whatever the number of rows (and as the 4-row decoding loops sum theirs):
+     * a row's result never depends on the rows computed beside it */
+    for (int m0 = 0; m0 < mt; m0 += 4) {
+        __m512 v[4];
+        float r4[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = m0 + j < mt ? _mm512_add_ps(acc.v[m0 + j][0], acc.v[m0 + j][1]) : _mm512_setzero_ps();
+        reduce4(v[0], v[1], v[2], v[3], r4);
+        for (int j = 0; j < 4 && m0 + j < mt; j++) out[m0 + j] = r4[j] + acc.s[m0 + j];
+    }
+#else
+    for (int m = 0; m < mt; m++) {
+#if Q4_ISA == 2
         __m256 v = _mm256_add_ps(acc.v[m][0], acc.v[m][1]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -344,20 +367,10 @@ static inline __attribute__((always_inline)) void row_dot(const q4_layer *L, int
 #endif
         out[m] = acc.s[m];
     }
+#endif
 }
 
 #if Q4_ISA == 512
-/* The horizontal sums of four vectors at once, into out[0..4): pairwise interleaves leave [a0, a1, a2, a3] partial
- * sums in every 128-bit lane, then the lanes are added (10 operations, where four separate sums take about 30). */
-static inline __attribute__((always_inline)) void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *out) {
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
 /* Four weight rows o..o+3 against one fp32 activation row (decoding; 64-weight blocks, rows of whole blocks): the
  * fp32 loop of row_dot with each block's activations loaded once for the four rows. */
 static void rows4_fp32(const q4_layer *L, int64_t o, const float *xs, int b2_shift, float *out) {
@@ -424,14 +437,6 @@ static float dot_f32(const float *a, const float *b, int64_t k) {
     return s;
 }
 
-/* Output (m, o) from the weights' product `wx`: plus the bias and the LoRA update B[o] . ax[m]; with a DoRA factor
- * g, g[o] * (wx + update) + bias. */
-static inline float finish(const q4_layer *L, const float *B, const float *ax, int64_t r, const float *g, int64_t m,
-                           int64_t o, float wx) {
-    const float bias = L->bias ? L->bias[o] : 0.0f, update = ax ? dot_f32(B + o * r, ax + m * r, r) : 0.0f;
-    return g ? g[o] * (wx + update) + bias : wx + (bias + update);
-}
-
 static inline void put(void *y, int dtype, int64_t i, float v) {
     if (dtype == 1) ((uint16_t *)y)[i] = f32_to_bf16(v);
     else ((float *)y)[i] = v;
@@ -447,15 +452,31 @@ DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+DEFINE_TILE(7)
+DEFINE_TILE(8)
 
-/* One product to compute: y[M, N] = x[M, K] @ W^T (+ bias) (+ (x @ A^T) @ B^T when A is given, r its rows; that sum
- * without the bias times rowscale[N] when given: DoRA), with what `job_start` prepares for it: the activations
- * de-interleaved (xs) or permuted for the bf16 loop (xs16), the LoRA's x @ A^T (ax). */
+/* The LoRA of each run of rows ("segment"): rows seg_end[s-1] .. seg_end[s]-1 add (x @ A_s^T) @ B_s^T, A_s [r_s, K]
+ * and B_s [N, r_s] in fp32 (the scaling folded into B), and with g_s (DoRA: the fp32 factor of each output row) the
+ * output is g_s * (x @ W^T + update) (+ bias). A NULL A_s: rows without LoRA. One adapter for every row is one
+ * segment; rows of several adapters in one batch, one segment per run of rows of the same adapter. */
+typedef struct {
+    int64_t n;
+    const int64_t *end;
+    const float *const *A, *const *B, *const *g;
+    const int64_t *r;
+} segments_t;
+
+/* One product to compute: y[M, N] = x[M, K] @ W^T (+ bias) (+ each segment's LoRA, see segments_t), with what
+ * `job_start` prepares for it: the activations de-interleaved (xs) or permuted for the bf16 loop (xs16), and for
+ * each row its segment (seg, -1: none) and its x @ A^T (at ax + ax_at[m]). */
 typedef struct {
     const q4_layer *L;
     void *y;
-    int64_t M, r;
-    const float *B, *rowscale;
+    int64_t M;
+    segments_t S;
+    int64_t *seg, *ax_at;
     float *xs, *ax;
     uint16_t *xs16;
     int b2_shift; /* see block_scale */
@@ -465,26 +486,60 @@ static void job_free(job_t *J) {
     free(J->xs);
     free(J->xs16);
     free(J->ax);
+    free(J->seg);
     J->xs = J->ax = NULL;
     J->xs16 = NULL;
+    J->seg = J->ax_at = NULL;
+}
+
+/* Output (m, o) from the weights' product `wx`: plus the bias and row m's LoRA update B[o] . ax[m]; with a DoRA
+ * factor g, g[o] * (wx + update) + bias. */
+static inline float finish(const job_t *J, int64_t m, int64_t o, float wx) {
+    const float bias = J->L->bias ? J->L->bias[o] : 0.0f;
+    const int64_t s = J->seg ? J->seg[m] : -1;
+    if (s < 0) return wx + (bias + 0.0f);
+    const int64_t r = J->S.r[s];
+    const float update = dot_f32(J->S.B[s] + o * r, J->ax + J->ax_at[m], r), *g = J->S.g ? J->S.g[s] : NULL;
+    return g ? g[o] * (wx + update) + bias : wx + (bias + update);
+}
+
+/* Each row's segment, and its x @ A^T [r] (in ax), computed once before the rows are shared out. */
+static int job_lora(job_t *J, const void *x, int dtype) {
+    const int64_t k = J->L->k, M = J->M;
+    const segments_t *S = &J->S;
+    int64_t cells = 0, s = 0;
+    J->seg = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * M + 1));
+    if (!J->seg) return -1;
+    J->ax_at = J->seg + M;
+    for (int64_t m = 0; m < M; m++) {
+        while (s < S->n && m >= S->end[s]) s++;
+        J->seg[m] = s < S->n && S->A[s] && S->r[s] > 0 ? s : -1;
+        J->ax_at[m] = cells;
+        cells += J->seg[m] >= 0 ? S->r[s] : 0;
+    }
+    J->ax = (float *)malloc(sizeof(float) * (size_t)(cells + k));
+    if (!J->ax) return -1;
+    float *xrow = J->ax + cells;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t sm = J->seg[m];
+        if (sm < 0) continue;
+        for (int64_t j = 0; j < k; j++)
+            xrow[j] = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[m * k + j]) : ((const float *)x)[m * k + j];
+        for (int64_t j = 0; j < S->r[sm]; j++) J->ax[J->ax_at[m] + j] = dot_f32(S->A[sm] + j * k, xrow, k);
+    }
+    return 0;
 }
 
 /* Fill J for layer L on x (fp32, dtype 0, or bf16, dtype 1; row-major, contiguous). Returns 0, or -1 when K is odd
  * (rows would start mid-byte) or memory runs out (nothing left allocated then). */
-static int job_start(job_t *J, const q4_layer *L, const void *x, void *y, int64_t M, int dtype, const float *A,
-                     const float *B, int64_t r, const float *rowscale) {
+static int job_start(job_t *J, const q4_layer *L, const void *x, void *y, int64_t M, int dtype,
+                     const segments_t *S) {
     const int64_t k = L->k, kh = k / 2;
-    *J = (job_t){L, y, M, r, B, rowscale, NULL, NULL, NULL, -1};
+    *J = (job_t){L, y, M, {0, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL, NULL, NULL, -1};
     if (k % 2) return -1;
-    if (A && r > 0) { /* the LoRA's x @ A^T [M, r], computed once before the rows are shared out */
-        J->ax = (float *)malloc(sizeof(float) * (size_t)(M * r + k));
-        if (!J->ax) return -1;
-        float *xrow = J->ax + M * r;
-        for (int64_t m = 0; m < M; m++) {
-            for (int64_t j = 0; j < k; j++)
-                xrow[j] = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[m * k + j]) : ((const float *)x)[m * k + j];
-            for (int64_t j = 0; j < r; j++) J->ax[m * r + j] = dot_f32(A + j * k, xrow, k);
-        }
+    if (S && S->n > 0) {
+        J->S = *S;
+        if (job_lora(J, x, dtype)) { job_free(J); return -1; }
     }
     /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
     const size_t cells = (size_t)(M * k > 0 ? M * k : 1);
@@ -529,7 +584,7 @@ static void job_rows(const job_t *J, int dtype, int64_t g) {
 #endif
             rows4_fp32(L, o0, xs, J->b2_shift, out4);
         for (int j = 0; j < 4; j++)
-            put(J->y, dtype, o0 + j, finish(L, J->B, J->ax, J->r, J->rowscale, 0, o0 + j, out4[j]));
+            put(J->y, dtype, o0 + j, finish(J, 0, o0 + j, out4[j]));
         return;
     }
 #endif
@@ -543,10 +598,14 @@ static void job_rows(const job_t *J, int dtype, int64_t g) {
                 case 1: tile_1(L, o, xt, xt16, J->b2_shift, out); break;
                 case 2: tile_2(L, o, xt, xt16, J->b2_shift, out); break;
                 case 3: tile_3(L, o, xt, xt16, J->b2_shift, out); break;
-                default: tile_4(L, o, xt, xt16, J->b2_shift, out); break;
+                case 4: tile_4(L, o, xt, xt16, J->b2_shift, out); break;
+                case 5: tile_5(L, o, xt, xt16, J->b2_shift, out); break;
+                case 6: tile_6(L, o, xt, xt16, J->b2_shift, out); break;
+                case 7: tile_7(L, o, xt, xt16, J->b2_shift, out); break;
+                default: tile_8(L, o, xt, xt16, J->b2_shift, out); break;
             }
             for (int64_t m = 0; m < mt; m++)
-                put(J->y, dtype, (m0 + m) * n + o, finish(L, J->B, J->ax, J->r, J->rowscale, m0 + m, o, out[m]));
+                put(J->y, dtype, (m0 + m) * n + o, finish(J, m0 + m, o, out[m]));
         }
     }
 }
@@ -576,17 +635,17 @@ static void run_jobs(const job_t *jobs, int64_t count, int dtype, int nthreads) 
 
 /* One layer (see job_t), its rows shared out between `nthreads` OpenMP threads; fp32 accumulation. Returns 0, or -1
  * when K is odd or memory runs out. */
-static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                  const float *B, int64_t r, const float *rowscale) {
+static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads,
+                  const segments_t *S) {
     job_t J;
-    if (job_start(&J, L, x, y, M, dtype, A, B, r, rowscale)) return -1;
+    if (job_start(&J, L, x, y, M, dtype, S)) return -1;
     run_jobs(&J, 1, dtype, nthreads);
     job_free(&J);
     return 0;
 }
 
 int q4_linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads) {
-    return linear(L, x, y, M, dtype, nthreads, NULL, NULL, 0, NULL);
+    return linear(L, x, y, M, dtype, nthreads, NULL);
 }
 
 /* `count` layers in one call, ys[i][Ms[i], N_i] = xs[i] @ W_i^T (+ bias_i), all in one OpenMP region: a mixture of
@@ -598,19 +657,24 @@ int q4_linear_many(const q4_layer *const *Ls, const void *const *xs, void *const
     if (!jobs) return -1;
     int failed = 0;
     for (int64_t i = 0; i < count && !failed; i++)
-        failed = job_start(&jobs[i], Ls[i], xs[i], ys[i], Ms[i], dtype, NULL, NULL, 0, NULL);
+        failed = job_start(&jobs[i], Ls[i], xs[i], ys[i], Ms[i], dtype, NULL);
     if (!failed) run_jobs(jobs, count, dtype, nthreads);
     for (int64_t i = 0; i < count; i++) job_free(&jobs[i]);
     free(jobs);
     return failed ? -1 : 0;
 }
 
+/* One LoRA (g NULL) or DoRA adapter on every row. */
 int q4_linear_lora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                   const float *B, int64_t r) {
-    return linear(L, x, y, M, dtype, nthreads, A, B, r, NULL);
+                   const float *B, int64_t r, const float *g) {
+    const segments_t S = {1, &M, &A, &B, &g, &r};
+    return linear(L, x, y, M, dtype, nthreads, &S);
 }
 
-int q4_linear_dora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                   const float *B, int64_t r, const float *g) {
-    return linear(L, x, y, M, dtype, nthreads, A, B, r, g);
+/* Rows of several adapters (see segments_t): the batched engine's rows of different LoRA adapters in one call. */
+int q4_linear_segments(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, int64_t nseg,
+                       const int64_t *seg_end, const float *const *A, const float *const *B, const int64_t *r,
+                       const float *const *g) {
+    const segments_t S = {nseg, seg_end, A, B, g, r};
+    return linear(L, x, y, M, dtype, nthreads, &S);
 }

@@ -175,10 +175,11 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                               ctypes.c_int, ctypes.c_int]
     lib.q4_linear.restype = ctypes.c_int
-    lib.q4_linear_lora.argtypes = lib.q4_linear.argtypes + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.q4_linear_lora.argtypes = lib.q4_linear.argtypes + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                            ctypes.c_void_p]
     lib.q4_linear_lora.restype = ctypes.c_int
-    lib.q4_linear_dora.argtypes = lib.q4_linear_lora.argtypes + [ctypes.c_void_p]
-    lib.q4_linear_dora.restype = ctypes.c_int
+    lib.q4_linear_segments.argtypes = lib.q4_linear.argtypes + [ctypes.c_int64] + [ctypes.c_void_p] * 5
+    lib.q4_linear_segments.restype = ctypes.c_int
     lib.q4_linear_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.q4_linear_many.restype = ctypes.c_int
     lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
@@ -273,43 +274,67 @@ class _State:
 
 
 def _run_part(lib: ctypes.CDLL, part: _Part, x: torch.Tensor, y: torch.Tensor, rows: int,
-              lora: Optional[tuple[torch.Tensor, torch.Tensor]], rowscale: Optional[torch.Tensor] = None) -> None:
+              lora: Optional[tuple[torch.Tensor, torch.Tensor]], rowscale: Optional[torch.Tensor] = None,
+              segments: Optional["Segments"] = None) -> None:
     threads = 1 if part.weights * min(rows, 4) < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
-    if lora is None:
-        failed = lib.q4_linear(part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
-    elif rowscale is None:
-        A, B = lora
-        failed = lib.q4_linear_lora(part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
-                                    A.data_ptr(), B.data_ptr(), A.size(0))
+    args = (part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads)
+    if segments is not None:
+        failed = lib.q4_linear_segments(*args, *segments.arrays(part.r0, part.rows))
+    elif lora is None:
+        failed = lib.q4_linear(*args)
     else:
         A, B = lora
-        failed = lib.q4_linear_dora(part.ref, x.data_ptr(), y.data_ptr(), rows, _DTYPE_CODES[x.dtype], threads,
-                                    A.data_ptr(), B.data_ptr(), A.size(0), rowscale.data_ptr())
+        failed = lib.q4_linear_lora(*args, A.data_ptr(), B.data_ptr(), A.size(0),
+                                    rowscale.data_ptr() if rowscale is not None else None)
     if failed:
         raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
 
 
+class Segments:
+    """Rows of several LoRA adapters for one kernel call (`q4_linear_segments`): run i of the rows, up to ends[i],
+    adds the update of loras[i] = (A [r, in], scaling * B [out, r], DoRA's factor g [out] or None), all fp32 and
+    contiguous, or None for rows of the base alone."""
+
+    def __init__(self, ends: list[int], loras: list[Optional[tuple]]) -> None:
+        self.loras, n = loras, len(ends)
+        self.ends = (ctypes.c_int64 * n)(*ends)
+        self.r = (ctypes.c_int64 * n)(*(lora[0].size(0) if lora else 0 for lora in loras))
+        self.A = (ctypes.c_void_p * n)(*(lora[0].data_ptr() if lora else None for lora in loras))
+        self.g = (ctypes.c_void_p * n)(*(lora[2].data_ptr() if lora and lora[2] is not None else None
+                                         for lora in loras))
+        self._B: dict[int, ctypes.Array] = {}
+
+    def arrays(self, r0: int, rows: int) -> tuple:
+        """What the kernel reads for the output rows r0 .. r0+rows-1 of the layer (a part quantized on its own)."""
+        if r0 not in self._B:
+            B = [lora[1].data_ptr() + r0 * lora[1].stride(0) * 4 if lora else None for lora in self.loras]
+            g = [lora[2].data_ptr() + r0 * 4 if lora and lora[2] is not None else None for lora in self.loras]
+            self._B[r0] = ((ctypes.c_void_p * len(B))(*B), (ctypes.c_void_p * len(g))(*g))
+        B, g = self._B[r0]
+        return len(self.loras), self.ends, self.A, B, self.r, g
+
+
 def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int,
                lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-               rowscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+               rowscale: Optional[torch.Tensor] = None, segments: Optional[Segments] = None) -> torch.Tensor:
     """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype. With `lora`
     (A [r, in], B [out, r], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before the
     one rounding to x's dtype; with `rowscale` too (DoRA's factor g [out], fp32 and contiguous) the output is
     g * (x @ W^T + update) (+ bias). A layer quantized part by part runs a kernel call per part (B's rows and g's of
-    that part)."""
+    that part). `segments`: rows of several adapters instead (see `Segments`)."""
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if len(state.parts) == 1 or not rows:
         y = x.new_empty((*x.shape[:-1], out_features))
         if rows:
-            _run_part(lib, state.parts[0], x, y, rows, lora, rowscale)
+            _run_part(lib, state.parts[0], x, y, rows, lora, rowscale, segments)
         return y
     outs = []
     for part in state.parts:
         y = x.new_empty((*x.shape[:-1], part.rows))
         piece = slice(part.r0, part.r0 + part.rows)
         _run_part(lib, part, x, y, rows, lora and (lora[0], lora[1][piece]),
-                  rowscale[piece] if rowscale is not None else None)
+                  rowscale[piece] if rowscale is not None else None, segments)
         outs.append(y)
     return torch.cat(outs, dim=-1)
 
@@ -412,7 +437,8 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         return self._dense_forward(x) if y is None else y
 
     def kernel_forward(self, x: torch.Tensor, lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                       rowscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                       rowscale: Optional[torch.Tensor] = None,
+                       segments: Optional[Segments] = None) -> Optional[torch.Tensor]:
         """The layer's output (plus a LoRA update, see `run_kernel`) through the kernel, or None where the kernel
         does not take x (more than MAX_KERNEL_ROWS rows, a gradient to compute, not on CPU, ...)."""
         lib = kernel()
@@ -426,8 +452,9 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
                 return None
             self._q4 = _State(self, lib)
         if x.dtype == torch.float16:  # the kernel reads fp32 and bf16; fp16 on CPU is rare (16-true)
-            return run_kernel(lib, self._q4, x.float(), self.out_features, lora, rowscale).to(torch.float16)
-        return run_kernel(lib, self._q4, x, self.out_features, lora, rowscale)
+            return run_kernel(lib, self._q4, x.float(), self.out_features, lora, rowscale,
+                              segments).to(torch.float16)
+        return run_kernel(lib, self._q4, x, self.out_features, lora, rowscale, segments)
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Prefill and anything else the kernel does not take: dequantize, then a dense matmul. With a gradient to

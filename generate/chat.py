@@ -24,7 +24,6 @@ from lit_qlora.data.templates import CHAT
 from lit_qlora.generation import KVSession, generate
 from lit_qlora.inference import (
     StreamPrinter,
-    autocast_for,
     chat_template_text,
     format_prompt,
     load_for_inference,
@@ -32,6 +31,7 @@ from lit_qlora.inference import (
     prompt_template,
     resolve_generation_precision,
 )
+from lit_qlora.precision import autocast_for
 from lit_qlora.utils import run_cli
 
 

@@ -16,13 +16,13 @@ import torch
 from lit_qlora import demo
 from lit_qlora.generation import generate
 from lit_qlora.inference import (
-    autocast_for,
     encode_prompt,
     load_for_inference,
     pick_device,
     resolve_generation_precision,
     run_prompts,
 )
+from lit_qlora.precision import autocast_for
 from lit_qlora.train.tracking import run_report
 from lit_qlora.utils import UserError, run_cli
 

@@ -5,8 +5,8 @@
 
 POST /v1/chat/completions and /v1/completions (streaming by server-sent events with "stream": true), GET /v1/models
 and /health. The request's "model" picks the base (--model_name, default the checkpoint folder's name) or an adapter
-by its NAME. One base is loaded; every adapter is applied unmerged over it (server/serve.py). Requests are served
-one at a time in arrival order.
+by its NAME. One base is loaded; every adapter is applied unmerged over it (server/serve.py). Requests run together
+in the batched engine (lit_qlora/engine): every running request's tokens in each step, adapters mixed in one batch.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from lit_qlora.adapter import Adapter
+from lit_qlora.engine.adapters import AdapterBank
 from lit_qlora.inference import load_for_inference, pick_device, resolve_generation_precision, say
-from lit_qlora.server.serve import AdapterBank, Engine, Server, parse_lora_paths, serve
+from lit_qlora.server.serve import Server, Worker, parse_lora_paths, serve
 from lit_qlora.server.serve_http import create_app
 from lit_qlora.utils import UserError, run_cli
 
@@ -36,6 +37,8 @@ def main(
     timeout_s: float = 600.0,
     max_tokens: int = 256,
     grace_s: float = 10.0,
+    kv_cache_gb: Optional[float] = None,
+    max_batch: int = 32,
 ) -> None:
     """Serve the base model and each adapter under the OpenAI API.
 
@@ -50,13 +53,20 @@ def main(
         timeout_s: a request still unfinished this long after it arrived is stopped (504).
         max_tokens: the tokens a request generates when it names no max_tokens (clipped to the context left).
         grace_s: on SIGTERM / Ctrl-C, how long requests in flight may run on before they are cancelled.
+        kv_cache_gb: memory for the keys and values of the running sequences, shared by all of them (default 1 GiB,
+            or less where max_batch full contexts take less); a request that does not fit now waits, one that can
+            never fit gets 400.
+        max_batch: sequences decoded together at most (a request with n choices counts n).
     """
     adapters = parse_lora_paths(lora_path)
     name = model_name or Path(checkpoint_dir).name
     if name in adapters:
         raise UserError(f"the adapter name {name!r} is the base model's name; pick another NAME or --model_name")
-    if max_concurrent < 1 or timeout_s <= 0:
-        raise UserError("--max_concurrent must be at least 1 and --timeout_s positive; e.g. --max_concurrent 32")
+    if max_concurrent < 1 or timeout_s <= 0 or max_batch < 1:
+        raise UserError("--max_concurrent and --max_batch must be at least 1 and --timeout_s positive; e.g. "
+                        "--max_concurrent 32")
+    if kv_cache_gb is not None and not kv_cache_gb > 0:
+        raise UserError(f"--kv_cache_gb must be positive, got {kv_cache_gb}; e.g. --kv_cache_gb 1")
     device = pick_device(accelerator)
     precision, precision_why = resolve_generation_precision(precision, device)
     model, tokenizer, _ = load_for_inference(Path(checkpoint_dir), None, quantize, precision, device,
@@ -68,8 +78,12 @@ def main(
         how = (f", its --lora_init {held.train['converted_from']} as a rank-{held.config.r} LoRA over the base"
                if held.train.get("converted_from") else "")
         say(f"Adapter {adapter_name}: {path} ({bank.lora_bytes(adapter_name) / 2**20:.1f} MiB, unmerged{how})")
-    engine = Engine(bank, tokenizer, device, precision, max_concurrent=max_concurrent, timeout_s=timeout_s)
-    app = create_app(Server(engine, name, api_key=api_key, default_max_tokens=max_tokens))
+    worker = Worker(bank, tokenizer, device, precision, max_concurrent=max_concurrent, timeout_s=timeout_s,
+                    kv_cache_gb=kv_cache_gb, max_batch=max_batch)
+    pool = worker.engine.pool
+    say(f"KV cache: {worker.engine.kv_bytes / 2**30:.2f} GiB, {pool.blocks * pool.block_size} tokens shared by up to "
+        f"{max_batch} sequences")
+    app = create_app(Server(worker, name, api_key=api_key, default_max_tokens=max_tokens))
     say(f"Serving {', '.join([name, *adapters])} on http://{host}:{port}/v1")
     serve(app, host, port, grace_s=grace_s)
 

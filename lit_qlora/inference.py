@@ -16,10 +16,9 @@ from lit_qlora.adapter import Adapter
 from lit_qlora.convert import ensure_converted
 from lit_qlora.data.chat_template import common_prefix_len, encode_chat, instruction_messages, stop_ids, template_of
 from lit_qlora.data.templates import CHAT, check_template_name, get_template
-from lit_qlora.generation import KVSession, generate
+from lit_qlora.engine import Engine, Sampling, choice_seed
 from lit_qlora.loader import load_model, load_model_with_adapter
 from lit_qlora.precision import (
-    autocast_for,
     bound_cpu_matmul_caches,
     resolve_accelerator,
     resolve_precision,
@@ -190,35 +189,41 @@ def run_prompts(model, tokenizer, prompt: Union[str, torch.Tensor], max_new_toke
                 top_k: Optional[int], top_p: Optional[float], seed: int, num_samples: int, stream: bool,
                 device: torch.device, metrics_file: Optional[Path] = None, precision: str = "bf16-true",
                 stops: Optional[list[int]] = None) -> list[str]:
-    """Generate `num_samples` continuations of `prompt` (text, tokenized with the tokenizer's defaults, or ids); the
-    generated text alone goes to stdout, one line per sample, printed while it is generated with `stream`.
+    """Generate `num_samples` continuations of `prompt` (text, tokenized with the tokenizer's defaults, or ids) as one
+    batch of the engine (the prompt computed once; sample i draws with `choice_seed(seed, i)`); the generated text
+    alone goes to stdout, one line per sample in order, the first printed while it is generated with `stream`.
     Generation stops at `stops` (default: the checkpoint's eos ids), which are not printed."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     max_new_tokens = min(max_new_tokens, model.config.block_size - len(ids))
     if max_new_tokens <= 0:
         raise UserError(f"the prompt has {len(ids)} tokens, the model's context is {model.config.block_size}; shorten "
                         "the prompt")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    outputs, total_time, total_tokens = [], 0.0, 0
     stops = stop_ids(tokenizer) if stops is None else stops
-    session = KVSession()  # the prompt's keys and values, computed once for all samples
-    for _ in range(num_samples):
-        printer = StreamPrinter(tokenizer, skip_ids=stops) if stream else None
-        t0 = time.perf_counter()
-        with autocast_for(precision, device):
-            out = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=stops,
-                           generator=gen, on_token=printer.feed if printer else None, session=session)
-        dt = time.perf_counter() - t0
-        text_out = tokenizer.decode([t for t in out[len(ids):].tolist() if t not in stops])
-        if printer is not None:
+    engine = Engine(model, precision=precision, max_batch=num_samples,
+                    kv_cache_tokens=num_samples * (len(ids) + max_new_tokens + 16))
+    printer = StreamPrinter(tokenizer, skip_ids=stops) if stream else None
+
+    def first(seq, kind: str, value) -> None:  # the first sample's tokens, printed as they come
+        if kind == "token":
+            printer.feed(value)
+
+    seqs = [engine.submit(ids.tolist(), Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                                 top_p=top_p, seed=choice_seed(seed, i), stop_ids=tuple(stops)),
+                          on_event=first if i == 0 and printer else None) for i in range(num_samples)]
+    t0 = time.perf_counter()
+    engine.run()
+    total_time = time.perf_counter() - t0
+    outputs = []
+    for i, seq in enumerate(seqs):
+        text_out = tokenizer.decode([t for t in seq.new_ids if t not in stops])
+        if i == 0 and printer is not None:
             printer.finish()  # the text held back, if any: the printed text is text_out
         else:
             sys.stdout.write(text_out)
         sys.stdout.write("\n")
         sys.stdout.flush()
         outputs.append(text_out)
-        total_time += dt
-        total_tokens += len(out) - len(ids)
+    total_tokens = sum(len(seq.new_ids) for seq in seqs)
     mem = memory_used_gb(device)
     say(f"Time for inference: {total_time:.2f} sec total, {total_tokens / total_time:.2f} tokens/sec")
     say(f"Memory used: {mem:.2f} GB")

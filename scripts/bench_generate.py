@@ -98,8 +98,9 @@ def timed_prefill(forward, set_cache, clear_cache, prompt: torch.Tensor) -> floa
 def child_ours(folder: str, setting: str, precision: str, new_tokens: int, prompt_len: int, prefill_len: int) -> dict:
     from lit_qlora.adapter import Adapter
     from lit_qlora.generation import generate
-    from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
+    from lit_qlora.inference import fast_cpu_4bit_decoding
     from lit_qlora.loader import load_model, load_model_with_adapter
+    from lit_qlora.precision import autocast_for
 
     runtime = vm_rss_gb()  # python, torch, bitsandbytes and our modules: paid before any weight
     quantize, _, flag = setting.partition(":")

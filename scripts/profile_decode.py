@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 import lit_qlora.model as gpt_module
-from lit_qlora.inference import autocast_for, fast_cpu_4bit_decoding
+from lit_qlora.inference import fast_cpu_4bit_decoding
 from lit_qlora.loader import load_model
+from lit_qlora.precision import autocast_for
 from lit_qlora.utils import run_cli
 
 

@@ -229,9 +229,11 @@ def test_run_prompts_streams_while_generating(scripted_chat, monkeypatch):
 
 
 def test_samples_share_the_prompts_cache(scripted_chat, monkeypatch):
-    """--num_samples: the prompt goes through the model once; every later sample feeds only its last id (whose
-    logits it needs), and the samples are those drawn without the reuse (same seed)."""
-    from lit_qlora.generation import KVSession
+    """--num_samples: one batch of the engine. The prompt goes through the model once (the other samples start from
+    its keys and values), then every step feeds one id per sample; sample i is the draw of generation.generate
+    alone with the generator of seed `choice_seed(seed, i)` (the batch-1 loop, an independent reference)."""
+    from lit_qlora.engine import choice_seed
+    from lit_qlora.generation import generate
     from lit_qlora.inference import run_prompts
     from lit_qlora.loader import load_model
     from lit_qlora.tokenizer import Tokenizer
@@ -242,14 +244,11 @@ def test_samples_share_the_prompts_cache(scripted_chat, monkeypatch):
     model.transformer.wte.register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
     ids = tok.encode("Hello there, how are")
     monkeypatch.setattr(sys, "stdout", io.StringIO())
-
-    def samples():
-        fed.clear()
-        return run_prompts(model, tok, ids, 6, 1.0, None, None, 3, 3, False, torch.device("cpu"), precision="32-true")
-
-    shared = samples()
-    prefills = [n for n in fed if n > 1]
-    assert prefills == [len(ids)] and fed.count(1) >= 2 + 3  # one whole prefill; 1-id prefills for samples 2 and 3
-    monkeypatch.setattr(KVSession, "reusable", lambda self, prompt: 0)
-    alone = samples()
-    assert [n for n in fed if n > 1] == [len(ids)] * 3 and alone == shared
+    shared = run_prompts(model, tok, ids, 6, 1.0, None, None, 3, 3, False, torch.device("cpu"), precision="32-true")
+    prefills = [n for n in fed if n != 3]
+    assert prefills == [len(ids)] and len(fed) >= 2  # one prefill, then the three samples' ids in each step
+    alone = []
+    for i in range(3):
+        out = generate(model, ids, 6, temperature=1.0, generator=torch.Generator().manual_seed(choice_seed(3, i)))
+        alone.append(tok.decode(out[len(ids):].tolist()))
+    assert alone == shared

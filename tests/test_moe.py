@@ -471,8 +471,8 @@ def test_an_expert_adapter_is_served_beside_others(moe_ckpt):
     the model loaded with that adapter (unmerged), and the bare base's again when it is taken out."""
     from helpers import adapter_of, lora_cfg
 
+    from lit_qlora.engine.adapters import AdapterBank
     from lit_qlora.loader import load_model_with_adapter
-    from lit_qlora.server.serve import AdapterBank
 
     lora = lora_cfg(**EXPERTS_AND_ROUTER)
     adapter = adapter_of(_trained_like(moe_ckpt.folder, lora), lora)

@@ -50,10 +50,16 @@ class Sampling:
     stop_strings: tuple[str, ...] = ()
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice i of a request (`n`, --num_samples) drawn with `seed`: the seed itself for the first, one
+    made from it for each other (each choice draws with its own generator, whatever runs beside it)."""
+    return seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63
+
+
 @dataclass
 class Completion:
-    """A finished sequence: its new ids, why it ended ("stop", "length", "cancelled", "timeout"), its text (with a
-    tokenizer), the prompt's length and how many of its tokens came from the prefix cache."""
+    """A finished sequence: its new ids, why it ended ("stop", "length", "cancelled", "timeout", "error"), its text
+    (with a tokenizer), the prompt's length and how many of its tokens came from the prefix cache."""
     ids: list[int]
     finish_reason: str
     text: Optional[str] = None
@@ -62,8 +68,9 @@ class Completion:
 
 
 class Sequence:
-    """One prompt being continued. `on_event(seq, kind, value)`, if given, hears ("text", piece) as text is made (with
-    a tokenizer) and ("end", finish_reason) once, from the thread that runs the engine."""
+    """One prompt being continued. `on_event(seq, kind, value)`, if given, hears ("token", id) for each new token,
+    ("text", piece) as text is made (with a tokenizer) and ("end", finish_reason) once, from the thread that runs the
+    engine."""
 
     def __init__(self, ids: list[int], sampling: Sampling, adapter: Optional[str], tokenizer, device: torch.device,
                  on_event: Optional[Callable] = None, deadline: Optional[float] = None) -> None:
@@ -163,6 +170,14 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
 
+    def abort(self) -> None:
+        """End every sequence ("error"), its blocks given back: after a step failed half way."""
+        while not self.inbox.empty():
+            self.waiting.append(self.inbox.get())
+        for group in (self.waiting, self.prefilling, self.running):
+            for seq in list(group):
+                self._finish(seq, "error", group)
+
     # ---- from the thread that runs the engine
     @property
     def busy(self) -> bool:
@@ -241,12 +256,42 @@ class Engine:
         finished = [s for s, d in zip(rows, done) if d]
         for seq, piece in zip(rows, pieces):
             seq.computed += len(piece)
-        for seq in finished:
+        rows, picks = [], []
+        for i, seq in enumerate(finished):
             self.pool.publish(seq.adapter, seq.ids, seq.table, seq.prompt_len)
             self.prefilling.remove(seq)
-            self.running.append(seq)
-        if finished:
-            self._take_tokens(finished, logits)
+            for s in [seq, *self._fork(seq)]:
+                self.running.append(s)
+                rows.append(s)
+                picks.append(i)
+        if rows:
+            self._take_tokens(rows, logits[picks])
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The waiting sequences with `seq`'s very prompt and adapter (a request's other choices) that fit now, started
+        from its keys and values: its full blocks shared, its last partial block copied, their first token drawn from
+        its logits. The prompt is computed once for all of them."""
+        twins = [s for s in self.waiting if s.adapter == seq.adapter and s.ids == seq.ids]
+        bs, out = self.pool.block_size, []
+        full, partial = divmod(seq.prompt_len, bs)
+        for twin in twins:
+            if len(self.running) + len(self.prefilling) >= self.max_batch:
+                break
+            need = self._blocks_for(twin.prompt_len + twin.sampling.max_new_tokens) - full
+            if need > self.pool.available() - self.promised:
+                break
+            for block in seq.table[:full]:
+                self.pool.hold(block)
+            twin.table, twin.reserved = seq.table[:full], need
+            self.promised += need
+            twin.computed = twin.prompt_len
+            twin.cached = seq.cached
+            if partial:
+                self._grow(twin, twin.prompt_len)
+                self.pool.copy_slots(seq.table[full] * bs, twin.table[full] * bs, partial)
+            self.waiting.remove(twin)
+            out.append(twin)
+        return out
 
     def _decode(self) -> None:
         rows = list(self.running)
@@ -312,6 +357,7 @@ class Engine:
                 tokens[i] = int(sample(logits[i], s.temperature, s.top_k, s.top_p, seq.generator))
         for seq, token in zip(rows, tokens):
             seq.ids.append(token)
+            seq.emit("token", token)
             reason = None
             if seq.text is not None:
                 piece, stopped = seq.text.feed(token)

@@ -109,6 +109,12 @@ class KVPool:
                 self.key_of[block] = key
             parent = key
 
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy n slots' keys and values of every layer from slot src on to slot dst on."""
+        for k, v in zip(self.k, self.v):
+            k[dst:dst + n] = k[src:src + n]
+            v[dst:dst + n] = v[src:src + n]
+
     def slots(self, table: list[int], start: int, end: int) -> list[int]:
         """The slots of positions start..end-1 of a sequence whose blocks are `table`."""
         bs = self.block_size

@@ -1,22 +1,21 @@
 """An OpenAI-compatible HTTP server over one loaded model and several LoRA adapters (generate/serve.py).
 
-One base model is loaded once (4-bit or not, as generate/lora.py loads it). Each adapter is held as its own LoRA
-wrappers around the base model's very layers (`AdapterBank`): a request for adapter X puts X's wrappers in place
-(a few hundred attribute assignments), a request for the base puts the bare layers back. Nothing is merged and the
-base weights exist once; an adapter costs its LoRA tensors in the precision's dtype, once. Over 4-bit layers on CPU
-the wrappers decode through the 4-bit kernel with the update added inside it (`decode4bit.DecodeLoRALinear`), from
-fp32 copies of A and the scaled B that only the adapter in place holds (dropped when another is put in place).
+One base model is loaded once (4-bit or not, as generate/lora.py loads it), and each adapter is held unmerged over
+it (`engine.adapters.AdapterBank`): the base weights exist once, an adapter costs its LoRA tensors once (plus fp32
+copies for decoding while it serves).
 
-Requests are served in turn by one worker thread (`Engine`): a request waits in a queue (at most `max_concurrent`
-admitted, the rest get 429), then generates all its choices. Tokens are handed to the HTTP side as they are made
-(server-sent events for `stream`); a client that goes away, a request past `timeout_s` or a shutdown stops its
-generation at the next token.
+Every request runs in the batched engine (`lit_qlora.engine`), stepped by one worker thread (`Worker`): its choices
+(`n`) are sequences decoded together with every other request's, rows of different adapters in the same forward (a
+4-bit base through the decode kernel once for all of them, each row's update added per run of rows), a prompt
+computed once for all its choices. At most `max_concurrent` requests are admitted (the rest get 429). Tokens are
+handed to the HTTP side as they are made (server-sent events for `stream`); a client that goes away, a request past
+`timeout_s` or a shutdown stops its sequences at the next step.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -28,10 +27,9 @@ import torch
 
 from lit_qlora.data.chat_template import encode_chat, stop_ids, template_of
 from lit_qlora.data.templates import CHAT
+from lit_qlora.engine import Engine, Sampling, choice_seed
 from lit_qlora.engine.adapters import AdapterBank
-from lit_qlora.engine.text import TextStream
-from lit_qlora.generation import KVSession, generate
-from lit_qlora.inference import autocast_for, chat_template_text, format_prompt, prompt_template
+from lit_qlora.inference import chat_template_text, format_prompt, prompt_template
 from lit_qlora.utils import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -85,21 +83,26 @@ class Spec:
     seed: int
     n: int
 
+    def sampling(self, choice: int) -> Sampling:
+        """Choice 0 draws with `seed`, each other choice with its own seed made from it (`choice_seed`)."""
+        return Sampling(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                        seed=choice_seed(self.seed, choice),
+                        stop_ids=tuple(self.stops), stop_strings=tuple(self.stop_strings))
 
-class _Stop(Exception):
-    """Raised from the token callback to end a generation early (a stop string, a cancel, a timeout)."""
 
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-@dataclass
+@dataclass(eq=False)
 class Job:
+    """A request's choices, each a sequence of the engine, and what the HTTP side reads: ("delta", choice, text),
+    ("end", choice, finish_reason, tokens), ("done", prompt_tokens, completion_tokens), ("error", APIError)."""
     spec: Spec
     loop: asyncio.AbstractEventLoop
     deadline: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    sequences: list = field(default_factory=list)
+    left: int = 0  # choices still running
+    tokens: int = 0
+    failed: bool = False
 
     def emit(self, *event: Any) -> None:
         try:
@@ -108,17 +111,22 @@ class Job:
             pass
 
 
-class Engine:
-    """Runs jobs one at a time in a worker thread on the one model. Events per job: ("delta", choice, text),
-    ("end", choice, finish_reason, tokens), ("done", prompt_tokens, completion_tokens), ("error", APIError)."""
+class Worker:
+    """The batched engine (lit_qlora.engine) over the model and its adapters, stepped by one worker thread: every
+    request's choices are sequences decoded together with every other request's, rows of different adapters in one
+    forward. At most `max_concurrent` requests are admitted (queued or running; the rest get 429); a request whose
+    prompt and max_tokens can never fit in the KV budget gets 400; one still unfinished `timeout_s` after it arrived
+    gets 504; a cancelled one (its client went away) stops at the next step."""
 
     def __init__(self, bank: AdapterBank, tokenizer, device: torch.device, precision: str, max_concurrent: int = 32,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, kv_cache_gb: Optional[float] = None, max_batch: int = 32) -> None:
         self.bank, self.tokenizer, self.device, self.precision = bank, tokenizer, device, precision
+        self.engine = Engine(bank.model, tokenizer=tokenizer, bank=bank, kv_cache_gb=kv_cache_gb, max_batch=max_batch,
+                             precision=precision)
         self.max_concurrent, self.timeout_s = max_concurrent, timeout_s
-        self.jobs: queue.Queue = queue.Queue()
-        self.admitted = 0
+        self.active: set[Job] = set()
         self.lock = threading.Lock()
+        self.wake = threading.Event()
         self.stats = {"completed": 0, "cancelled": 0, "timed_out": 0, "failed": 0, "generated_tokens": 0}
         self.closing = False
         self.thread = threading.Thread(target=self._work, name="lit-qlora-serve", daemon=True)
@@ -126,117 +134,105 @@ class Engine:
 
     # ---- the HTTP side
     def submit(self, spec: Spec, loop: asyncio.AbstractEventLoop) -> Job:
+        try:
+            self.engine.check(len(spec.ids), spec.sampling(0), spec.model)
+        except UserError as e:
+            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         with self.lock:
             if self.closing:
                 raise APIError(503, "the server is shutting down; retry on another instance", "server_error")
-            if self.admitted >= self.max_concurrent:
-                raise APIError(429, f"{self.admitted} requests are already queued or running (--max_concurrent "
+            if len(self.active) >= self.max_concurrent:
+                raise APIError(429, f"{len(self.active)} requests are already queued or running (--max_concurrent "
                                f"{self.max_concurrent}); retry later", "rate_limit_error", code="rate_limit_exceeded")
-            self.admitted += 1
-        job = Job(spec, loop, time.monotonic() + self.timeout_s)
-        self.jobs.put(job)
+            job = Job(spec, loop, time.monotonic() + self.timeout_s, left=spec.n)
+            self.active.add(job)
+        ids = spec.ids.tolist()
+        for choice in range(spec.n):
+            job.sequences.append(self.engine.submit(ids, spec.sampling(choice), spec.model, deadline=job.deadline,
+                                                    on_event=functools.partial(self._on_event, job, choice)))
+        self.wake.set()
         return job
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel what is queued or running and stop the worker."""
         with self.lock:
             self.closing = True
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel.set()
-                self._finish(job, APIError(503, "the server shut down before this request ran", "server_error"))
-        running = getattr(self, "running", None)
-        if running is not None:
-            running.cancel.set()
-        self.jobs.put(None)
+            jobs = list(self.active)
+        for job in jobs:
+            job.cancel.set()
+        self.wake.set()
         self.thread.join(timeout)
 
     def health(self) -> dict:
-        return {"status": "ok" if not self.closing else "shutting_down", "in_flight": self.admitted,
-                "queued": self.jobs.qsize(), **self.stats}
+        e = self.engine
+        return {"status": "ok" if not self.closing else "shutting_down", "in_flight": len(self.active),
+                "queued": len(e.waiting) + e.inbox.qsize(), "running": len(e.running) + len(e.prefilling),
+                "kv_cache_tokens": e.pool.blocks * e.pool.block_size,
+                "kv_cache_free_tokens": e.pool.available() * e.pool.block_size, **self.stats}
 
     # ---- the worker thread
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            with self.lock:
+                jobs, closing = list(self.active), self.closing
+            for job in jobs:  # a client gone, a shutdown: its sequences stop at this step
+                if job.cancel.is_set() or closing:
+                    for seq in job.sequences:
+                        self.engine.cancel(seq)
+            if self.engine.busy:
+                try:
+                    self.engine.step()
+                except Exception as e:  # never kill the worker: the requests get a 500, the server lives on
+                    self.engine.abort()
+                    for job in jobs:
+                        self._fail(job, APIError(500, f"generation failed ({type(e).__name__}: {e})",
+                                                 "server_error"), "failed")
+            elif closing:
                 return
-            self.running = job
-            error = None
-            try:
-                if job.cancel.is_set():
-                    self.stats["cancelled"] += 1
-                elif time.monotonic() > job.deadline:
-                    self.stats["timed_out"] += 1
-                    error = APIError(504, "the request waited longer than the server's --timeout_s", "timeout")
-                else:
-                    error = self._run(job)
-            except Exception as e:  # never kill the worker: the request gets a 500, the server lives on
-                self.stats["failed"] += 1
-                error = APIError(500, f"generation failed ({type(e).__name__}: {e})", "server_error")
-            finally:
-                self.running = None
-                self._finish(job, error)
+            else:
+                self.wake.wait(0.5)
+                self.wake.clear()
 
-    def _finish(self, job: Job, error: Optional[APIError]) -> None:
-        with self.lock:
-            self.admitted -= 1
+    def _on_event(self, job: Job, choice: int, seq, kind: str, value) -> None:
+        if kind == "text":
+            job.emit("delta", choice, value)
+        if kind != "end":
+            return
+        if value == "timeout":
+            self._fail(job, APIError(504, f"the request ran longer than the server's --timeout_s {self.timeout_s:g}",
+                                     "timeout"), "timed_out")
+        elif value == "cancelled":
+            self._fail(job, None, "cancelled")
+        elif value == "error":
+            self._fail(job, APIError(500, "generation failed", "server_error"), "failed")
+        else:
+            job.emit("end", choice, value, len(seq.new_ids))
+            job.tokens += len(seq.new_ids)
+        job.left -= 1
+        if job.left == 0:
+            self._done(job)
+
+    def _fail(self, job: Job, error: Optional[APIError], stat: str) -> None:
+        """The request ends without an answer (its other choices are stopped); counted and said once."""
+        if job.failed:
+            return
+        job.failed = True
+        self.stats[stat] += 1
+        for seq in job.sequences:
+            self.engine.cancel(seq)
         if error is not None:
             job.emit("error", error)
+        self._done(job)
 
-    def _run(self, job: Job) -> Optional[APIError]:
-        spec, tok = job.spec, self.tokenizer
-        self.bank.activate(spec.model)
-        gen = torch.Generator(device=self.device).manual_seed(spec.seed)
-        session = KVSession()  # the prompt computed once for all choices
-        stops, total = set(spec.stops), 0
-        for choice in range(spec.n):
-            text = TextStream(tok, stops, spec.stop_strings)
-            count = 0
-
-            def on_token(token_id: int) -> None:
-                nonlocal count
-                count += 1
-                if job.cancel.is_set():
-                    raise _Stop("cancelled")
-                if time.monotonic() > job.deadline:
-                    raise _Stop("timeout")
-                piece, stopped = text.feed(token_id)
-                if piece:
-                    job.emit("delta", choice, piece)
-                if stopped:
-                    raise _Stop("stop")
-
-            finish = "length"
-            try:
-                with autocast_for(self.precision, self.device):
-                    out = generate(self.bank.model, spec.ids, spec.max_tokens, temperature=spec.temperature,
-                                   top_p=spec.top_p, eos_ids=spec.stops, generator=gen, on_token=on_token,
-                                   session=session)
-                if int(out[-1]) in stops and len(out) > len(spec.ids):
-                    finish = "stop"
-            except _Stop as s:
-                if s.why == "cancelled":
-                    self.stats["cancelled"] += 1
-                    return None
-                if s.why == "timeout":
-                    self.stats["timed_out"] += 1
-                    return APIError(504, f"the request ran longer than the server's --timeout_s {self.timeout_s:g}",
-                                    "timeout")
-                finish = "stop"
-            tail = text.finish() if finish != "stop" or not spec.stop_strings else ""
-            if tail:
-                job.emit("delta", choice, tail)
-            job.emit("end", choice, finish, count)
-            total += count
-        self.stats["completed"] += 1
-        self.stats["generated_tokens"] += total
-        job.emit("done", len(spec.ids), total)
-        return None
+    def _done(self, job: Job) -> None:
+        with self.lock:
+            if job not in self.active:
+                return
+            self.active.discard(job)
+        if not job.failed:
+            self.stats["completed"] += 1
+            self.stats["generated_tokens"] += job.tokens
+            job.emit("done", len(job.spec.ids), job.tokens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +252,7 @@ def _field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
 class Server:
     """What the endpoints need: the engine, the served names, the tokenizer and the prompt rendering."""
 
-    def __init__(self, engine: Engine, base_name: str, api_key: Optional[str] = None,
+    def __init__(self, engine: Worker, base_name: str, api_key: Optional[str] = None,
                  default_max_tokens: int = 256) -> None:
         self.engine, self.base_name, self.api_key = engine, base_name, api_key
         self.default_max_tokens = default_max_tokens

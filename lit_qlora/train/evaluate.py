@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_qlora.generation import generate
-from lit_qlora.inference import autocast_for
+from lit_qlora.precision import autocast_for
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError
 

@@ -19,7 +19,7 @@ from lit_qlora.engine.adapters import AdapterBank
 from lit_qlora.inference import load_for_inference, pick_device, resolve_generation_precision, say
 from lit_qlora.server.serve import Server, Worker, parse_lora_paths, serve
 from lit_qlora.server.serve_http import create_app
-from lit_qlora.utils import UserError, run_cli
+from lit_qlora.utils import UserError, repeatable, run_cli
 
 
 def main(
@@ -86,18 +86,6 @@ def main(
     app = create_app(Server(worker, name, api_key=api_key, default_max_tokens=max_tokens))
     say(f"Serving {', '.join([name, *adapters])} on http://{host}:{port}/v1")
     serve(app, host, port, grace_s=grace_s)
-
-
-def repeatable(argv: list[str], option: str) -> list[str]:
-    """`--lora_path A --lora_path B` as jsonargparse appends to a list (`--lora_path+ A --lora_path+ B`)."""
-    out = []
-    for arg in argv:
-        if arg == option:
-            arg = option + "+"
-        elif arg.startswith(option + "="):
-            arg = option + "+=" + arg[len(option) + 1:]
-        out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

@@ -160,3 +160,15 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def repeatable(argv: list[str], option: str) -> list[str]:
+    """`--lora_path A --lora_path B` as jsonargparse appends to a list (`--lora_path+ A --lora_path+ B`)."""
+    out = []
+    for arg in argv:
+        if arg == option:
+            arg = option + "+"
+        elif arg.startswith(option + "="):
+            arg = option + "+=" + arg[len(option) + 1:]
+        out.append(arg)
+    return out

@@ -333,15 +333,17 @@ def with_messages_column(rec: Any, column: str | None, where: str) -> Any:
     return rec
 
 
-def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
+def normalize_conversation(rec: Any, row: int, path: Path | str, need_reply: bool = True,
+                           where: str | None = None) -> list[dict]:
     """The messages of a conversation record as [{"role", "content"}, ...] with roles system/user/assistant.
 
     Accepts OpenAI `messages` (role/content) and ShareGPT `conversations` (from/value; from: system, human, gpt, or
     user, assistant; ShareGPT turns under "messages" too). Refuses, in one line naming the row (1-based) and the file:
     an unknown role, content that is not a string or is empty, a system message anywhere but first, no assistant
-    turn.
+    turn (unless `need_reply` is False: a conversation to continue). `where`: how errors name the row (default
+    "row ROW of PATH").
     """
-    where = f"row {row} of {path}"
+    where = where or f"row {row} of {path}"
     if not isinstance(rec, dict):
         raise UserError(f"{where} is a {type(rec).__name__}, not an object; make each row an object with "
                         "\"messages\": [{\"role\": ..., \"content\": ...}, ...]")
@@ -378,7 +380,7 @@ def normalize_conversation(rec: Any, row: int, path: Path | str) -> list[dict]:
             raise UserError(f"{where}: turn {i} is a system message, but only the first turn may be one; "
                             "move it to the start or merge it into a user turn")
         out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_reply and not any(m["role"] == "assistant" for m in out):
         raise UserError(f"{where} has no assistant turn, so there is nothing to learn; add the assistant's reply "
                         "or drop the row")
     return out

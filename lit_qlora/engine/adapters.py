@@ -29,24 +29,26 @@ from lit_qlora.utils import UserError
 
 class RowRoutes:
     """Which rows of the next forward carry which adapter: (adapter name, first row, end row) of each run of rows
-    with an adapter, rows counted over the flattened [B * T] tokens. Shared by every `RowLoRALinear` of a model."""
+    with an adapter, rows counted over the flattened [B * T] tokens (`segments`), and over the rows that reach the
+    output layer (`head`: only those whose logits are wanted). Shared by every `RowLoRALinear` of a model."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[str, int, int]] = []
+        self.head: list[tuple[str, int, int]] = []
 
 
 class RowLoRALinear(nn.Module):
     """A base layer and the LoRA wrappers of every adapter that targets it (`loras`, sharing this base): the base
     runs once on all the rows, then each segment of `routes` gets its adapter's update."""
 
-    def __init__(self, base: nn.Module, routes: RowRoutes) -> None:
+    def __init__(self, base: nn.Module, routes: RowRoutes, head: bool = False) -> None:
         super().__init__()
-        self.base, self.routes = base, routes
+        self.base, self.routes, self.head = base, routes, head
         self.in_features, self.out_features = base.in_features, base.out_features
         self.loras: dict[str, LoRALinear] = {}  # not submodules: the bank holds them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        segments = self.routes.segments
+        segments = self.routes.head if self.head else self.routes.segments
         if (segments and type(self.base) is DecodeLinear4bit and not torch.is_grad_enabled()
                 and not torch.is_autocast_enabled(x.device.type)):
             # the base and every row's update in one kernel call, summed in fp32 and rounded once (as
@@ -68,7 +70,7 @@ class RowLoRALinear(nn.Module):
         """`routes` as the kernel takes them: every row in a run, a run of base rows with no LoRA."""
         rows = x.numel() // self.in_features
         ends, loras, at = [], [], 0
-        for name, start, end in self.routes.segments:
+        for name, start, end in (self.routes.head if self.head else self.routes.segments):
             if start > at:
                 ends.append(start)
                 loras.append(None)
@@ -80,6 +82,17 @@ class RowLoRALinear(nn.Module):
             ends.append(rows)
             loras.append(None)
         return Segments(ends, loras)
+
+
+def runs(names: list[Optional[str]], rows_each: int) -> list[tuple[str, int, int]]:
+    """(name, first row, end row) of each run of equal names but None, each name standing for `rows_each` rows."""
+    out, start = [], 0
+    for i in range(1, len(names) + 1):
+        if i == len(names) or names[i] != names[start]:
+            if names[start] is not None:
+                out.append((names[start], start * rows_each, i * rows_each))
+            start = i
+    return out
 
 
 class AdapterBank:
@@ -194,18 +207,14 @@ class AdapterBank:
         one on a mixture's experts, whose rows go through their experts in groups (those run alone, `activate`)."""
         return name is None or not any(is_expert_target(m) for m in self.wrappers[name])
 
-    def route(self, names: list[Optional[str]], tokens_per_row: int) -> None:
+    def route(self, names: list[Optional[str]], tokens_per_row: int, logits: Optional[list[bool]] = None) -> None:
         """The adapter of each row of the next forward ([len(names), tokens_per_row] tokens; None: the base), every
-        one of them mixable. Rows of one adapter should be next to each other: each run of them is one segment."""
+        one of them mixable; `logits`: whether each row's last token reaches the output layer (default all). Rows of
+        one adapter should be next to each other: each run of them is one segment."""
         self.activate(None)
         self._install_rows()
-        segments, start = [], 0
-        for i in range(1, len(names) + 1):
-            if i == len(names) or names[i] != names[start]:
-                if names[start] is not None:
-                    segments.append((names[start], start * tokens_per_row, i * tokens_per_row))
-                start = i
-        self.routes.segments = segments
+        self.routes.segments = runs(names, tokens_per_row)
+        self.routes.head = runs([n for n, w in zip(names, logits or [True] * len(names)) if w], 1)
 
     def _install_rows(self) -> None:
         """A `RowLoRALinear` in place of every layer a mixable adapter targets (once per adapter added)."""
@@ -215,7 +224,8 @@ class AdapterBank:
             for module_name, w in wrappers.items():
                 row = self.row_layers.get(module_name)
                 if row is None:
-                    row = self.row_layers[module_name] = RowLoRALinear(self.base_layers[module_name], self.routes)
+                    row = RowLoRALinear(self.base_layers[module_name], self.routes, head=module_name == "lm_head")
+                    self.row_layers[module_name] = row
                     parent_name, _, child = module_name.rpartition(".")
                     setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, row)
                 row.loras[name] = w

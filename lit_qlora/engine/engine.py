@@ -340,7 +340,7 @@ class Engine:
             if self._alone(rows[0]):
                 self.bank.activate(rows[0].adapter)
             else:
-                self.bank.route([s.adapter for s in rows], T)
+                self.bank.route([s.adapter for s in rows], T, want)
         with self.autocast:
             return self.model(idx.to(self.device), batch=batch, output_mask=output.to(self.device))
 

@@ -104,12 +104,12 @@ def main(
             bank.add(name, Adapter.load(path, model.config, mmap=True))
 
     def encode(rec, where: str):
+        kind, value = prompt_of(rec, where, prompt_column)
         name = rec.get(adapter_column) if bank is not None else None
         if name is not None and name not in bank.adapters:
             raise UserError(f"{where} names the adapter {name!r}, which is not one of --lora_path's "
                             f"({', '.join(bank.adapters)}); fix the row or add that adapter")
         used = bank.adapters[name] if name is not None else adapter
-        kind, value = prompt_of(rec, where, prompt_column)
         if kind == "messages":
             chat = chat_template_text(tokenizer, used)
             ids = encode_chat(tokenizer, value, add_generation_prompt=True, template=chat)

@@ -5,7 +5,7 @@ tasks on it and writes the results where scripts/evaluate.py says.
 lm-eval is an optional dependency (`pip install 'lit-qlora[eval]'`): it is imported only when this module is.
 Scoring: every request's ids go through the model once, in batches of similar length padded on the right (causal
 attention: a padded position never reaches an earlier one), and only the continuation's positions go through the
-output layer. Generation (generate_until) runs one request at a time through lit_qlora.generation with the KV cache.
+output layer. Generation (generate_until) runs every request together in the batched engine (lit_qlora.engine).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lit_qlora.generation import generate
+from lit_qlora.engine import Engine, Sampling
 from lit_qlora.precision import autocast_for
 from lit_qlora.tokenizer import Tokenizer
 from lit_qlora.utils import UserError
@@ -26,10 +26,6 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise UserError("scripts/evaluate.py needs lm-eval (lm-evaluation-harness); install it with "
                     "`pip install 'lit-qlora[eval]'` or `pip install lm-eval`") from e
-
-
-class _Stop(Exception):
-    """Raised from generate's on_token once the text holds a stop sequence (the KV cache is cleared on the way)."""
 
 
 class LitLM(TemplateLM):
@@ -142,8 +138,12 @@ class LitLM(TemplateLM):
     # ---- generation ------------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each context continued (greedy unless the task asks to sample) until one of its `until` strings or an eos
-        id, at most max_gen_toks tokens; the text before the first stop string."""
-        results = []
+        id, at most max_gen_toks tokens; the text before the first stop string. All of them as one continuous batch
+        of the engine (a sampled one draws with seed 1234, whatever runs beside it)."""
+        engine = Engine(self.model, tokenizer=self.tokenizer, precision=self.precision,
+                        max_batch=max(self.batch_size, 16))
+        stops = tuple(self.tokenizer.stop_ids)
+        runs = []
         for req in requests:
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
@@ -153,31 +153,19 @@ class LitLM(TemplateLM):
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
             ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
             max_new = min(max_new, self.max_length - len(ids))
-            text = self._generate(ids, max_new, until, temperature, kwargs.get("top_k"), kwargs.get("top_p"))
+            sampling = Sampling(max_new_tokens=max_new, temperature=temperature, top_k=kwargs.get("top_k"),
+                                top_p=kwargs.get("top_p"), seed=1234, stop_ids=stops,
+                                stop_strings=tuple(s for s in until if s))
+            runs.append((until, engine.submit(ids, sampling) if max_new > 0 else None))
+        engine.run()
+        results = []
+        for req, (until, seq) in zip(requests, runs):
+            text = self.tokenizer.decode([t for t in seq.new_ids if t not in stops]) if seq is not None else ""
             for stop in until:
                 text = text.split(stop)[0] if stop else text
             self.cache_hook.add_partial("generate_until", req.args, text)
             results.append(text)
         return results
-
-    def _generate(self, ids: list[int], max_new: int, until: list[str], temperature: float, top_k, top_p) -> str:
-        new: list[int] = []
-
-        def on_token(token: int) -> None:
-            new.append(token)
-            if until and any(s and s in self.tokenizer.decode(new) for s in until):
-                raise _Stop
-
-        stops = self.tokenizer.stop_ids
-        generator = torch.Generator(device=self._device).manual_seed(1234) if temperature > 0 else None
-        if max_new > 0:
-            try:
-                with autocast_for(self.precision, self._device):
-                    generate(self.model, torch.tensor(ids), max_new, temperature=temperature, top_k=top_k,
-                             top_p=top_p, eos_ids=stops, generator=generator, on_token=on_token)
-            except _Stop:
-                pass
-        return self.tokenizer.decode([t for t in new if t not in stops])
 
 
 def run_tasks(lm: LitLM, tasks: list[str], include_path: Optional[Path] = None, num_fewshot: Optional[int] = None,

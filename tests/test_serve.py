@@ -288,6 +288,34 @@ def test_two_clients_at_once_get_their_own_answers(served):
     assert got == {m: [want[m]] * 3 for m in ("alpha", "beta")}
 
 
+def test_concurrent_requests_of_every_adapter_run_as_one_batch(served):
+    """Twelve requests at once over the base and the three adapters (one DoRA), streamed and not, with n 1 or 2:
+    each gets the answer it gets alone, and the server decoded many sequences together (its peak batch)."""
+    client = served["client"]
+    msgs = [{"role": "user", "content": PROMPT}]
+    names = ["base", "alpha", "beta", "gamma"] * 3
+    want = {m: client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=16)
+            .choices[0].message.content for m in set(names)}
+    got: list = [None] * len(names)
+
+    def ask(i: int) -> None:
+        if i % 2:
+            stream = client.chat.completions.create(model=names[i], messages=msgs, temperature=0, max_tokens=16,
+                                                    stream=True)
+            got[i] = ["".join(c.choices[0].delta.content or "" for c in stream if c.choices)]
+        else:
+            r = client.chat.completions.create(model=names[i], messages=msgs, temperature=0, max_tokens=16, n=2)
+            got[i] = [c.message.content for c in r.choices]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(names))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == [[want[m]] * (1 if i % 2 else 2) for i, m in enumerate(names)]
+    assert httpx.get(served["url"] + "/health").json()["peak_batch"] >= 6
+
+
 def test_a_client_that_disconnects_stops_its_generation(served):
     before = httpx.get(served["url"] + "/health").json()
     body = {"model": "base", "prompt": "robots", "max_tokens": 90, "n": 8, "stream": True}  # long enough to leave
@@ -368,9 +396,10 @@ def test_max_concurrent_429_and_timeout_504(served):
 
 
 def test_sigterm_cancels_what_outlives_the_grace(served):
-    """--grace_s 0.2: SIGTERM during a request that needs far longer (8 choices x 100 tokens); the server stops
-    within the grace plus start-up slack, the stream is cut short (no [DONE]) and nothing prints a traceback."""
-    proc, url = _start(served["folder"], {}, "--grace_s", "0.2")
+    """--grace_s 0.2: SIGTERM during a request that needs far longer (8 choices x 100 tokens, one at a time with
+    --max_batch 1); the server stops within the grace plus start-up slack, the stream is cut short (no [DONE]) and
+    nothing prints a traceback."""
+    proc, url = _start(served["folder"], {}, "--grace_s", "0.2", "--max_batch", "1")
     lines: list[str] = []
     try:
         body = {"model": "base", "prompt": "robots", "max_tokens": 100, "n": 8, "stream": True, "temperature": 0.9}

@@ -136,7 +136,7 @@ class Engine:
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.promised = 0  # blocks reserved by admitted sequences and not taken yet
-        self.stats = dict(steps=0, decode_tokens=0, prefill_tokens=0, cached_tokens=0, finished=0)
+        self.stats = dict(steps=0, decode_tokens=0, prefill_tokens=0, cached_tokens=0, finished=0, peak_batch=0)
 
     # ---- from any thread
     def submit(self, ids: list[int], sampling: Sampling, adapter: Optional[str] = None,
@@ -299,6 +299,7 @@ class Engine:
         for seq in rows:
             seq.computed += 1
         self.stats["decode_tokens"] += len(rows)
+        self.stats["peak_batch"] = max(self.stats["peak_batch"], len(rows))
         self._take_tokens(rows, logits)
 
     def _forward(self, rows: list[Sequence], pieces: list[list[int]], want: list[bool]) -> torch.Tensor:

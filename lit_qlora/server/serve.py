@@ -168,7 +168,8 @@ class Worker:
         return {"status": "ok" if not self.closing else "shutting_down", "in_flight": len(self.active),
                 "queued": len(e.waiting) + e.inbox.qsize(), "running": len(e.running) + len(e.prefilling),
                 "kv_cache_tokens": e.pool.blocks * e.pool.block_size,
-                "kv_cache_free_tokens": e.pool.available() * e.pool.block_size, **self.stats}
+                "kv_cache_free_tokens": e.pool.available() * e.pool.block_size,
+                "peak_batch": e.stats["peak_batch"], **self.stats}
 
     # ---- the worker thread
     def _work(self) -> None:

@@ -997,3 +997,50 @@ def test_profile_decode_times_every_part_of_a_step(train_setup):
     assert on_kernel > 0 and all(rows.get(p, 0) > 0 for p in parts), (on_kernel, rows)
     assert all(v <= rows["step (wall)"] for v in rows.values()), rows
     assert "other projections" not in rows, rows  # every projection labelled
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES + [(514, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_each_row_of_a_many_row_call_is_that_row_alone_bit_for_bit(shape, dtype, variant, monkeypatch):
+    """The batched engine's rows share one kernel call per layer: every row of an M-row call (M up to 33: tiles of 8,
+    their remainders, the 4-row decoding loop of M = 1) equals the same row computed alone, bit for bit, so a
+    sequence's logits never depend on what shares its batch. Red with a tile that sums its rows in another order."""
+    lib = lib_for(variant)
+    monkeypatch.setattr(d, "PARALLEL_MIN_WEIGHTS", 0)  # threads too
+    layer = quantized_layer("bnb.nf4-dq", *shape, dtype=dtype, bias=True)
+    state = d._State(layer, lib)
+    x = torch.randn(33, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    alone = torch.cat([d.run_kernel(lib, state, x[i:i + 1], shape[0]) for i in range(33)])
+    for m in (2, 3, 5, 8, 9, 16, 33):
+        assert torch.equal(d.run_kernel(lib, state, x[:m], shape[0]), alone[:m]), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_of_several_adapters_in_one_call(dtype, variant):
+    """q4_linear_segments (`Segments`): runs of rows with a LoRA each (one a DoRA factor, one none), one call,
+    every row equal bit for bit to that row through q4_linear_lora with its own adapter alone (or q4_linear), for a
+    layer quantized whole and a fused one quantized part by part (B and g cut per part). Red with a run's rows given
+    its neighbour's adapter."""
+    lib = lib_for(variant)
+    g = torch.Generator().manual_seed(0)
+    fused = make_quantized_linear(nn.Linear(192, 96, bias=True, device="meta"), "bnb.nf4-dq", dtype, parts=(64, 16, 16))
+    quantize_into(fused, 0.02 * torch.randn(96, 192, generator=g).to(dtype), CPU)
+    fused.bias = nn.Parameter(0.1 * torch.randn(96, generator=g).to(dtype), requires_grad=False)
+    for layer in (quantized_layer("bnb.nf4", 96, 192, dtype=dtype, bias=True), fused.eval()):
+        assert len(d._State(layer, lib).parts) == (1 if layer is not fused else 3)
+        adapters = [(0.1 * torch.randn(r, 192, generator=g), 0.1 * torch.randn(96, r, generator=g), scale)
+                    for r, scale in [(4, None), (8, 0.5 + torch.rand(96, generator=g)), (2, None)]]
+        loras = [adapters[0], None, adapters[1], adapters[2], adapters[0]]
+        ends = [2, 3, 6, 7, 9]
+        x = torch.randn(9, 192, generator=g).to(dtype)
+        state = d._State(layer, lib)
+        y = d.run_kernel(lib, state, x, 96, segments=d.Segments(ends, loras))
+        start = 0
+        for end, lora in zip(ends, loras):
+            want = d.run_kernel(lib, state, x[start:end], 96, lora=lora and lora[:2], rowscale=lora and lora[2])
+            assert torch.equal(y[start:end], want), (start, end)
+            start = end

@@ -1,9 +1,17 @@
-"""Benchmark generate/serve.py (prints figures; not a test): requests/s and time to first token for 1, 4 and 16
-concurrent streaming clients over two adapters, and the server's memory with 1 and with 8 adapters.
+"""Benchmark generate/serve.py (prints figures; not a test): tokens/s, requests/s and time to first token for 1, 4
+and 16 concurrent streaming clients, over the base alone and over two adapters (requests alternating); a load test
+of 64 clients; and the server's memory with 1 and with 8 adapters.
 
     python scripts/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
     python scripts/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
-    python scripts/bench_serve.py --clients ""          # memory with 0 / 1 / 8 adapters only
+    python scripts/bench_serve.py --clients "" --load_clients 0   # memory with 0 / 1 / 8 adapters only
+    python scripts/bench_serve.py --model gemma-3-270m --memory false
+
+Load test (`--load_clients`, bounded by `--load_s`): that many threads, each sending in turn a streamed chat
+request, a non-streamed completion with n 2, a stream it hangs up on after two chunks, and a malformed request (bad
+JSON, an unknown model, n 100, max_tokens -1, or a prompt over the context), over the base and two adapters. The
+server must stay up and answer no 5xx; its resident memory is sampled against what it held once loaded plus the KV
+budget it printed.
 
 A random-weight checkpoint of the model's shape is written once (with a made-up byte-level tokenizer of the model's
 vocabulary size and a ChatML template), and 8 random adapters on every target (r 8). Each server is a subprocess of
@@ -108,12 +116,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(folder: Path, adapters: list[Path], quantize: str, precision: str) -> tuple[subprocess.Popen, str]:
+def start_server(folder: Path, adapters: list[Path], quantize: str, precision: str,
+                 extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     args = [sys.executable, str(ROOT / "generate" / "serve.py"), "--checkpoint_dir", str(folder), "--quantize",
-            quantize, "--precision", precision, "--port", str(port), "--model_name", "base"]
+            quantize, "--precision", precision, "--port", str(port), "--model_name", "base", *extra]
     for i, path in enumerate(adapters):
         args += ["--lora_path", f"a{i}={path}"]
     log = tempfile.TemporaryFile(mode="w+")
@@ -169,7 +178,7 @@ def one_request(client, model: str, max_tokens: int) -> tuple[float, float, int]
     return (first if first is not None else total), total, tokens
 
 
-def level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def level(url: str, clients: int, requests: int, max_tokens: int, models: list[str]) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -179,7 +188,7 @@ def level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 
     def run(i: int) -> None:
         for j in range(per_client[i]):
-            r = one_request(client, f"a{(i + j) % 2}", max_tokens)
+            r = one_request(client, models[(i + j) % len(models)], max_tokens)
             with lock:
                 results.append(r)
 
@@ -193,11 +202,65 @@ def level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     ttft = sorted(r[0] for r in results)
     return dict(clients=clients, requests=len(results), wall_s=wall, rps=len(results) / wall,
                 tokens_per_s=sum(r[2] for r in results) / wall, ttft_median=statistics.median(ttft),
-                ttft_max=ttft[-1], latency_median=statistics.median(r[1] for r in results))
+                ttft_p95=ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], ttft_max=ttft[-1],
+                latency_median=statistics.median(r[1] for r in results))
+
+
+def load_test(url: str, pid: int, clients: int, seconds: float, max_tokens: int) -> dict:
+    """`clients` threads for `seconds`, each sending in turn the four kinds of request of the module docstring;
+    (status counts, transport errors, peak RSS GB sampled every 0.2 s)."""
+    import httpx
+
+    bodies = {"chat": lambda m: {"model": m, "messages": [{"role": "user", "content": "Write a story."}],
+                                 "max_tokens": max_tokens, "stream": True},
+              "completion": lambda m: {"model": m, "prompt": "Once upon a time", "max_tokens": max_tokens, "n": 2},
+              "hangup": lambda m: {"model": m, "prompt": "Tell me", "max_tokens": max_tokens * 4, "stream": True}}
+    bad = [b"{not json", json.dumps({"model": "nobody", "prompt": "x"}).encode(),
+           json.dumps({"model": "base", "prompt": "x", "n": 100}).encode(),
+           json.dumps({"model": "base", "prompt": "x", "max_tokens": -1}).encode(),
+           json.dumps({"model": "base", "prompt": "word " * 20000, "max_tokens": 8}).encode()]
+    codes: dict[str, int] = {}
+    errors, peak, stop = [0], [rss_gb(pid)], time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def count(key: str) -> None:
+        with lock:
+            codes[key] = codes.get(key, 0) + 1
+
+    def run(i: int) -> None:
+        http = httpx.Client(base_url=url, timeout=300)
+        k = i
+        while time.monotonic() < stop:
+            kind, model = ("chat", "completion", "hangup", "bad")[k % 4], ("base", "a0", "a1")[k % 3]
+            k += 1
+            try:
+                if kind == "bad":
+                    r = http.post("/v1/completions", content=bad[k % len(bad)],
+                                  headers={"content-type": "application/json"})
+                    count(f"{r.status_code}")
+                    continue
+                with http.stream("POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions",
+                                 json=bodies[kind](model)) as r:
+                    for j, _ in enumerate(r.iter_lines()):
+                        if kind == "hangup" and j >= 2:
+                            break
+                    count(f"{r.status_code}")
+            except httpx.TransportError:
+                with lock:
+                    errors[0] += 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak[0] = max(peak[0], rss_gb(pid))
+        time.sleep(0.2)
+    return dict(codes=codes, transport_errors=errors[0], peak_rss_gb=peak[0])
 
 
 def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str = "auto", clients: str = "1,4,16",
-         requests_per_level: int = 16, max_tokens: int = 32, out_dir: str = "") -> None:
+         requests_per_level: int = 32, max_tokens: int = 64, out_dir: str = "", load_clients: int = 64,
+         load_s: float = 60.0, memory: bool = True, kv_cache_gb: float = 1.0) -> None:
     """Write the model and adapters (once, in `out_dir`), then measure (see the module docstring)."""
     config = Config.from_name(model)
     folder = Path(out_dir or Path(tempfile.gettempdir()) / f"bench-serve-{model}")
@@ -208,23 +271,40 @@ def main(model: str = "SmolLM2-135M", quantize: str = "bnb.nf4", precision: str 
         write_tokenizer(folder, config.vocab_size)
     adapters = write_adapters(folder, 8)
     print(f"model: {config.name} shape, random weights, {quantize}, --precision {precision}; streaming chat requests "
-          f"of {max_tokens} new tokens (greedy), alternating over 2 adapters (r 8 on every target), served in turn\n"
-          f"CPU: {cpu_description()} (shared machine: figures are noisy)")
-
+          f"of {max_tokens} new tokens (greedy), {requests_per_level} per level, over the base alone and over 2 "
+          f"adapters (r 8 on every target, requests alternating)\nCPU: {cpu_description()}")
+    extra = ["--kv_cache_gb", str(kv_cache_gb)]
     rows = []
-    if clients:  # --clients "": memory only (the figures that are worth taking on a busy machine)
-        proc, url = start_server(folder, adapters[:2], quantize, precision)
+    if clients or load_clients:
+        proc, url = start_server(folder, adapters[:2], quantize, precision, extra)
         try:
-            level(url, 1, 2, 4)  # warm-up: the kernel, the first shapes
-            rows = [level(url, int(c), requests_per_level, max_tokens) for c in clients.split(",")]
+            level(url, 1, 2, 4, ["base", "a0"])  # warm-up: the kernel, the first shapes
+            for served, models in (("base", ["base"]), ("2 adapters", ["a0", "a1"])):
+                for c in clients.split(",") if clients else []:
+                    rows.append(dict(level(url, int(c), requests_per_level, max_tokens, models), served=served))
+            loaded = rss_gb(proc.pid)
+            load = load_test(url, proc.pid, load_clients, load_s, max_tokens) if load_clients else None
+            health = json.loads(__import__("httpx").get(url + "/health").text)
         finally:
             log = stop_server(proc)
+        kv_line = next((ln for ln in log.splitlines() if ln.startswith("KV cache:")), "")
     if rows:
-        print("\n| clients | requests | requests/s | tokens/s | TTFT median s | TTFT max s | latency median s |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| served | clients | requests | requests/s | tokens/s | x 1 client | TTFT median s | TTFT p95 s | "
+              "latency median s |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['ttft_median']:.2f} | {r['ttft_max']:.2f} | {r['latency_median']:.2f} |")
+        one = next(x for x in rows if x["served"] == r["served"])["tokens_per_s"]
+        print(f"| {r['served']} | {r['clients']} | {r['requests']} | {r['rps']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['tokens_per_s'] / one:.2f}x | {r['ttft_median']:.2f} | {r['ttft_p95']:.2f} | "
+              f"{r['latency_median']:.2f} |")
+    if load_clients:
+        fivexx = sum(n for code, n in load["codes"].items() if code.startswith("5"))
+        print(f"\nload test: {load_clients} clients for {load_s:g} s: answers {load['codes']}, {fivexx} 5xx, "
+              f"{load['transport_errors']} transport errors (hang-ups are ours); server up after: "
+              f"{health['status']}, in flight {health['in_flight']}; RSS loaded {loaded:.2f} GB, peak under load "
+              f"{load['peak_rss_gb']:.2f} GB (+{load['peak_rss_gb'] - loaded:.2f}); {kv_line}")
+    if not memory:
+        return
 
     mem = {}
     for n in (0, 1, 8):

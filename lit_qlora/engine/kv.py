@@ -11,6 +11,8 @@ zero and only ever holds finite keys and values, so what a row does not see (mas
 """
 from __future__ import annotations
 
+import math
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -28,7 +30,8 @@ class _Cached:
 
 
 class KVPool:
-    """`blocks` blocks of `block_size` positions for every layer, allocated once (zeros). Blocks are taken by
+    """`blocks` blocks of `block_size` positions for every layer, allocated once (zeros, the memory
+    taken as blocks are first written). Blocks are taken by
     sequences (`take`), given back (`give_back`), and the full blocks of a prompt are kept, keyed by the adapter and
     every token up to their end, for the next sequence that starts with the same ids (`publish`, `lookup`): a kept
     block nobody uses any more stays until its room is needed (least recently used first)."""
@@ -38,8 +41,8 @@ class KVPool:
         self.block_size, self.blocks = block_size, blocks
         self.scratch = blocks * block_size  # the slot padding writes to
         shape = (blocks * block_size + 1, n_groups, head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.k = [zeros(shape, device, dtype) for _ in range(n_layer)]
+        self.v = [zeros(shape, device, dtype) for _ in range(n_layer)]
         self.refs = [0] * blocks
         self.free = list(range(blocks - 1, -1, -1))  # never used or evicted: taken from the end
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
@@ -119,6 +122,15 @@ class KVPool:
         """The slots of positions start..end-1 of a sequence whose blocks are `table`."""
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros; on CPU in pages the OS maps only once they are written (an anonymous mapping), so a budget
+    of several GB costs the memory of the blocks used so far, not all of it at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class PagedLayer:

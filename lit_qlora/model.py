@@ -308,10 +308,16 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        y = None
         if cache is not None:
-            k, v = cache.update(input_pos, k, v)  # [B, G, max_seq_length, hs]
-            k, v = k[:, :, :kv_len], v[:, :, :kv_len]  # [B, G, L, hs]: only positions written so far
-        if spans is None:
+            if T == 1 and hasattr(cache, "decode"):  # the batched engine's decoding step: attention from its pool
+                y = cache.decode(self, q, k, v)
+            if y is None:
+                k, v = cache.update(input_pos, k, v)  # [B, G, max_seq_length, hs]
+                k, v = k[:, :, :kv_len], v[:, :, :kv_len]  # [B, G, L, hs]: only positions written so far
+        if y is not None:
+            pass
+        elif spans is None:
             y = self.attend(q, k, v, mask, cache is not None)
         else:
             # Why per sample: a [T, T] mask makes the kernel compute every pair of the row (a sample's tokens against

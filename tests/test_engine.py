@@ -65,6 +65,24 @@ def test_greedy_batch_equals_each_prompt_alone(models, kind):
     assert max(in_use) <= 4 and all(s.finish_reason == "length" for s in seqs)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss", "phi3"])
+def test_decoding_attention_from_the_pool_and_without_the_kernel(models, kind, monkeypatch):
+    """A decoding step's attention runs in the decode kernel straight from the paged pool (soft-caps, sinks, windows
+    and GQA inside it), a step per layer; with the kernel unavailable it is torch's attention over gathered keys, and
+    both give `generate`'s tokens."""
+    from lit_qlora.engine import kv
+
+    _, model = models[kind]
+    want = [alone(model, p, 8) for p in prompts()]
+    calls = []
+    monkeypatch.setattr(kv, "decode_attention", lambda *a, _f=kv.decode_attention: calls.append(1) or _f(*a))
+    assert [c.ids for c in generate_batch(model, prompts(), Sampling(max_new_tokens=8))] == want
+    assert len(calls) == 7 * model.config.n_layer  # the decoding steps (the first token comes from the prefill)
+    monkeypatch.setattr(kv, "kernel", lambda: None)
+    calls.clear()
+    assert [c.ids for c in generate_batch(model, prompts(), Sampling(max_new_tokens=8))] == want and not calls
+
+
 def test_a_sampled_sequence_is_itself_whatever_shares_the_batch(models):
     """Each sequence with its own seed, temperature and filters draws what it draws alone (in a batch of one) and what
     `generate` draws with a generator of that seed: a row's draws never use another row's generator or logits."""

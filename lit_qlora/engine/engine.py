@@ -130,6 +130,7 @@ class Engine:
             raise UserError(f"a KV cache budget of {kv_cache_tokens} tokens holds no block of {block_size}; raise "
                             "--kv_cache_gb")
         self.pool = KVPool(c.n_layer, c.n_query_groups, c.head_size, blocks, block_size, self.device, dtype)
+        self.windows = [model.layer_window(i) for i in range(c.n_layer)]
         self.kv_bytes = (blocks * block_size + 1) * per_token
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: list[Sequence] = []
@@ -336,7 +337,7 @@ class Engine:
             output[b, n - 1] = want[b]
         ends = [s.computed + len(p) for s, p in zip(rows, pieces)]
         batch = StepBatch(self.pool, positions.to(self.device), real.to(self.device), [s.table for s in rows], ends,
-                          [max(end, s.prompt_len) for s, end in zip(rows, ends)])
+                          [max(end, s.prompt_len) for s, end in zip(rows, ends)], self.windows)
         if self.bank is not None:
             if self._alone(rows[0]):
                 self.bank.activate(rows[0].adapter)

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from lit_qlora.quant.decode4bit import decode_attention, kernel
+
 
 @dataclass
 class _Cached:
@@ -135,10 +137,26 @@ def zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> t
 
 class PagedLayer:
     """What one layer's attention reads and writes in one step (`GPT.forward(batch=...)`): the new keys and values
-    go to their slots, and every row's keys and values come back as [B, G, L, hs] in position order."""
+    go to their slots, and every row's keys and values come back as [B, G, L, hs] in position order (`update`); or,
+    for a decoding step, the attention itself, read straight from the pool by the decode kernel (`decode`)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> None:
-        self.k, self.v, self.write, self.read = k, v, write, read
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor,
+                 span: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.k, self.v, self.write, self.read, self.span = k, v, write, read, span
+
+    def decode(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+        """The attention output [B, H, 1, hs] of one new query per row (`decode4bit.decode_attention`), after
+        writing its key and value; None (nothing written) where the kernel cannot take it (then `update`)."""
+        c = attn.config
+        if (self.span is None or torch.is_grad_enabled() or q.dtype != self.k.dtype or k.dtype != self.k.dtype
+                or kernel() is None):
+            return None
+        B, G, T, hs = k.shape
+        self.k.index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, G, hs))
+        self.v.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, G, hs))
+        sinks = attn.sinks if c.attn_sinks else None
+        return decode_attention(q, self.k, self.v, self.read, *self.span, c.attention_scale or hs**-0.5,
+                                c.attn_softcap, sinks)
 
     def update(self, input_pos, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, G, T, hs = k.shape
@@ -158,7 +176,7 @@ class StepBatch:
     chunks, then one more per token), by which longrope picks its factors (`GPT.rope_cache`)."""
 
     def __init__(self, pool: KVPool, positions: torch.Tensor, real: torch.Tensor, tables: list[list[int]],
-                 lengths: list[int], rope_lengths: list[int]) -> None:
+                 lengths: list[int], rope_lengths: list[int], windows: Optional[list[Optional[int]]] = None) -> None:
         device = positions.device
         B, T = positions.shape
         self.positions, self.real, self.lengths, self.rope_lengths = positions, real, lengths, rope_lengths
@@ -168,7 +186,14 @@ class StepBatch:
         read = [pool.slots(table, 0, n) + [pool.scratch] * (L - n) for table, n in zip(tables, lengths)]
         self.write = torch.tensor(write, dtype=torch.long, device=device).view(-1)
         self.read = torch.tensor(read, dtype=torch.long, device=device)
-        self.caches = [PagedLayer(k, v, self.write, self.read) for k, v in zip(pool.k, pool.v)]
+        spans = {}  # window -> (first, end) position each row attends to, for a decoding step (T = 1)
+        if T == 1 and windows is not None:
+            ends = torch.tensor(lengths, dtype=torch.long)
+            for w in set(windows):
+                spans[w] = ((ends - w).clamp_min(0) if w is not None else torch.zeros_like(ends), ends)
+        windows = windows or [None] * len(pool.k)
+        self.caches = [PagedLayer(k, v, self.write, self.read, spans.get(w))
+                       for k, v, w in zip(pool.k, pool.v, windows)]
         self._masks: dict = {}
 
     def mask(self, window: Optional[int]) -> torch.Tensor:

@@ -42,6 +42,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -677,4 +678,170 @@ int q4_linear_segments(const q4_layer *L, const void *x, void *y, int64_t M, int
                        const float *const *g) {
     const segments_t S = {nseg, seg_end, A, B, g, r};
     return linear(L, x, y, M, dtype, nthreads, &S);
+}
+
+/* ---- attention of a decoding step over the batched engine's paged keys and values ----
+ *
+ * One new query per row (B rows, H heads of hs) against that row's cached keys and values, which lie in the engine's
+ * pool ([slots, G, hs] per layer, fp32 or bf16 like the queries) at the slots `slots[b * L + j]` of its positions
+ * j; row b attends to positions starts[b] .. ends[b]-1 (its length, and its sliding window). Query head h reads kv
+ * head h / (H / G). Scores q . k * scale, soft-capped (cap * tanh(s / cap)) when softcap > 0, softmax in fp32 (with
+ * one more logit per head, sinks[h], that takes its share and gives nothing back, when sinks is given), then the
+ * weighted sum of the values. Read straight from the pool: no gathered copy of the keys and values per layer and
+ * step, as the batched step would otherwise make. Rows x kv heads are shared out between threads. */
+static inline void kv_row(const void *pool, int dtype, int64_t at, int64_t hs, float *out) {
+    if (dtype != 1) {
+        memcpy(out, (const float *)pool + at, sizeof(float) * (size_t)hs);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)pool + at;
+    int64_t i = 0;
+#if Q4_ISA == 512
+    for (; i + 16 <= hs; i += 16) /* bf16 -> fp32: the 16 bits become the high half */
+        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+#endif
+    for (; i < hs; i++) out[i] = bf16_to_f32(src[i]);
+}
+
+#if Q4_ISA == 512
+/* e^x for 16 floats: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r by its degree-6 Taylor
+ * polynomial (|r| <= ln 2 / 2: relative error under 2e-7, as close as expf's rounding); -inf -> 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), 0);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 720);
+    const float c[6] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(e, n);
+}
+#endif
+
+/* Softmax of the n scores at p in place (fp32), with a sink logit when given; returns nothing, p sums to 1 (with
+ * the sink's share). */
+static void softmax_row(float *p, int64_t n, const float *sink) {
+    float mx = sink ? *sink : -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+    int64_t j = 0;
+#if Q4_ISA == 512
+    __m512 s16 = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(p + j, e);
+        s16 = _mm512_add_ps(s16, e);
+    }
+    sum = _mm512_reduce_add_ps(s16);
+#endif
+    for (; j < n; j++) sum += (p[j] = expf(p[j] - mx));
+    if (sink) sum += expf(*sink - mx);
+    const float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) p[j] *= inv;
+}
+
+#if Q4_ISA == 512
+/* 16 values of a pool row from element `at` on, as fp32. */
+static inline __m512 load16(const void *pool, int dtype, int64_t at) {
+    if (dtype == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)pool + at))), 16));
+    return _mm512_loadu_ps((const float *)pool + at);
+}
+
+/* attend_group's loops in 16-wide vectors (hs a multiple of 16, at most 256): each key and value row read once from
+ * the pool for all the query heads of its kv head. */
+static void attend_group16(const float *qs, float *acc, float *sc, const void *kpool, const void *vpool,
+                           const int64_t *row_slots, int64_t n, int64_t g, int64_t G, int64_t rep, int64_t hs,
+                           float scale, float softcap, const float *sinks, int dtype) {
+    const int64_t nv = hs / 16;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t at = (row_slots[j] * G + g) * hs;
+        __m512 kr[16];
+        for (int64_t c = 0; c < nv; c++) kr[c] = load16(kpool, dtype, at + 16 * c);
+        for (int64_t i = 0; i < rep; i += 4) {
+            __m512 d[4];
+            float s4[4];
+            for (int h = 0; h < 4; h++) {
+                d[h] = _mm512_setzero_ps();
+                if (i + h < rep)
+                    for (int64_t c = 0; c < nv; c++)
+                        d[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qs + (i + h) * hs + 16 * c), kr[c], d[h]);
+            }
+            reduce4(d[0], d[1], d[2], d[3], s4);
+            for (int h = 0; h < 4 && i + h < rep; h++) {
+                const float x = s4[h] * scale;
+                sc[(i + h) * n + j] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+            }
+        }
+    }
+    for (int64_t i = 0; i < rep; i++) softmax_row(sc + i * n, n, sinks ? sinks + g * rep + i : NULL);
+    for (int64_t i = 0; i < rep; i++) {
+        __m512 a[16];
+        for (int64_t c = 0; c < nv; c++) a[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 p = _mm512_set1_ps(sc[i * n + j]);
+            const int64_t at = (row_slots[j] * G + g) * hs;
+            for (int64_t c = 0; c < nv; c++) a[c] = _mm512_fmadd_ps(p, load16(vpool, dtype, at + 16 * c), a[c]);
+        }
+        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(acc + i * hs + 16 * c, a[c]);
+    }
+}
+#endif
+
+/* Row b's query heads of kv head g against its keys starts..ends-1 (see q4_decode_attention), into y. */
+static void attend_group(const void *q, void *y, const void *kpool, const void *vpool, const int64_t *slots,
+                         int64_t start, int64_t end, int64_t b, int64_t g, int64_t L, int64_t H, int64_t G,
+                         int64_t hs, float scale, float softcap, const float *sinks, int dtype, float *buf) {
+    const int64_t rep = H / G, n = end - start, *row_slots = slots + b * L + start;
+    float *qs = buf, *acc = qs + rep * hs, *row = acc + rep * hs, *sc = row + hs;
+    for (int64_t i = 0; i < rep; i++) kv_row(q, dtype, (b * H + g * rep + i) * hs, hs, qs + i * hs);
+#if Q4_ISA == 512
+    if (hs % 16 == 0 && hs <= 256) {
+        attend_group16(qs, acc, sc, kpool, vpool, row_slots, n, g, G, rep, hs, scale, softcap, sinks, dtype);
+        for (int64_t i = 0; i < rep * hs; i++) put(y, dtype, (b * H + g * rep) * hs + i, acc[i]);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) {
+        kv_row(kpool, dtype, (row_slots[j] * G + g) * hs, hs, row);
+        for (int64_t i = 0; i < rep; i++) {
+            const float s = dot_f32(qs + i * hs, row, hs) * scale;
+            sc[i * n + j] = softcap > 0 ? softcap * tanhf(s / softcap) : s;
+        }
+    }
+    for (int64_t i = 0; i < rep; i++) {
+        softmax_row(sc + i * n, n, sinks ? sinks + g * rep + i : NULL);
+        memset(acc + i * hs, 0, sizeof(float) * (size_t)hs);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        kv_row(vpool, dtype, (row_slots[j] * G + g) * hs, hs, row);
+        for (int64_t i = 0; i < rep; i++) {
+            const float p = sc[i * n + j];
+            float *a = acc + i * hs;
+            for (int64_t d = 0; d < hs; d++) a[d] += p * row[d];
+        }
+    }
+    for (int64_t i = 0; i < rep * hs; i++) put(y, dtype, (b * H + g * rep) * hs + i, acc[i]);
+}
+
+int q4_decode_attention(const void *q, void *y, const void *kpool, const void *vpool, const int64_t *slots,
+                        const int64_t *starts, const int64_t *ends, int64_t B, int64_t L, int64_t H, int64_t G,
+                        int64_t hs, float scale, float softcap, const float *sinks, int dtype, int nthreads) {
+    const int64_t rep = H / G, cells = rep * (2 * hs + L) + hs; /* per task: queries, sums, a row, the scores */
+    const int threads = nthreads > 0 ? nthreads : 1;
+    float *bufs = (float *)malloc(sizeof(float) * (size_t)(cells * threads));
+    if (!bufs) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t t = 0; t < B * G; t++) {
+#ifdef _OPENMP
+        float *buf = bufs + cells * omp_get_thread_num();
+#else
+        float *buf = bufs;
+#endif
+        attend_group(q, y, kpool, vpool, slots, starts[t / G], ends[t / G], t / G, t % G, L, H, G, hs, scale,
+                     softcap, sinks, dtype, buf);
+    }
+    free(bufs);
+    return 0;
 }

@@ -143,8 +143,8 @@ def _build(variant: str) -> tuple[Optional[Path], str]:
                 target = tmp_dir / target.name
             tmp = tmp_dir / f".{target.name}.{os.getpid()}.tmp"
             try:
-                r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
-                                   timeout=120)
+                r = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                   text=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{cc}: {e}")
                 continue
@@ -182,6 +182,9 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
     lib.q4_linear_segments.restype = ctypes.c_int
     lib.q4_linear_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.q4_linear_many.restype = ctypes.c_int
+    lib.q4_decode_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [
+        ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.q4_decode_attention.restype = ctypes.c_int
     lib.q4_isa.restype = lib.q4_bf16dot.restype = ctypes.c_int
     return lib
 
@@ -364,6 +367,30 @@ def run_kernel_many(lib: ctypes.CDLL, projections: list[list[_State]], x: torch.
     if lib.q4_linear_many(Ls, xs, ys, Ms, count, _DTYPE_CODES[x.dtype], threads):
         raise MemoryError("the 4-bit decode kernel could not allocate its activation buffers")
     return outs
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                     starts: torch.Tensor, ends: torch.Tensor, scale: float, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """One decoding step's attention straight from the batched engine's paged keys and values (`q4_decode_attention`
+    in the C file): q [B, H, 1, hs] (fp32 or bf16, the pools' dtype), pools [slots, G, hs], slots [B, L] (int64: the
+    slot of each position of each row), row b attending to positions starts[b] .. ends[b]-1. Returns [B, H, 1, hs],
+    or None where the kernel cannot take it (no compiler, another dtype or device)."""
+    lib = kernel()
+    if (lib is None or q.device.type != "cpu" or q.dtype not in _DTYPE_CODES or k_pool.dtype != q.dtype
+            or v_pool.dtype != q.dtype):
+        return None
+    B, H, _, hs = q.shape
+    q = q.contiguous()
+    y = torch.empty_like(q)
+    sinks = sinks.detach().float().contiguous() if sinks is not None else None
+    threads = 1 if B * slots.size(1) * H * hs < PARALLEL_MIN_WEIGHTS else torch.get_num_threads()
+    if lib.q4_decode_attention(q.data_ptr(), y.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
+                               starts.data_ptr(), ends.data_ptr(), B, slots.size(1), H, k_pool.size(1), hs, scale,
+                               softcap or 0.0, sinks.data_ptr() if sinks is not None else None,
+                               _DTYPE_CODES[q.dtype], threads):
+        raise MemoryError("the decode attention kernel could not allocate its buffers")
+    return y
 
 
 def _scales(qs) -> torch.Tensor:

@@ -23,7 +23,7 @@ from lit_qlora.model import GPT, ExpertWeights, linear
 from lit_qlora.utils import UserError
 
 # Up to this many rows of 16-bit activations (a decoding step: one per sequence) the LoRA products run in fp32 on CPU
-DECODE_ROWS = 16
+DECODE_ROWS = 32
 
 
 # --lora_init: how A and B start. default: A kaiming-uniform, B = 0 (PEFT's True); gaussian: A ~ N(0, 1/r^2), B = 0;

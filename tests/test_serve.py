@@ -395,6 +395,30 @@ def test_max_concurrent_429_and_timeout_504(served):
         proc.wait()
 
 
+def test_a_request_that_can_never_fit_the_kv_budget_is_400(served):
+    """--kv_cache_gb small enough for 64 positions of this model: a request whose prompt and max_tokens need more gets
+    400 naming the flag (it could never run, so it does not wait); one that fits is answered; two that fit only one
+    at a time both are (the second waits for the first's blocks)."""
+    cfg = load_model(served["folder"], precision="32-true").config
+    per_token = 2 * cfg.n_layer * cfg.n_query_groups * cfg.head_size * 4  # fp32 keys and values
+    proc, url = _start(served["folder"], {}, "--kv_cache_gb", str(64.5 * per_token / 2**30))
+    try:
+        big = _post(url, {"model": "base", "prompt": "robots", "max_tokens": 80, "temperature": 0})
+        assert big.status_code == 400 and "--kv_cache_gb" in big.json()["error"]["message"], big.text
+        bodies = [{"model": "base", "prompt": "robots", "max_tokens": 40, "temperature": 0}] * 2
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda b=b: answers.append(_post(url, b))) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in answers] == [200, 200]
+        assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_sigterm_cancels_what_outlives_the_grace(served):
     """--grace_s 0.2: SIGTERM during a request that needs far longer (8 choices x 100 tokens, one at a time with
     --max_batch 1); the server stops within the grace plus start-up slack, the stream is cut short (no [DONE]) and

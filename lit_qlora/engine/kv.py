@@ -5,8 +5,8 @@ Why blocks: sequences of different lengths share one budget without each reservi
 finished sequence gives its blocks back at once, and a prompt prefix already computed (the chat's next turn, the
 other completions of one prompt) is shared block by block instead of computed again (`KVPool.lookup`).
 
-A block's position p of a sequence lives in slot `table[p // block_size] * block_size + p % block_size` of each
-layer's [slots, G, hs] tensors; one more slot at the end takes what padding positions write. Every slot starts at
+Position p of a sequence lives in slot `table[p // block_size] * block_size + p % block_size` of each layer's
+[slots, G, hs] tensors (`table`: its blocks); one more slot at the end takes what padding positions write. Every slot starts at
 zero and only ever holds finite keys and values, so what a row does not see (masked) can never turn into NaN.
 """
 from __future__ import annotations
@@ -120,11 +120,6 @@ class KVPool:
             k[dst:dst + n] = k[src:src + n]
             v[dst:dst + n] = v[src:src + n]
 
-    def slots(self, table: list[int], start: int, end: int) -> list[int]:
-        """The slots of positions start..end-1 of a sequence whose blocks are `table`."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
 
 def zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of zeros; on CPU in pages the OS maps only once they are written (an anonymous mapping), so a budget
@@ -181,11 +176,17 @@ class StepBatch:
         B, T = positions.shape
         self.positions, self.real, self.lengths, self.rope_lengths = positions, real, lengths, rope_lengths
         self.kv_len = L = max(lengths)
-        write = [pool.slots(table, int(p[0]), int(p[0]) + int(n)) + [pool.scratch] * (T - int(n))
-                 for table, p, n in zip(tables, positions, real.sum(1))]
-        read = [pool.slots(table, 0, n) + [pool.scratch] * (L - n) for table, n in zip(tables, lengths)]
-        self.write = torch.tensor(write, dtype=torch.long, device=device).view(-1)
-        self.read = torch.tensor(read, dtype=torch.long, device=device)
+        # the slot of every position, from the rows' block tables (padded with the scratch block, whose slots only
+        # padding writes to): tensor ops, not a Python loop over B x L positions
+        bs = pool.block_size
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [pool.blocks] * (width - len(t)) for t in tables], dtype=torch.long)
+        keys = torch.arange(L)
+        read = table[:, keys // bs] * bs + keys % bs  # [B, L]
+        self.read = torch.where(keys[None] < torch.tensor(lengths)[:, None], read, pool.scratch).to(device)
+        pos = positions.cpu()
+        write = table.gather(1, pos // bs) * bs + pos % bs  # [B, T]
+        self.write = torch.where(real.cpu(), write, pool.scratch).view(-1).to(device)
         spans = {}  # window -> (first, end) position each row attends to, for a decoding step (T = 1)
         if T == 1 and windows is not None:
             ends = torch.tensor(lengths, dtype=torch.long)

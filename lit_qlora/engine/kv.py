@@ -6,8 +6,9 @@ finished sequence gives its blocks back at once, and a prompt prefix already com
 other completions of one prompt) is shared block by block instead of computed again (`KVPool.lookup`).
 
 Position p of a sequence lives in slot `table[p // block_size] * block_size + p % block_size` of each layer's
-[slots, G, hs] tensors (`table`: its blocks); one more slot at the end takes what padding positions write. Every slot starts at
-zero and only ever holds finite keys and values, so what a row does not see (masked) can never turn into NaN.
+[slots, G, hs] tensors (`table`: its blocks); one more slot at the end takes what padding positions write. Every
+slot starts at zero and only ever holds finite keys and values, so what a row does not see (masked) can never turn
+into NaN.
 """
 from __future__ import annotations
 

@@ -35,6 +35,11 @@ class RowRoutes:
     def __init__(self) -> None:
         self.segments: list[tuple[str, int, int]] = []
         self.head: list[tuple[str, int, int]] = []
+        self.version = 0  # changes whenever they do: what the layers' kernel arguments are cached by
+
+    def set(self, segments: list[tuple[str, int, int]], head: list[tuple[str, int, int]]) -> None:
+        if (segments, head) != (self.segments, self.head):
+            self.segments, self.head, self.version = segments, head, self.version + 1
 
 
 class RowLoRALinear(nn.Module):
@@ -45,7 +50,12 @@ class RowLoRALinear(nn.Module):
         super().__init__()
         self.base, self.routes, self.head = base, routes, head
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.loras: dict[str, LoRALinear] = {}  # not submodules: the bank holds them
+        self.loras: dict[str, LoRALinear] = {}  # not submodules: the bank holds them (`add`)
+        self._segments: tuple = (None, None)  # ((routes version, rows), the kernel's Segments for them)
+
+    def add(self, name: str, lora: LoRALinear) -> None:
+        self.loras[name] = lora
+        self._segments = (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         segments = self.routes.head if self.head else self.routes.segments
@@ -67,8 +77,13 @@ class RowLoRALinear(nn.Module):
         return y
 
     def _kernel_segments(self, x: torch.Tensor) -> Segments:
-        """`routes` as the kernel takes them: every row in a run, a run of base rows with no LoRA."""
+        """`routes` as the kernel takes them: every row in a run, a run of base rows with no LoRA; made again only
+        when the routes change (a decoding batch keeps its rows for many steps; the adapters' fp32 copies they point
+        into never change: nothing here trains)."""
         rows = x.numel() // self.in_features
+        key, made = self._segments
+        if key == (self.routes.version, rows):
+            return made
         ends, loras, at = [], [], 0
         for name, start, end in (self.routes.head if self.head else self.routes.segments):
             if start > at:
@@ -81,7 +96,9 @@ class RowLoRALinear(nn.Module):
         if at < rows:
             ends.append(rows)
             loras.append(None)
-        return Segments(ends, loras)
+        made = Segments(ends, loras)
+        self._segments = ((self.routes.version, rows), made)
+        return made
 
 
 def runs(names: list[Optional[str]], rows_each: int) -> list[tuple[str, int, int]]:
@@ -122,6 +139,7 @@ class AdapterBank:
         self._row_norms2: dict[str, torch.Tensor] = {}  # module name -> ||W||^2 of each row (DoRA), made once
         self.routes = RowRoutes()
         self.row_layers: dict[str, RowLoRALinear] = {}  # module name -> the layer every mixable adapter shares
+        self._in_rows: set[str] = set()  # the adapters those layers hold
 
     def servable(self, name: str, adapter: Adapter) -> Adapter:
         """The adapter as an update over the shared base (see the class), or a one-line UserError."""
@@ -190,7 +208,7 @@ class AdapterBank:
 
     def activate(self, name: Optional[str]) -> None:
         """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere)."""
-        self.routes.segments = []  # (rows of mixed adapters: `route` says them again for each forward)
+        self.routes.set([], [])  # (rows of mixed adapters: `route` says them again for each forward)
         if name == self.active:
             return
         for w in self.wrappers.get(self.active, {}).values():  # its fp32 decoding copies: ~2.4x its own size
@@ -213,14 +231,15 @@ class AdapterBank:
         one adapter should be next to each other: each run of them is one segment."""
         self.activate(None)
         self._install_rows()
-        self.routes.segments = runs(names, tokens_per_row)
-        self.routes.head = runs([n for n, w in zip(names, logits or [True] * len(names)) if w], 1)
+        self.routes.set(runs(names, tokens_per_row), runs([n for n, w in zip(names, logits or [True] * len(names))
+                                                             if w], 1))
 
     def _install_rows(self) -> None:
         """A `RowLoRALinear` in place of every layer a mixable adapter targets (once per adapter added)."""
         for name, wrappers in self.wrappers.items():
-            if not self.mixable(name):
+            if not self.mixable(name) or name in self._in_rows:
                 continue
+            self._in_rows.add(name)
             for module_name, w in wrappers.items():
                 row = self.row_layers.get(module_name)
                 if row is None:
@@ -228,7 +247,7 @@ class AdapterBank:
                     self.row_layers[module_name] = row
                     parent_name, _, child = module_name.rpartition(".")
                     setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, row)
-                row.loras[name] = w
+                row.add(name, w)
 
     def lora_bytes(self, name: str) -> int:
         return sum(p.numel() * p.element_size() for w in self.wrappers[name].values() for p in w.parameters(False))

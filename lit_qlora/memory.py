@@ -714,8 +714,9 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[QuantM
         H, G, hs = c.n_head, c.n_query_groups, c.head_size
         block_temps.append(N * hs * 4 * (2 * (H + 2 * G) + H))
     elif device_type == "cpu" and prec.dtype is torch.bfloat16 and d.T < RECOMPUTE_BELOW:
-        # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds
-        block_temps.append(d.B * c.n_head * d.T * d.T * (4 + 2 + 4 + 2))
+        # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds,
+        # from fp32 copies of two of q, k, v, dout at a time
+        block_temps.append(d.B * c.n_head * d.T * (d.T * (4 + 2 + 4 + 2) + 2 * c.head_size * 4))
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
     saved = act.saved_all

@@ -20,6 +20,8 @@ import copy
 import torch
 
 Z = 4.0
+MIN_SAMPLES = 8  # fewer, and the reference's spread is not known well enough to bound by
+SEQUENCES = 16  # rows of the token batches the comparisons run
 
 
 def relative_errors(got: torch.Tensor, exact: torch.Tensor, sample_dims: int = 1) -> torch.Tensor:
@@ -36,14 +38,21 @@ def bound(reference_errors: torch.Tensor) -> float:
     return reference_errors.mean().item() + Z * spread
 
 
-def assert_as_close_as(got: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, what: str = "",
-                       sample_dims: int = 1) -> None:
-    """Ours (`got`) at least as close to `exact` as `reference` is, by the rule in this module's docstring."""
+def as_close_as(got: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, what: str = "",
+                sample_dims: int = 1) -> tuple[bool, str]:
+    """(whether `got` is at least as close to `exact` as `reference` is, by the rule in this module's docstring; the
+    numbers)."""
     ours, theirs = relative_errors(got, exact, sample_dims), relative_errors(reference, exact, sample_dims)
     limit = bound(theirs)
-    assert ours.mean().item() <= limit, (
+    return ours.mean().item() <= limit, (
         f"{what}: mean relative error {ours.mean().item():.4g} over {ours.numel()} samples, the reference's "
         f"{theirs.mean().item():.4g} (bound {limit:.4g}, sd {theirs.std().item():.3g})")
+
+
+def assert_as_close_as(got: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, what: str = "",
+                       sample_dims: int = 1) -> None:
+    ok, numbers = as_close_as(got, reference, exact, what, sample_dims)
+    assert ok, numbers
 
 
 def exact_model(hf_model: torch.nn.Module) -> torch.nn.Module:
@@ -54,10 +63,33 @@ def exact_model(hf_model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def assert_logits_as_close_as(got: torch.Tensor, hf_model: torch.nn.Module, idx: torch.Tensor, what: str = "") -> None:
-    """Our fp32 logits `got` of tokens `idx` at least as close to the exact logits of `hf_model` (a transformers or
-    PEFT model) as its own fp32 logits, each position a sample."""
+def logits_as_close_as(got: torch.Tensor, hf_model: torch.nn.Module, idx: torch.Tensor,
+                       what: str = "logits") -> tuple[bool, str]:
+    """`as_close_as` for our fp32 logits `got` of tokens `idx` [B, T] against a transformers (or PEFT) model: its
+    fp32 logits the reference, its float64 copy's the exact ones, each sequence a sample (positions of one sequence
+    share its tokens: their errors are not independent)."""
+    assert idx.size(0) >= MIN_SAMPLES, f"{idx.size(0)} sequences: too few to know the reference's spread"
     with torch.no_grad():
         reference = hf_model(idx).logits
         exact = exact_model(hf_model)(idx).logits
-    assert_as_close_as(got, reference, exact, what or "logits", sample_dims=2)
+    return as_close_as(got, reference, exact, what)
+
+
+def assert_logits_as_close_as(got: torch.Tensor, hf_model: torch.nn.Module, idx: torch.Tensor,
+                              what: str = "logits") -> None:
+    ok, numbers = logits_as_close_as(got, hf_model, idx, what)
+    assert ok, numbers
+
+
+def assert_merged_as_close_as(merged: torch.nn.Module, peft_model: torch.nn.Module, idx: torch.Tensor,
+                              what: str = "the merged export") -> None:
+    """A merged export as transformers loads it (`merged`) computes the adapted model at least as exactly as PEFT's
+    own merge (merge_and_unload of `peft_model`, fp32): both against PEFT's unmerged model in float64. (Against our
+    unmerged model's error instead, the export would also be charged the rounding of its merged weights to their
+    dtype, which our unmerged model does not make.)"""
+    assert idx.size(0) >= MIN_SAMPLES, f"{idx.size(0)} sequences: too few to know the reference's spread"
+    with torch.no_grad():
+        exact = exact_model(peft_model)(idx).logits
+        reference = copy.deepcopy(peft_model).merge_and_unload()(idx).logits
+        got = merged(idx).logits
+    assert_as_close_as(got, reference, exact, what)

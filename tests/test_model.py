@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from helpers import VOCAB, random_tokens, randomize_lora
-from helpers_bounds import assert_as_close_as, assert_logits_as_close_as, exact_model
+from helpers_bounds import SEQUENCES, assert_as_close_as, assert_logits_as_close_as, exact_model
 
 from lit_qlora.data.batching import collate, collate_packed, unpad
 from lit_qlora.generation import generate
@@ -25,13 +25,10 @@ from lit_qlora.train.training import shift_labels
 def test_logits_match_transformers(family_ckpt):
     """Our fp32 logits are at least as close to the exact ones (transformers' model in float64) as transformers' own
     fp32 logits (tests/helpers_bounds.py)."""
-    idx = random_tokens(2, 24)  # longer than mistral's sliding window of 8
+    idx = random_tokens(SEQUENCES, 24)  # longer than mistral's sliding window of 8
     got = family_ckpt.ours(idx)
-    assert got.shape == (2, 24, VOCAB)
+    assert got.shape == (SEQUENCES, 24, VOCAB)
     assert_logits_as_close_as(got, family_ckpt.hf, idx)
-
-
-GRAD_ROWS = 16  # sequences per gradient test: each one sample of helpers_bounds' rule
 
 
 def _first_block(model: torch.nn.Module) -> torch.nn.Module:
@@ -64,7 +61,7 @@ def _block_input_grads(model: torch.nn.Module, idx: torch.Tensor, autocast: bool
 
 def _grad_setup(family_ckpt) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, the exact gradient: transformers' model in float64)."""
-    idx = random_tokens(GRAD_ROWS, 24, seed=3)
+    idx = random_tokens(SEQUENCES, 24, seed=3)
     return idx, _block_input_grads(exact_model(family_ckpt.hf), idx)
 
 
@@ -160,15 +157,16 @@ def test_cpu_attention_matches_sdpa(T, dtype):
 
 @torch.no_grad()
 def test_kv_cache_decoding_matches_full_forward(family_ckpt):
-    model, idx = family_ckpt.ours, random_tokens(2, 24, seed=1)
-    full = model(idx)
-    model.set_kv_cache(batch_size=2, max_seq_length=24)
+    """A prefill, then one token at a time with the KV cache: the logits are as close to the exact ones as
+    transformers' own full forward (tests/helpers_bounds.py)."""
+    model, idx = family_ckpt.ours, random_tokens(SEQUENCES, 24, seed=1)
+    model.set_kv_cache(batch_size=SEQUENCES, max_seq_length=24)
     try:
         steps = [model(idx[:, :10], input_pos=torch.arange(10))]  # prefill
         steps += [model(idx[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(10, 24)]
     finally:
         model.clear_kv_cache()
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=0)
+    assert_logits_as_close_as(torch.cat(steps, dim=1), family_ckpt.hf, idx, "KV-cache decoding")
 
 
 def test_greedy_generation_matches_transformers(family_ckpt):

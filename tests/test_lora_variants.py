@@ -97,7 +97,7 @@ def test_loraplus_groups_as_peft(lora_llama):
 
 
 def test_loraplus_flag_is_checked():
-    with pytest.raises(UserError, match="--loraplus_lr_ratio must be a number above 0"):
+    with pytest.raises(UserError, match="--loraplus_lr_ratio is 0; it must be a number above 0"):
         LoRAArgs(loraplus_lr_ratio=0)
     assert LoRAArgs(lora_rslora=True, loraplus_lr_ratio=4).config() == LoRAConfig(rslora=True, loraplus_lr_ratio=4)
 

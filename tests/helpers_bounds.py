@@ -81,15 +81,15 @@ def assert_logits_as_close_as(got: torch.Tensor, hf_model: torch.nn.Module, idx:
     assert ok, numbers
 
 
-def assert_merged_as_close_as(merged: torch.nn.Module, peft_model: torch.nn.Module, idx: torch.Tensor,
-                              what: str = "the merged export") -> None:
-    """A merged export as transformers loads it (`merged`) computes the adapted model at least as exactly as PEFT's
-    own merge (merge_and_unload of `peft_model`, fp32): both against PEFT's unmerged model in float64. (Against our
-    unmerged model's error instead, the export would also be charged the rounding of its merged weights to their
-    dtype, which our unmerged model does not make.)"""
+def assert_merged_as_close_as(got: torch.Tensor, peft_model: torch.nn.Module, idx: torch.Tensor,
+                              what: str = "the merged weights") -> None:
+    """Logits `got` of a model whose weights have the adapter merged into them (our merge, or our export as
+    transformers loads it) compute the adapted model at least as exactly as PEFT's own merge (merge_and_unload of
+    `peft_model`, fp32): both against PEFT's unmerged model in float64. (Against our unmerged model's error instead,
+    the merge would also be charged the rounding of its merged weights to their dtype, which an unmerged model does
+    not make.)"""
     assert idx.size(0) >= MIN_SAMPLES, f"{idx.size(0)} sequences: too few to know the reference's spread"
     with torch.no_grad():
         exact = exact_model(peft_model)(idx).logits
         reference = copy.deepcopy(peft_model).merge_and_unload()(idx).logits
-        got = merged(idx).logits
     assert_as_close_as(got, reference, exact, what)

@@ -167,7 +167,7 @@ def test_adapter_on_every_target_exports_to_peft_and_merges_into_an_hf_folder(ki
     peft_model = PeftModel.from_pretrained(hf_model(folder), tmp_path / "peft").eval()
     assert_logits_as_close_as(expected, peft_model, idx, "against PEFT")
     out = export_hf(folder, tmp_path / "hf", adapter)
-    assert_merged_as_close_as(hf_model(out), peft_model, idx)
+    assert_merged_as_close_as(hf_model(out)(idx).logits, peft_model, idx)
 
 
 @pytest.mark.parametrize("kind, quantize, precision", [("gemma3", "bnb.nf4-dq", "bf16-true"),

@@ -233,7 +233,7 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_mxfp4_folder(mxfp4_ck
     assert_logits_as_close_as(expected, peft_model, idx, "against PEFT")
     out = export_hf(folder, tmp_path / "hf", adapter)
     assert "gate_up_proj_blocks" in "".join(load_file(out / "model.safetensors"))
-    assert_merged_as_close_as(hf_of(out), peft_model, idx)
+    assert_merged_as_close_as(hf_of(out)(idx).logits, peft_model, idx)
 
 
 @torch.no_grad()
@@ -267,7 +267,7 @@ def test_expert_and_router_lora_over_mxfp4_experts_export_to_peft_and_merge_dens
     stored = load_file(out / "model.safetensors")
     assert "model.layers.0.mlp.experts.gate_up_proj" in stored and not any(k.endswith("_blocks") for k in stored)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    assert_merged_as_close_as(hf_of(out), peft_model, idx)
+    assert_merged_as_close_as(hf_of(out)(idx).logits, peft_model, idx)
 
 
 def test_qlora_on_an_mxfp4_checkpoint_trains_from_the_cli_and_generates(tmp_path):

@@ -99,7 +99,7 @@ def test_attention_lora_exports_to_peft_and_merges_into_an_hf_folder(moe_ckpt, t
     peft_model = PeftModel.from_pretrained(hf_model(moe_ckpt.folder), tmp_path / "peft").eval()
     assert_logits_as_close_as(expected, peft_model, idx, "against PEFT")
     out = export_hf(moe_ckpt.folder, tmp_path / "hf", adapter)
-    assert_merged_as_close_as(hf_model(out), peft_model, idx)
+    assert_merged_as_close_as(hf_model(out)(idx).logits, peft_model, idx)
 
 
 EXPERTS_AND_ROUTER = dict(query=True, value=True, experts=True, router=True)
@@ -156,7 +156,7 @@ def test_expert_and_router_lora_export_to_peft_and_come_back(moe_ckpt, tmp_path)
     from lit_qlora.export.merge import export_hf
 
     merged = hf_model(export_hf(moe_ckpt.folder, tmp_path / "hf", adapter))
-    assert_merged_as_close_as(merged, peft_model, idx)
+    assert_merged_as_close_as(merged(idx).logits, peft_model, idx)
 
 
 @pytest.mark.parametrize("roles", [("gate_up", "down", "router"), ("down",)])

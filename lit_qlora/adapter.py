@@ -278,7 +278,7 @@ def check_payload(payload: dict, where: object) -> None:
     """Refuse, in one line naming the part, an adapter payload that does not describe a usable adapter: its LoRA
     settings (a rank from 1 to the model's width, a dropout below 1), its base model's config (every field that
     shapes the model present, with values a model can have), and its tensors (each one the model has a place for, of
-    the shape the two configs imply, none missing)."""
+    the shape the two configs imply, finite, none missing)."""
     fix = "it is damaged or not of this version: use another checkpoint of the run"
     for part in ("lora", "lora_config", "model_config"):
         if not isinstance(payload.get(part), dict):
@@ -312,6 +312,9 @@ def check_payload(payload: dict, where: object) -> None:
         if tuple(t.shape) != expected[name]:
             raise UserError(f"{where}: LoRA tensor {name} has shape {tuple(t.shape)}, its configs imply "
                             f"{expected[name]}; {fix}")
+        if not torch.isfinite(t).all():  # training never saves one: it stops at a non-finite loss before
+            raise UserError(f"{where}: LoRA tensor {name} holds non-finite values ({int((~torch.isfinite(t)).sum())} "
+                            f"NaN or inf); {fix}")
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise UserError(f"{where} has no LoRA tensor {missing[0]} ({len(missing)} missing); {fix}")

@@ -28,6 +28,62 @@ from lit_qlora.train.training import OPTIMIZERS
 from lit_qlora.utils import UserError
 
 
+@dataclass(frozen=True)
+class _Range:
+    """The values a float flag may take: finite, from `low` to `high` (each end excluded where `*_open`)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    example: str = ""
+
+    def holds(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        above = v > self.low if self.low_open else v >= self.low
+        return above and (v < self.high if self.high_open else v <= self.high)
+
+    def text(self) -> str:
+        """What the flag must be, in words."""
+        if math.isfinite(self.low) and math.isfinite(self.high):
+            text = (f"from {self.low:g}{' (excluded)' if self.low_open else ''} to {self.high:g}"
+                    f"{' (excluded)' if self.high_open else ''}")
+        elif math.isfinite(self.low):
+            text = f"a number above {self.low:g}" if self.low_open else f"{self.low:g} or more"
+        else:
+            text = "a finite number"
+        return text + (f", e.g. {self.example}" if self.example else "")
+
+
+# Every float flag's range, checked when its group is built (`_check_floats`): a value outside it (a typo, a
+# hand-edited or damaged --config: 18446744073709551617 as lora_dropout) is refused in one line naming the flag
+# before anything runs, as integer flags are (`_refuse_huge_counts`). tests/test_args.py checks that every float
+# flag has one.
+FLOAT_RANGES: dict[str, _Range] = {
+    "memory_budget": _Range(0, low_open=True),  # GB
+    "lora_alpha": _Range(0, low_open=True, example="16"),
+    "lora_dropout": _Range(0, 1, high_open=True, example="0.05"),  # 1 would drop every input
+    "loraplus_lr_ratio": _Range(0, low_open=True, example="16"),
+    "learning_rate": _Range(0, low_open=True, example="3e-4"),
+    "min_lr": _Range(0),  # and at most --learning_rate (TrainArgs)
+    "weight_decay": _Range(0),
+    "grad_clip": _Range(0, low_open=True),
+    "router_aux_loss_coef": _Range(0),
+    "early_stopping_min_delta": _Range(0),
+    "beta": _Range(0, low_open=True, example="0.1"),
+    "gamma": _Range(),
+}
+
+
+def _check_floats(group) -> None:
+    """A flag group's float flags in their FLOAT_RANGES (None: left out, where the flag allows it)."""
+    for f in fields(group):
+        value = getattr(group, f.name)
+        if f.name in FLOAT_RANGES and value is not None and not FLOAT_RANGES[f.name].holds(value):
+            raise UserError(f"--{f.name} is {value!r}; it must be {FLOAT_RANGES[f.name].text()}")
+
+
 @dataclass
 class RunArgs:
     """Model, output and devices"""
@@ -96,6 +152,7 @@ class RunArgs:
         if not 0 <= self.seed <= 2**32 - 1:
             raise UserError(f"--seed {self.seed} is out of range; give a number from 0 to {2**32 - 1}")
         parse_loggers(self.logger)  # an unknown name or a missing package: one line, before anything runs
+        _check_floats(self)
 
 
 @dataclass
@@ -195,9 +252,7 @@ class LoRAArgs:
             raise UserError(f"unknown --lora_init {self.lora_init!r}; choose one of {', '.join(LORA_INITS)}")
         if self.loftq_iters < 1:
             raise UserError(f"--loftq_iters must be at least 1, got {self.loftq_iters}")
-        if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio > 0:
-            raise UserError(f"--loraplus_lr_ratio must be a number above 0, got {self.loraplus_lr_ratio}; use e.g. 16 "
-                            "or leave it out")
+        _check_floats(self)
 
     def config(self) -> LoRAConfig:
         return LoRAConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, query=self.lora_query,
@@ -251,18 +306,9 @@ class TrainArgs:
         def bad(flag: str, value, expected: str) -> UserError:
             return UserError(f"--{flag} is {value!r}; it must be {expected}")
 
-        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
-                and self.learning_rate > 0):
-            raise bad("learning_rate", self.learning_rate, "a number above 0, e.g. 3e-4")
-        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.learning_rate):
+        _check_floats(self)
+        if self.min_lr > self.learning_rate:
             raise bad("min_lr", self.min_lr, f"from 0 to --learning_rate {self.learning_rate}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise bad("weight_decay", self.weight_decay, "0 or more")
-        coef = self.router_aux_loss_coef
-        if coef is not None and not (isinstance(coef, (int, float)) and math.isfinite(coef) and coef >= 0):
-            raise bad("router_aux_loss_coef", coef, "0 or more (0: no load-balancing loss), or left out")
-        if self.grad_clip is not None and not (math.isfinite(self.grad_clip) and self.grad_clip > 0):
-            raise bad("grad_clip", self.grad_clip, "a number above 0, or null to disable clipping")
         for flag, value, least in (("warmup_steps", self.warmup_steps, 0), ("epochs", self.epochs, 1),
                                    ("save_interval", self.save_interval, 1), ("log_interval", self.log_interval, 1),
                                    ("keep_checkpoints", self.keep_checkpoints, 0)):
@@ -302,8 +348,7 @@ class EvalArgs:
             raise UserError(f"--eval_interval must be at least 1, got {self.eval_interval}; pass a positive number")
         if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
             raise UserError(f"--early_stopping_patience must be at least 1, got {self.early_stopping_patience}")
-        if not self.early_stopping_min_delta >= 0:
-            raise UserError(f"--early_stopping_min_delta must be 0 or more, got {self.early_stopping_min_delta}")
+        _check_floats(self)
         if (self.early_stopping_patience or self.save_best) and self.eval_iters < 1:
             raise UserError("--early_stopping_patience and --save_best need validations; set --eval_iters above 0")
 
@@ -329,8 +374,7 @@ class PreferenceArgs:
         check_path(self.lora_path, "--lora_path")
         if self.loss not in LOSSES:
             raise UserError(f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
-        if not self.beta > 0:
-            raise UserError(f"--beta must be above 0, got {self.beta}; use e.g. 0.1")
+        _check_floats(self)
 
 
 GROUPS = (RunArgs, DataArgs, LoRAArgs, TrainArgs, EvalArgs)

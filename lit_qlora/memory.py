@@ -211,78 +211,99 @@ def _attention_saved(c: Config, d: _Dims, i: int, seen: set, masks: set) -> list
     once (`store`): q, k and v are views of the qkv output until a norm or RoPE makes them new tensors. Adds "y" to
     `seen` where the output projection's input is a view of the attention output saved here; `masks`: the sliding
     windows whose boolean mask an earlier layer saved already (one per window per forward)."""
-    N, B, T, H, G, hs, a = d.N, d.B, d.T, c.n_head, c.n_query_groups, c.head_size, d.a
-    q_b, kv_b = N * H * hs * a, N * G * hs * a
-    sizes = {"qkv": N * sum(c.qkv_sizes) * a, "q": q_b, "k": kv_b}
+    q_b = d.N * c.n_head * c.head_size * d.a
+    sizes = {"qkv": d.N * sum(c.qkv_sizes) * d.a, "q": q_b, "k": d.N * c.n_query_groups * c.head_size * d.a}
+    store, small, (q_at, k_at), contiguous = _qk_saved(c, d, i, sizes)
+    window = c.layer_window(i)
+    masked = window is not None and d.T > window  # GPT._mask: a mask only where the window is shorter than the row
+    if c.attn_softcap is not None:
+        return _softcapped_saved(c, d, store, sizes, small) + _new_mask(masked, window, masks, d.T * d.T)
+    if c.attn_sinks:
+        return small + _sinks_saved(c, d, seen)
+    if d.cpu_half:
+        # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
+        store.update({q_at: sizes[q_at], k_at: sizes[k_at], "qkv": sizes["qkv"]})
+        return list(store.values()) + small
+    return _sdpa_saved(c, d, store, sizes, small, (q_at, k_at), masked, contiguous, seen)
+
+
+def _qk_saved(c: Config, d: _Dims, i: int, sizes: dict) -> tuple[dict, list[int], tuple[str, str], bool]:
+    """What the q / k norms save, and where q and k live after them and RoPE: (storages, small tensors, the storages
+    q and k are views of, whether q is laid out [B, H, T, hs] rather than as a view of a [B, T, ...] tensor)."""
     store: dict[str, int] = {}
     small: list[int] = []
-    q_at = k_at = "qkv"  # the storage q and k are views of
-    contiguous = False  # q laid out [B, H, T, hs] (per-head norms) rather than as a view of a [B, T, ...] tensor
+    q_at = k_at = "qkv"
+    contiguous = False
     if c.qk_norm:
         # Qwen3 / Gemma 3 normalize each head of q and k, OLMo 2 the whole projections; fp32: the input saved is a
         # view of the qkv output
         per_head = c.qk_norm == "head"
-        for n in (H, G):
-            small += _norm_saved(c, d, input_shared=True, size=hs if per_head else n * hs,
-                                 rows=N * n if per_head else N, in_bytes=a)
-        if a == 4:
+        for n in (c.n_head, c.n_query_groups):
+            small += _norm_saved(c, d, input_shared=True, size=c.head_size if per_head else n * c.head_size,
+                                 rows=d.N * n if per_head else d.N, in_bytes=d.a)
+        if d.a == 4:
             store["qkv"] = sizes["qkv"]
         q_at, k_at, contiguous = "q", "k", per_head
     if c.rope_n_elem and c.layer_rope(i) is not None:
         q_at, k_at = "q", "k"  # rotated: new tensors, in the layout of their input
-    window = c.layer_window(i)
-    masked = window is not None and T > window  # GPT._mask: a mask only where the window is shorter than the row
-    if c.attn_softcap is not None:
-        # model.softcapped_attention, eager: the matmuls keep q and k^T (k, v repeated to every head first), the
-        # soft-cap its tanh, masked_fill the boolean mask (a new causal one per layer, the window's shared), the
-        # fp32 softmax its output, the last matmul the probabilities (a copy in q's dtype) and v
-        rep = H // G
-        store["q_mm"] = q_b
-        store["k_mm"] = q_b if rep > 1 else kv_b
-        if rep > 1:
-            store["v_mm"] = q_b
-        elif B == 1:  # v [1, G, T, hs] folds into the batched matmul as a view of the qkv output
-            store["qkv"] = sizes["qkv"]
-        else:  # ... else as a contiguous copy
-            store["v_mm"] = kv_b
-        scores = B * H * T * T
-        small.append(scores * a)  # tanh's result
-        small.append(scores * 4 + (scores * a if a != 4 else 0))
-        if not masked or window not in masks:
-            small.append(T * T)
-            if masked:
-                masks.add(window)
-        return list(store.values()) + small
-    if c.attn_sinks:
-        # model.sink_attention (gpt-oss): k and v with a zero row appended (new tensors) and the float mask that
-        # carries the sink logits, [1, H, T, T + 1], built by each layer, all kept by SDPA with q, its output and the
-        # log-sum-exp; cpu_half's path runs it on fp32 copies of q, k and v
-        ab = 4 if d.cpu_half else a
-        small += [N * H * hs * ab, 2 * B * G * (T + 1) * hs * ab, N * H * hs * ab, B * H * T * 4,
-                  H * T * (T + 1) * ab]
-        if not d.cpu_half:
-            seen.add("y")  # (as below: the output is in q's layout)
-        return small
-    if d.cpu_half:
-        # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
-        store[q_at] = sizes[q_at]
-        store[k_at] = sizes[k_at]
+    return store, small, (q_at, k_at), contiguous
+
+
+def _new_mask(masked: bool, window: Optional[int], masks: set, mask_bytes: int) -> list[int]:
+    """The boolean mask softcapped attention keeps: a new causal one per layer, a sliding window's once per forward
+    (recorded in `masks`)."""
+    if masked and window in masks:
+        return []
+    if masked:
+        masks.add(window)
+    return [mask_bytes]
+
+
+def _softcapped_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list[int]) -> list[int]:
+    """model.softcapped_attention, eager: the matmuls keep q and k^T (k, v repeated to every head first), the
+    soft-cap its tanh, the fp32 softmax its output, the last matmul the probabilities (a copy in q's dtype) and v
+    (the boolean mask: `_new_mask`)."""
+    rep = c.n_head // c.n_query_groups
+    q_b, kv_b = sizes["q"], sizes["k"]
+    store["q_mm"] = q_b
+    store["k_mm"] = q_b if rep > 1 else kv_b
+    if rep > 1:
+        store["v_mm"] = q_b
+    elif d.B == 1:  # v [1, G, T, hs] folds into the batched matmul as a view of the qkv output
         store["qkv"] = sizes["qkv"]
-        return list(store.values()) + small
-    # Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
-    # G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16
-    # path (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there.
-    repeated = G != H and d.cpu_attention and not masked
-    store[q_at] = sizes[q_at]
-    if repeated:
+    else:  # ... else as a contiguous copy
+        store["v_mm"] = kv_b
+    scores = d.B * c.n_head * d.T * d.T
+    return list(store.values()) + small + [scores * d.a, scores * 4 + (scores * d.a if d.a != 4 else 0)]
+
+
+def _sinks_saved(c: Config, d: _Dims, seen: set) -> list[int]:
+    """model.sink_attention (gpt-oss): k and v with a zero row appended (new tensors) and the float mask that carries
+    the sink logits, [1, H, T, T + 1], built by each layer, all kept by SDPA with q, its output and the log-sum-exp;
+    cpu_half's path runs it on fp32 copies of q, k and v."""
+    B, T, H, G, hs = d.B, d.T, c.n_head, c.n_query_groups, c.head_size
+    ab = 4 if d.cpu_half else d.a
+    if not d.cpu_half:
+        seen.add("y")  # (as in `_sdpa_saved`: the output is in q's layout)
+    return [d.N * H * hs * ab, 2 * B * G * (T + 1) * hs * ab, d.N * H * hs * ab, B * H * T * 4, H * T * (T + 1) * ab]
+
+
+def _sdpa_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list[int], at: tuple[str, str], masked: bool,
+                contiguous: bool, seen: set) -> list[int]:
+    """Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
+    G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16 path
+    (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there."""
+    q_b = sizes["q"]
+    store[at[0]] = sizes[at[0]]
+    if c.n_query_groups != c.n_head and d.cpu_attention and not masked:
         store["k_rep"], store["v_rep"] = q_b, q_b
     else:
-        store[k_at] = sizes[k_at]
+        store[at[1]] = sizes[at[1]]
         store["qkv"] = sizes["qkv"]
     store["out"] = q_b
-    small.append(B * H * T * 4)
+    small.append(d.B * c.n_head * d.T * 4)
     if masked:
-        small.append(T * T * a)  # SDPA keeps the boolean mask converted to q's dtype, each layer its own copy
+        small.append(d.T * d.T * d.a)  # SDPA keeps the boolean mask converted to q's dtype, each layer its own copy
     if not contiguous:
         # the projection's input is a view of the attention output saved here (SDPA writes it in q's layout,
         # [B, T, H, hs] when q is a view of a [B, T, ...] tensor; normalized per head, q is contiguous
@@ -550,14 +571,7 @@ def estimate_training_memory(
     T = min(int(seq_length or c.block_size), c.block_size)
     if B < 1 or T < 1:
         raise UserError(f"the micro batch size and the sequence length must be positive, got {B} and {T}")
-    a = _dtype_bytes(prec.dtype)
-    d = _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
-              cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
-              cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
-                        and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
-              lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype),
-              w_norm=_dtype_bytes(prec.frozen_other_dtype))
-
+    d = _step_dims(prec, lora, B, T, device_type)
     quantize_lm_head = bool(quantize_lm_head)
     shard_world = max(1, int(shard_world))
     w = weight_bytes(c, lora, precision, quantize, quantize_lm_head, shard_world)
@@ -566,36 +580,19 @@ def estimate_training_memory(
                              sum(w["lora_numels"]), activation_checkpointing)
     phases = _step_phases(c, d, prec, quantize, w, act, activation_checkpointing, validation, device_type)
 
-    # CPU: the heap grows to the most small-tensor bytes of any phase and stays resident through the others
-    small_max = max(_small(ph.saved + ph.held + ph.temps) for ph in phases)
-    churn = max((out_f * in_f * a for _, out_f, in_f in w["quantized_shapes"]
-                 if out_f * in_f * a < GLIBC_MMAP_THRESHOLD_MAX), default=0)
     peak = max(phases, key=lambda ph: ph.total)
     parts = {**static, "activations saved": sum(peak.saved), "logits (+ loss gradient)": sum(peak.held),
              "temporaries": sum(peak.temps)}
+    small_max = max(_small(ph.saved + ph.held + ph.temps) for ph in phases)
     if device_type == "cpu":
-        # every MoE layer's forward with quantized experts strands heap (`_moe_stranded`)
-        moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
-        expert_dq = max((out_f * in_f * a for name, out_f, in_f in w["quantized_shapes"] if ".experts." in name),
-                        default=0)
-        stranded = _moe_stranded(c, d, expert_dq) * moe_layers if moe_layers else 0
-        parts["allocator slack"] = _allocator_slack(device_type, small_max, churn, stranded)
-    phase, temp_note = peak.name, peak.note
-    # Loading can peak higher for tiny batches: the weights placed so far plus what is being read and converted
-    load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
-                 + _load_temp(c, quantize, device_type))
-    if load_peak > sum(parts.values()):
-        parts["temporaries"] += load_peak - sum(parts.values())
-        phase, temp_note = "loading", ("quantizing the largest tensor on the device" if device_type == "cuda"
-                                       else "reading + quantizing a chunk of a tensor")
+        parts["allocator slack"] = _cpu_slack(c, d, w, small_max)
+    phase, temp_note = _loading_peak(parts, static, c, quantize, device_type) or (peak.name, peak.note)
     notes = _notes(c, lora, precision, quantize, optimizer, w, prec, d, phase, temp_note, activation_checkpointing,
                    device_type)
     if not act.logits:  # losses.head_cross_entropy
         notes["logits (+ loss gradient)"] = "none kept: made a chunk at a time in forward; the hidden states' gradient"
     if shard_world > 1:
-        for k in ("quantized weights", "dense weights", "LoRA weights + grads", "optimizer state"):
-            notes[k] = f"this rank's 1/{shard_world}" + (f" of {notes[k]}" if notes[k] else "") + (
-                " (block scales whole)" if k == "quantized weights" and w["quantized_params"] else "")
+        _per_rank_notes(notes, shard_world, bool(w["quantized_params"]))
     settings = dict(model=c.name or "model", precision=precision, quantize=quantize, optimizer=optimizer,
                     micro_batch_size=B, seq_length=T, activation_checkpointing=activation_checkpointing, lora_r=lora.r,
                     lora_targets=lora.targets(), shard_world=shard_world)
@@ -607,6 +604,49 @@ def estimate_training_memory(
                  + sum(w["lora_rank_numels"]) * _dtype_bytes(prec.trainable_dtype))
     return Estimate(parts, notes, settings, device_type, peak_phase=phase, extra=extra)
 
+
+def _step_dims(prec: Precision, lora: LoRAConfig, B: int, T: int, device_type: str) -> _Dims:
+    """The sizes and paths of one training step (`_Dims`) under this precision on this device."""
+    a = _dtype_bytes(prec.dtype)
+    return _Dims(B=B, T=T, a=a, r=4 if prec.mixed else a, mask=1 if device_type == "cuda" else 0, mixed=prec.mixed,
+                 cpu_attention=device_type == "cpu" and prec.dtype is torch.bfloat16 and not prec.mixed,
+                 cpu_half=(device_type == "cpu" and prec.dtype in (torch.bfloat16, torch.float16) and not prec.mixed
+                           and cpu_half.emulated_dtype(prec.dtype) and T >= cpu_half.MIN_ATTENTION_LENGTH),
+                 lora_dropout=lora.dropout > 0, t=_dtype_bytes(prec.trainable_dtype),
+                 w_norm=_dtype_bytes(prec.frozen_other_dtype))
+
+
+def _cpu_slack(c: Config, d: _Dims, w: dict, small_max: int) -> int:
+    """CPU: the heap grows to the most small-tensor bytes of any phase (`small_max`) and stays resident through the
+    others; dequantized weights churn it, and every MoE layer's forward with quantized experts strands some
+    (`_moe_stranded`)."""
+    churn = max((out_f * in_f * d.a for _, out_f, in_f in w["quantized_shapes"]
+                 if out_f * in_f * d.a < GLIBC_MMAP_THRESHOLD_MAX), default=0)
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+    expert_dq = max((out_f * in_f * d.a for name, out_f, in_f in w["quantized_shapes"] if ".experts." in name),
+                    default=0)
+    stranded = _moe_stranded(c, d, expert_dq) * moe_layers if moe_layers else 0
+    return _allocator_slack("cpu", small_max, churn, stranded)
+
+
+def _loading_peak(parts: dict, static: dict, c: Config, quantize: Optional[QuantMode],
+                  device_type: str) -> Optional[tuple[str, str]]:
+    """Loading can peak higher than a step for tiny batches: the weights placed so far plus what is being read and
+    converted. Where it does, its excess goes into `parts`' temporaries and (phase, note) names it; else None."""
+    load_peak = (static["runtime"] + static["quantized weights"] + static["dense weights"]
+                 + _load_temp(c, quantize, device_type))
+    if load_peak <= sum(parts.values()):
+        return None
+    parts["temporaries"] += load_peak - sum(parts.values())
+    return "loading", ("quantizing the largest tensor on the device" if device_type == "cuda"
+                       else "reading + quantizing a chunk of a tensor")
+
+
+def _per_rank_notes(notes: dict, shard_world: int, quantized: bool) -> None:
+    """The notes of the terms FSDP shards, saying they are one rank's part."""
+    for k in ("quantized weights", "dense weights", "LoRA weights + grads", "optimizer state"):
+        notes[k] = f"this rank's 1/{shard_world}" + (f" of {notes[k]}" if notes[k] else "") + (
+            " (block scales whole)" if k == "quantized weights" and quantized else "")
 
 def _static_terms(w: dict, prec: Precision, quantize: Optional[QuantMode], optimizer: str, device_type: str,
                   shard_world: int = 1) -> dict:
@@ -714,8 +754,9 @@ def _step_phases(c: Config, d: _Dims, prec: Precision, quantize: Optional[QuantM
         H, G, hs = c.n_head, c.n_query_groups, c.head_size
         block_temps.append(N * hs * 4 * (2 * (H + 2 * G) + H))
     elif device_type == "cpu" and prec.dtype is torch.bfloat16 and d.T < RECOMPUTE_BELOW:
-        # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds
-        block_temps.append(d.B * c.n_head * d.T * d.T * (4 + 2 + 4 + 2))
+        # cpu_attention's backward rebuilds one layer's probabilities: fp32 p + bf16 copy, fp32 dp - d + bf16 ds,
+        # from fp32 copies of two of q, k, v, dout at a time
+        block_temps.append(d.B * c.n_head * d.T * (d.T * (4 + 2 + 4 + 2) + 2 * c.head_size * 4))
     head_note = "head backward" + (" with its dequantized weight" if head_dq else "")
     block_note = "gradients inside one block" + (" + a dequantized weight" if layer_dq else "")
     saved = act.saved_all

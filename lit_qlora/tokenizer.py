@@ -109,6 +109,26 @@ def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
 class Tokenizer:
     def __init__(self, checkpoint_dir: Path | str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
+        self._load_processor()
+        tok_config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
+        # kept for chat templates: the special-token strings a template sees, sentencepiece prefix settings
+        self.tokenizer_config: dict[str, Any] = tok_config
+        if self.backend == "huggingface":
+            self._check_added_tokens(tok_config)
+            self._add_named_specials(tok_config)
+        self._read_special_ids(tok_config)
+        # Whether encode() adds bos/eos by default. An explicit add_bos_token / add_eos_token wins
+        # (transformers 4's Llama/Gemma tokenizers honour it even with a tokenizer.json). Otherwise a
+        # tokenizer.json says so through its post-processor (Llama 3 adds <|begin_of_text|> there),
+        # and a bare tokenizer.model (Llama 1/2 style) gets bos, as Meta's and HF's code did.
+        post_bos, post_eos = self._post_processor_specials()
+        default_bos = post_bos if self.backend == "huggingface" else self.bos_id is not None
+        self.add_bos: bool = _flag(tok_config, "add_bos_token", default_bos) and self.bos_id is not None
+        self.add_eos: bool = _flag(tok_config, "add_eos_token", post_eos) and self.eos_id is not None
+        self.chat_template: str | None = self._read_chat_template(tok_config)
+
+    def _load_processor(self) -> None:
+        """The tokenizer itself (`backend`, `processor`, `model_path`): tokenizer.json, else tokenizer.model."""
         for name in ("tokenizer.json", "tokenizer.model", "chat_template.jinja"):  # a folder or a symlink loop in a
             if os.path.lexists(self.checkpoint_dir / name):  # file's place is refused, never read past to the next
                 check_file(self.checkpoint_dir / name, "tokenizer file", "re-copy the tokenizer files of the model")
@@ -141,18 +161,12 @@ class Tokenizer:
             )
         self.model_path = path
 
-        tok_config = _read_json(self.checkpoint_dir / "tokenizer_config.json")
-        # kept for chat templates: the special-token strings a template sees, sentencepiece prefix settings
-        self.tokenizer_config: dict[str, Any] = tok_config
-        if self.backend == "huggingface":
-            self._check_added_tokens(tok_config)
-            self._add_named_specials(tok_config)
+    def _read_special_ids(self, tok_config: dict[str, Any]) -> None:
+        """`bos_id`, `eos_id` and `stop_ids`, most specific source first: the tokenizer's own config names the token
+        that encode() adds; generation_config.json / config.json only give ids. sentencepiece models also record
+        bos/eos ids themselves (-1 when absent)."""
         gen_config = _read_json(self.checkpoint_dir / "generation_config.json")
         model_config = _read_json(self.checkpoint_dir / "config.json")
-
-        # Special ids, most specific source first: the tokenizer's own config names the token that
-        # encode() adds; generation_config.json / config.json only give ids. sentencepiece models
-        # also record bos/eos ids themselves (-1 when absent).
         own_bos = own_eos = None
         if self.backend == "sentencepiece":
             own_bos = self.processor.bos_id() if self.processor.bos_id() >= 0 else None
@@ -172,16 +186,9 @@ class Tokenizer:
         stops = [self.eos_id, *gen_eos, *cfg_eos]
         self.stop_ids: list[int] = list(dict.fromkeys(i for i in stops if i is not None))
 
-        # Whether encode() adds bos/eos by default. An explicit add_bos_token / add_eos_token wins
-        # (transformers 4's Llama/Gemma tokenizers honour it even with a tokenizer.json). Otherwise a
-        # tokenizer.json says so through its post-processor (Llama 3 adds <|begin_of_text|> there),
-        # and a bare tokenizer.model (Llama 1/2 style) gets bos, as Meta's and HF's code did.
-        post_bos, post_eos = self._post_processor_specials()
-        default_bos = post_bos if self.backend == "huggingface" else self.bos_id is not None
-        self.add_bos: bool = _flag(tok_config, "add_bos_token", default_bos) and self.bos_id is not None
-        self.add_eos: bool = _flag(tok_config, "add_eos_token", post_eos) and self.eos_id is not None
-
-        # transformers >= 4.43 may save the template as its own file, which then takes priority
+    def _read_chat_template(self, tok_config: dict[str, Any]) -> str | None:
+        """The chat template: chat_template.jinja (transformers >= 4.43 may save it as its own file, which then takes
+        priority), else tokenizer_config.json's, whose older multi-template form gives its "default" one."""
         template_file = self.checkpoint_dir / "chat_template.jinja"
         template = tok_config.get("chat_template")
         if template_file.is_file():
@@ -192,7 +199,7 @@ class Tokenizer:
             source = template_file if template_file.is_file() else self.checkpoint_dir / "tokenizer_config.json"
             raise UserError(f"{source} holds a chat template of {len(template):,} characters; published templates "
                             "are a few KB (tool-calling ones up to ~30 KB): the file is damaged, re-copy it")
-        self.chat_template: str | None = template
+        return template
 
     def _check_added_tokens(self, tok_config: dict[str, Any]) -> None:
         """tokenizer_config.json's added tokens (id -> token) must be what tokenizer.json has at those ids:

@@ -113,108 +113,134 @@ def sharded_load_worker(rank: int, world: int, port: int, cases: list[dict], out
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    import bitsandbytes as bnb
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
-    from lit_qlora.distributed import fully_shard_gpt
-    from lit_qlora.loader import load_model, load_model_sharded
     from lit_qlora.lora import load_lora_weights
-    from lit_qlora.memory import estimate_training_memory
-    from lit_qlora.quant.quantize import memory_report
-    from lit_qlora.train.training import all_finite
 
     mesh = init_device_mesh("cpu", (world,))
     results = []
     for case in cases:
-        folder, config = Path(case["folder"]), Config.from_file(Path(case["folder"]) / LIT_CONFIG)
-        lora = LoRAConfig(**case["lora"])
-        storage = getattr(torch, case.get("storage", "uint8"))
-        kw = dict(precision=case["precision"], quantize=case["quantize"], lora=lora, device="cpu",
-                  quantize_lm_head=case["quantize_lm_head"], config=config, seed=7)
-        with _PeakRSS() as rss:
-            model = load_model_sharded(folder, lambda m: fully_shard_gpt(m, mesh), storage=storage, **kw)
-        report = memory_report(model)
-        r = dict(name=case["name"], rank=rank, rss_peak_growth=rss.peak - rss.start, rss_growth=rss.end - rss.start,
-                 full_bytes=report["quantized_bytes"] + report["dense_bytes"], rank_bytes=report["rank_bytes"],
-                 estimated_rank_bytes=estimate_training_memory(
-                     config, lora, case["precision"], case["quantize"], quantize_lm_head=case["quantize_lm_head"],
-                     shard_world=world).extra["rank_weight_bytes"])
-        # the sharding plan: every parameter a DTensor split along dim 0 over all ranks; 4-bit weights as packed bytes
-        plan = {}
-        for name, p in model.named_parameters():
-            plan[name] = dict(dtensor=isinstance(p, DTensor), placements=[str(x) for x in getattr(p, "placements", ())],
-                              mesh_size=p.device_mesh.size() if isinstance(p, DTensor) else 0,
-                              local_shape=list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape),
-                              dtype=str(p.dtype), shape=list(p.shape))
-        r["plan"] = plan
-        r["all_shard0"] = all(v["dtensor"] and v["placements"] == [str(Shard(0))] and v["mesh_size"] == world
-                              for v in plan.values())
-        fourbit = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-        r["fourbit_layers"] = sorted(fourbit)
-        r["fourbit_have_state"] = all(m.quant_state is not None for m in fourbit.values())
-        if not case.get("compare", True):  # memory only
-            results.append(r)
-            del model
-            torch.distributed.barrier()
-            continue
-        # B != 0 so every LoRA tensor gets a gradient; set through load_lora_weights, which a resume uses too
-        g = torch.Generator().manual_seed(5)
-        lora_b = {n: torch.randn(p.shape, generator=g) * 0.1 for n, p in model.named_parameters() if "lora_B" in n}
-        load_lora_weights(model, lora_b)
-        logits = _step(model, _batch(config))
-        # the finite check of the training step: one rank's shard of one gradient turns inf, every rank must see it
-        with_grad = [p for p in model.parameters() if p.grad is not None]
-        r["grads_finite"] = all_finite(p.grad for p in with_grad)
-        shard = next(p.grad.to_local() for p in with_grad if p.grad.to_local().numel())
-        kept = shard.view(-1)[0].item()
-        if rank == 1:
-            shard.view(-1)[0] = float("inf")
-        r["inf_seen_by_all"] = not all_finite(p.grad for p in with_grad)
-        shard.view(-1)[0] = kept
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        full.update((n, b) for n, b in model.named_buffers() if "lora_" in n)  # A0, B0, DoRA's row norms: whole
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-        if rank == 0:
-            ref = load_model(folder, **kw)
-            load_lora_weights(ref, lora_b)
-            ref_logits = _step(ref, _batch(config))
-            ref_params = {**dict(ref.named_buffers()), **dict(ref.named_parameters())}
-            diffs = {}
-            for n, t in full.items():
-                ref_t = ref_params[n].data
-                if n.removesuffix(".weight") in fourbit and n.endswith(".weight"):  # packed bytes, any storage dtype
-                    a, b = (x.contiguous().view(torch.uint8).reshape(-1) for x in (t, ref_t))
-                    diffs[n] = int((a != b).sum()) if a.shape == b.shape else -1
-                    if storage.is_floating_point:
-                        r.setdefault("nan_patterns", 0)
-                        r["nan_patterns"] += int(torch.isnan(t).sum())
-                else:
-                    diffs[n] = float((t.float() - ref_t.float()).abs().max()) if t.shape == ref_t.shape else -1.0
-            r["param_diffs"] = diffs
-            states = {}
-            for n, m in fourbit.items():
-                a, b = m.quant_state, ref.get_submodule(n).weight.quant_state
-                a_parts, b_parts = (getattr(s, "parts", [(None, s)]) for s in (a, b))  # PartsQuantState: per part
-                same = a.shape == b.shape and len(a_parts) == len(b_parts)
-                for (ra, pa), (rb, pb) in zip(a_parts, b_parts):
-                    same = same and ra == rb and torch.equal(pa.absmax, pb.absmax) and torch.equal(pa.code, pb.code)
-                    if pb.nested:
-                        same = (same and torch.equal(pa.state2.absmax, pb.state2.absmax)
-                                and torch.equal(pa.offset, pb.offset))
-                states[n] = same
-            r["quant_states_equal"] = states
-            r["logits_max_diff"] = float((logits - ref_logits).abs().max())
-            r["logits_scale"] = float(ref_logits.abs().max())
-            r["grad_max_rel_diff"] = max(float((g - ref_params[n].grad).abs().max()
-                                               / ref_params[n].grad.abs().max().clamp(min=1e-30))
-                                         for n, g in grads.items())
-            r["grads"] = sorted(grads)
+        model, r, kw = _load_sharded_case(case, mesh, rank, world)
         results.append(r)
-        del model, full, grads
+        if case.get("compare", True):
+            # B != 0 so every LoRA tensor gets a gradient; set through load_lora_weights, which a resume uses too
+            g = torch.Generator().manual_seed(5)
+            lora_b = {n: torch.randn(p.shape, generator=g) * 0.1 for n, p in model.named_parameters() if "lora_B" in n}
+            load_lora_weights(model, lora_b)
+            logits = _step(model, _batch(kw["config"]))
+            r.update(_inf_check(model, rank))
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            full.update((n, b) for n, b in model.named_buffers() if "lora_" in n)  # A0, B0, DoRA's row norms: whole
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            if rank == 0:
+                _compare_with_unsharded(r, model, Path(case["folder"]), kw, lora_b, logits, full, grads)
+            del full, grads
+        del model
         torch.distributed.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
+
+
+def _load_sharded_case(case: dict, mesh, rank: int, world: int) -> tuple[torch.nn.Module, dict, dict]:
+    """(the model of `case` loaded sharded, what this rank records of its memory and sharding plan, load_model's
+    keyword arguments)."""
+    import bitsandbytes as bnb
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lit_qlora.distributed import fully_shard_gpt
+    from lit_qlora.loader import load_model_sharded
+    from lit_qlora.memory import estimate_training_memory
+    from lit_qlora.quant.quantize import memory_report
+
+    folder, config = Path(case["folder"]), Config.from_file(Path(case["folder"]) / LIT_CONFIG)
+    lora = LoRAConfig(**case["lora"])
+    storage = getattr(torch, case.get("storage", "uint8"))
+    kw = dict(precision=case["precision"], quantize=case["quantize"], lora=lora, device="cpu",
+              quantize_lm_head=case["quantize_lm_head"], config=config, seed=7)
+    with _PeakRSS() as rss:
+        model = load_model_sharded(folder, lambda m: fully_shard_gpt(m, mesh), storage=storage, **kw)
+    report = memory_report(model)
+    r = dict(name=case["name"], rank=rank, rss_peak_growth=rss.peak - rss.start, rss_growth=rss.end - rss.start,
+             full_bytes=report["quantized_bytes"] + report["dense_bytes"], rank_bytes=report["rank_bytes"],
+             estimated_rank_bytes=estimate_training_memory(
+                 config, lora, case["precision"], case["quantize"], quantize_lm_head=case["quantize_lm_head"],
+                 shard_world=world).extra["rank_weight_bytes"])
+    # the sharding plan: every parameter a DTensor split along dim 0 over all ranks; 4-bit weights as packed bytes
+    plan = {}
+    for name, p in model.named_parameters():
+        plan[name] = dict(dtensor=isinstance(p, DTensor), placements=[str(x) for x in getattr(p, "placements", ())],
+                          mesh_size=p.device_mesh.size() if isinstance(p, DTensor) else 0,
+                          local_shape=list(p.to_local().shape) if isinstance(p, DTensor) else list(p.shape),
+                          dtype=str(p.dtype), shape=list(p.shape))
+    r["plan"] = plan
+    r["all_shard0"] = all(v["dtensor"] and v["placements"] == [str(Shard(0))] and v["mesh_size"] == world
+                          for v in plan.values())
+    fourbit = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    r["fourbit_layers"] = sorted(fourbit)
+    r["fourbit_have_state"] = all(m.quant_state is not None for m in fourbit.values())
+    return model, r, {**kw, "storage": storage}
+
+
+def _inf_check(model: torch.nn.Module, rank: int) -> dict:
+    """The finite check of the training step: one rank's shard of one gradient turns inf, every rank must see it."""
+    from lit_qlora.train.training import all_finite
+
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    out = dict(grads_finite=all_finite(p.grad for p in with_grad))
+    shard = next(p.grad.to_local() for p in with_grad if p.grad.to_local().numel())
+    kept = shard.view(-1)[0].item()
+    if rank == 1:
+        shard.view(-1)[0] = float("inf")
+    out["inf_seen_by_all"] = not all_finite(p.grad for p in with_grad)
+    shard.view(-1)[0] = kept
+    return out
+
+
+def _compare_with_unsharded(r: dict, model: torch.nn.Module, folder: Path, kw: dict, lora_b: dict,
+                            logits: torch.Tensor, full: dict, grads: dict) -> None:
+    """Rank 0: the same checkpoint loaded unsharded, the same step; the differences of parameters, 4-bit states,
+    logits and gradients into `r`."""
+    import bitsandbytes as bnb
+
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import load_lora_weights
+
+    kw = dict(kw)
+    storage = kw.pop("storage")
+    ref = load_model(folder, **kw)
+    load_lora_weights(ref, lora_b)
+    ref_logits = _step(ref, _batch(kw["config"]))
+    ref_params = {**dict(ref.named_buffers()), **dict(ref.named_parameters())}
+    fourbit = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    diffs = {}
+    for n, t in full.items():
+        ref_t = ref_params[n].data
+        if n.removesuffix(".weight") in fourbit and n.endswith(".weight"):  # packed bytes, any storage dtype
+            a, b = (x.contiguous().view(torch.uint8).reshape(-1) for x in (t, ref_t))
+            diffs[n] = int((a != b).sum()) if a.shape == b.shape else -1
+            if storage.is_floating_point:
+                r["nan_patterns"] = r.get("nan_patterns", 0) + int(torch.isnan(t).sum())
+        else:
+            diffs[n] = float((t.float() - ref_t.float()).abs().max()) if t.shape == ref_t.shape else -1.0
+    r["param_diffs"] = diffs
+    r["quant_states_equal"] = {n: _same_quant_state(m.quant_state, ref.get_submodule(n).weight.quant_state)
+                               for n, m in fourbit.items()}
+    r["logits_max_diff"] = float((logits - ref_logits).abs().max())
+    r["logits_scale"] = float(ref_logits.abs().max())
+    r["grad_max_rel_diff"] = max(float((g - ref_params[n].grad).abs().max()
+                                       / ref_params[n].grad.abs().max().clamp(min=1e-30)) for n, g in grads.items())
+    r["grads"] = sorted(grads)
+
+
+def _same_quant_state(a, b) -> bool:
+    """Two 4-bit states hold the same statistics (PartsQuantState: part by part)."""
+    a_parts, b_parts = (getattr(s, "parts", [(None, s)]) for s in (a, b))
+    same = a.shape == b.shape and len(a_parts) == len(b_parts)
+    for (ra, pa), (rb, pb) in zip(a_parts, b_parts):
+        same = same and ra == rb and torch.equal(pa.absmax, pb.absmax) and torch.equal(pa.code, pb.code)
+        if pb.nested:
+            same = same and torch.equal(pa.state2.absmax, pb.state2.absmax) and torch.equal(pa.offset, pb.offset)
+    return same
 
 
 def unsharded_load_worker(_: int, warm: dict, case: dict, out_file: str) -> None:

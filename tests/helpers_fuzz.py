@@ -99,7 +99,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{
 
 
 # ---- corruptions -----------------------------------------------------------------------------------------------------
-HUGE_NUMBERS = [None, -1, 0, 1e308, float("inf"), float("nan"), 10**18, "x", [], {}, True, 2.5, -1e-9]
+HUGE_NUMBERS = [None, -1, 0, 1e308, float("inf"), float("nan"), 10**18, 2**64 + 1, "x", [], {}, True, 2.5, -1e-9]
 
 
 def _json_lie(data, rng: random.Random):
@@ -209,7 +209,7 @@ def _samples_lie(samples: list, rng: random.Random) -> list:
 def _payload_lie(payload: dict, rng: random.Random) -> dict:
     """A training checkpoint / adapter whose content lies (it loads, but is not what finetune writes)."""
     p = {k: (dict(v) if isinstance(v, dict) else v) for k, v in payload.items()}
-    kind = rng.randrange(9)
+    kind = rng.randrange(11)
     if kind == 0:
         p["lora_config"]["r"] = rng.choice([10**18, 0, -2, 2.5, "8", 10**6])
     elif kind == 1:
@@ -230,9 +230,26 @@ def _payload_lie(payload: dict, rng: random.Random) -> dict:
         r[key] = rng.choice([None, -1, "x", [1], {}, float("nan")])
     elif kind == 7:
         p["lora_config"]["dropout"] = rng.choice([1.5, -0.1, float("nan"), "x"])
-    else:
+    elif kind == 8:
         p["format"] = rng.choice(["x", None, 3])
+    elif kind == 9 or not isinstance(p.get("resume"), dict):  # the right shape, a value no training writes
+        k = rng.choice(sorted(p["lora"]))
+        p["lora"][k] = _non_finite(p["lora"][k], rng)
+    else:  # the optimizer's moments (Adam's second moment inf: every later update NaN)
+        r = p["resume"] = dict(p["resume"])
+        opt = r["optimizer"] = dict(r["optimizer"])
+        state = opt["state"] = {i: dict(v) for i, v in opt["state"].items()}
+        i = rng.choice(sorted(state))
+        name = rng.choice(["exp_avg", "exp_avg_sq"])
+        state[i][name] = _non_finite(state[i][name], rng)
     return p
+
+
+def _non_finite(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """`t` with one element NaN, inf or -inf."""
+    t = t.clone()
+    t.view(-1)[rng.randrange(t.numel())] = rng.choice([float("nan"), float("inf"), float("-inf")])
+    return t
 
 
 def _place_corruption(path: Path, rng: random.Random) -> bool:
@@ -404,6 +421,16 @@ def _read_alpaca(d: Path):
     return load_records(d / "data" / "tasks.json")
 
 
+def _read_data_dir(d: Path):
+    """--data_dir as finetune/lora.py prepares it: the files the folder holds (`sources.resolve`), tokenized into its
+    cache (the fuzzer found a symlink loop in a data file's place ending here in a traceback)."""
+    from lit_qlora.data.prepare import DataSettings, ensure_prepared
+    from lit_qlora.tokenizer import Tokenizer
+
+    train, val, _ = ensure_prepared(d / "data", Tokenizer(d / "ckpt"), DataSettings(128, template="plain"))
+    return [{k: v.tolist() for k, v in sorted(x.items())} for x in train + val]
+
+
 def _read_chat(d: Path):
     from lit_qlora.data.chat_template import load_conversation_rows
 
@@ -502,6 +529,7 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "config_yaml": ("run.yaml", _read_config),
     "hparams_json": ("run/hyperparameters.json", _read_hparams),
     "alpaca_json": ("data/tasks.json", _read_alpaca),
+    "data_dir_file": ("data/tasks.json", _read_data_dir),
     "chat_jsonl": ("chat.jsonl", _read_chat),
     "report_metrics_json": ("matrix/tiny/32-true/metrics.json", _report),
     "report_metrics_csv": ("matrix/tiny/32-true/metrics.csv", _report),
@@ -519,8 +547,8 @@ KINDS: dict[str, tuple[str, Callable[[Path], None]]] = {
 JSONL_KINDS = {"chat_jsonl", "preference_jsonl"}
 JSON_KINDS = {"report_metrics_json", "run_report_metrics_json", "peft_config",
               "hf_config", "generation_config", "tokenizer_config", "model_config", "config_yaml", "hparams_json",
-              "alpaca_json", "chat_jsonl", "tokenizer_json", "tokenizer_json_gguf", "tokenizer_config_gguf",
-              "preference_jsonl", "data_sources_yaml", "prepared_config"}
+              "alpaca_json", "data_dir_file", "chat_jsonl", "tokenizer_json", "tokenizer_json_gguf",
+              "tokenizer_config_gguf", "preference_jsonl", "data_sources_yaml", "prepared_config"}
 
 
 def _snapshot(folder: Path, skip: Path) -> dict[str, str]:
@@ -792,7 +820,7 @@ def valid_edit(kind: str, original: bytes, d: Path, target: Path) -> str | None:
         return _ref_gguf_agrees(d)
     if kind == "chat_template_jinja":
         return _ref_chat_template_agrees(d)
-    if kind == "alpaca_json":
+    if kind in ("alpaca_json", "data_dir_file"):
         return _alpaca_record_edit(original, target)
     if kind in ("chat_jsonl",):
         return _jsonl_rows_valid(original, target)

@@ -3,6 +3,7 @@ preset under the flags given, --help from the field docstrings, and the `lit-qlo
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import subprocess
 import sys
@@ -127,6 +128,53 @@ def test_values_that_cannot_train_are_refused_when_parsed(argv, expect):
     with pytest.raises(UserError) as e:
         parse_finetune_args(["--checkpoint_dir", "ckpt", *argv])
     assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def _float_flags() -> dict[str, bool]:
+    """Every float flag of finetune/lora.py and finetune/dpo.py -> whether it may be left out (None)."""
+    from typing import get_args, get_type_hints
+
+    from lit_qlora.args import PreferenceArgs
+
+    out = {}
+    for group in (*GROUPS, PreferenceArgs):
+        for name, hint in get_type_hints(group).items():
+            if float in (get_args(hint) or (hint,)):
+                out[name] = type(None) in get_args(hint)
+    return out
+
+
+def _outside(r) -> list[float]:
+    """Values just outside a FLOAT_RANGES range, and the non-finite ones."""
+    out = [math.inf, -math.inf, math.nan]
+    for end, is_open, step in ((r.low, r.low_open, -1), (r.high, r.high_open, 1)):
+        if math.isfinite(end):
+            out.append(end if is_open else end + step * max(abs(end), 1) * 1e-3)
+    if math.isfinite(r.high):
+        out.append(18446744073709551617)  # the file fuzzer's lora_dropout (a 2**64 + 1 in a --config YAML)
+    return out
+
+
+@pytest.mark.parametrize("flag", sorted(_float_flags()))
+def test_every_float_flag_has_a_range_checked_when_parsed(flag, tmp_path):
+    """The file fuzzer: `lora_dropout: 18446744073709551617` in a --config YAML parsed and ended in torch's
+    ValueError (dropout probability has to be between 0 and 1) once the model was built. Every float flag has a range
+    (lit_qlora/args.py FLOAT_RANGES); a value outside it, from a --config file or the command line, is one line naming
+    the flag and the file, when the flags are read; the default is inside it."""
+    from lit_qlora.args import FLOAT_RANGES
+
+    assert flag in FLOAT_RANGES, f"--{flag} is a float flag without a range in FLOAT_RANGES"
+    preference = flag in ("beta", "gamma")
+    for value in _outside(FLOAT_RANGES[flag]):
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({"checkpoint_dir": "ckpt", flag: value}))
+        with pytest.raises(UserError) as e:
+            parse_finetune_args(["--config", str(tmp_path / "run.yaml")], preference=preference)
+        assert f"--{flag} is " in str(e.value) and str(tmp_path / "run.yaml") in str(e.value), (value, str(e.value))
+        assert "\n" not in str(e.value)
+        if math.isfinite(value):  # (a non-finite one is text on the command line)
+            with pytest.raises(UserError, match=f"--{flag} is "):
+                parse_finetune_args(["--checkpoint_dir", "ckpt", f"--{flag}", str(value)], preference=preference)
+    parse_finetune_args(["--checkpoint_dir", "ckpt"], preference=preference)  # every default is inside its range
 
 
 def test_the_demo_data_lies_under_data_sources():

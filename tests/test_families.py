@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from helpers import TINY_HF_CONFIGS, hf_4bit, load_ours, make_tiny_hf_model, random_tokens
+from helpers_bounds import SEQUENCES, assert_logits_as_close_as, assert_merged_as_close_as, logits_as_close_as
 
 from lit_qlora.config import Config
 from lit_qlora.convert import convert_hf_checkpoint
@@ -17,17 +18,16 @@ from lit_qlora.utils import UserError
 @torch.no_grad()
 def test_longrope_long_factors_match_transformers(tmp_path, kind):
     """Past original_max_position_embeddings (32) longrope switches to its long factors and its attention factor:
-    logits of a 40-token sequence equal transformers', and differ from the short factors' (the switch matters).
+    logits of a 40-token sequence equal transformers' (tests/helpers_bounds.py), and not with the short factors'.
     Phi-3: on the rotated part of each head only (partial rotary)."""
     hf = make_tiny_hf_model(kind, tmp_path, initializer_range=0.2)
     convert_hf_checkpoint(tmp_path)
     ours = load_ours(tmp_path)
-    idx = random_tokens(1, 40, seed=5)
-    expected = hf(idx).logits
-    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    idx = random_tokens(SEQUENCES, 40, seed=5)
+    assert_logits_as_close_as(ours(idx), hf, idx)
     short = ours.config.rope_scaling["short_factor"]
     ours.config.rope_scaling["long_factor"] = short
-    assert (ours(idx) - expected).abs().max().item() > 1e-2
+    assert not logits_as_close_as(ours(idx), hf, idx)[0]
 
 
 def test_gemma3_reads_the_same_from_both_config_formats():
@@ -110,15 +110,14 @@ def test_each_feature_changes_the_logits(tmp_path, kind, field, value):
     hf = make_tiny_hf_model(kind, tmp_path, initializer_range=0.2)
     convert_hf_checkpoint(tmp_path)
     ours = load_ours(tmp_path)
-    idx = random_tokens(2, 24, seed=6)
-    expected = hf(idx).logits
-    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    idx = random_tokens(SEQUENCES, 24, seed=6)
+    assert_logits_as_close_as(ours(idx), hf, idx)
     from lit_qlora.model import GPT
 
     config = Config.from_dict({**ours.config.to_dict(), field: value})
     broken = GPT(config).to(next(ours.parameters()).dtype)
     broken.load_state_dict(ours.state_dict(), strict=False)
-    assert (broken(idx) - expected).abs().max().item() > 1e-3
+    assert not logits_as_close_as(broken(idx), hf, idx)[0]
 
 
 @torch.no_grad()
@@ -161,14 +160,14 @@ def test_adapter_on_every_target_exports_to_peft_and_merges_into_an_hf_folder(ki
     lora = lora_cfg()
     model = load_model(folder, precision="32-true", lora=lora, seed=0)
     randomize_lora(model, seed=4)
-    idx = random_tokens(2, 12, seed=3)
+    idx = random_tokens(SEQUENCES, 12, seed=3)
     expected = model(idx)
     adapter = adapter_of(model, lora)
     adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(folder))
     peft_model = PeftModel.from_pretrained(hf_model(folder), tmp_path / "peft").eval()
-    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
+    assert_logits_as_close_as(expected, peft_model, idx, "against PEFT")
     out = export_hf(folder, tmp_path / "hf", adapter)
-    assert (hf_model(out)(idx).logits - expected).abs().max().item() <= 1e-4
+    assert_merged_as_close_as(hf_model(out)(idx).logits, peft_model, idx)
 
 
 @pytest.mark.parametrize("kind, quantize, precision", [("gemma3", "bnb.nf4-dq", "bf16-true"),
@@ -210,8 +209,8 @@ def test_qwen3_moe_decoder_sparse_step_places_the_dense_layers_as_transformers(t
     convert_hf_checkpoint(tmp_path / "hf")
     ours = load_ours(tmp_path / "hf")
     assert [isinstance(b.mlp, MoE) for b in ours.transformer.h] == [False, True, False, False]
-    idx = random_tokens(2, 16, seed=2)
-    assert (ours(idx) - hf(idx).logits).abs().max().item() <= 1e-4
+    idx = random_tokens(SEQUENCES, 16, seed=2)
+    assert_logits_as_close_as(ours(idx), hf, idx)
     from helpers import hf_model
 
     again = hf_model(convert_lit_checkpoint(tmp_path / "hf", tmp_path / "out"))

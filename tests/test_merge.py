@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import hf_model, lora_cfg, random_tokens, randomize_lora, run_script_here
+from helpers_bounds import SEQUENCES, assert_logits_as_close_as, assert_merged_as_close_as
 from safetensors.torch import load_file
 
 from lit_qlora.adapter import Adapter
@@ -25,21 +26,28 @@ from lit_qlora.lora import LoRAConfig, lora_modules
 def test_hf_export_of_merged_model_matches(which, variant, request, tmp_path):
     """scripts/export_hf.py merges the adapter into the full-precision weights: transformers computes on the merged
     folder what our model with the adapter computes (DoRA: each adapted row scaled to its magnitude; PiSSA: the
-    residual given up is added back)."""
+    residual given up is added back). The adapted model's exact logits are PEFT's with our exported adapter, in
+    float64: our model is as close to them as PEFT's own fp32 model, the merged folder as close as PEFT's own merge
+    (tests/helpers_bounds.py)."""
+    from peft import PeftModel
+
     tiny = request.getfixturevalue(which)
-    idx = random_tokens(2, 12, seed=7)
+    idx = random_tokens(SEQUENCES, 12, seed=7)
     lora = replace(lora_cfg(), **variant)
     model = load_model(tiny.folder, precision="32-true", lora=lora, seed=0)
     randomize_lora(model, seed=8)
     if lora.dora:
         for m in lora_modules(model).values():
             m.lora_magnitude.mul_(1.5)
-    expected = model(idx)
-    Adapter.of_model(model, lora).save(tmp_path / "adapter.pth")
+    adapter = Adapter.of_model(model, lora)
+    adapter.save(tmp_path / "adapter.pth")
+    adapter.export_peft(model.config, tmp_path / "peft", base_model_name_or_path=str(tiny.folder))
+    peft_model = PeftModel.from_pretrained(hf_model(tiny.folder), tmp_path / "peft").eval()
+    assert_logits_as_close_as(model(idx), peft_model, idx, "against PEFT")
     assert run_script_here("export_hf.py", "--checkpoint_dir", tiny.folder, "--lora_path", tmp_path / "adapter.pth",
                            "--out_dir", tmp_path / "hf") == 0
     assert not any(p.name.startswith(".merged") for p in (tmp_path / "hf").iterdir())
-    assert (hf_model(tmp_path / "hf")(idx).logits - expected).abs().max().item() <= 1e-4
+    assert_merged_as_close_as(hf_model(tmp_path / "hf")(idx).logits, peft_model, idx)
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ALL, adapter_of, hf_model, lora_cfg, random_tokens, randomize_lora, run_script_here
+from helpers_bounds import SEQUENCES, assert_logits_as_close_as
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.export.peft_interop import import_peft
@@ -35,7 +36,7 @@ def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     from peft import PeftModel
 
     tiny = request.getfixturevalue(which)
-    idx = random_tokens(2, 12, seed=3)
+    idx = random_tokens(SEQUENCES, 12, seed=3)
     lora = lora_cfg(**targets)
     model = load_model(tiny.folder, precision="32-true", lora=lora, seed=0)
     randomize_lora(model, seed=4)
@@ -44,7 +45,7 @@ def test_exported_adapter_runs_in_peft(which, targets, request, tmp_path):
     adapter.export_peft(tiny.config, tmp_path / "peft", base_model_name_or_path=str(tiny.folder))
 
     peft_model = PeftModel.from_pretrained(hf_model(tiny.folder), tmp_path / "peft").eval()
-    assert (peft_model(idx).logits - expected).abs().max().item() <= 1e-4
+    assert_logits_as_close_as(expected, peft_model, idx, "against PEFT")
 
     back_lora, back_config, _ = import_peft(tmp_path / "peft", tiny.config)  # our own export comes back as it was
     assert back_config == adapter.config
@@ -74,16 +75,15 @@ def test_peft_made_adapter_imports_exactly(which, peft_targets, rslora, request,
     for name, p in peft_model.named_parameters():
         if "lora_" in name:
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    idx = random_tokens(2, 12, seed=6)
-    expected = peft_model.eval()(idx).logits
-    peft_model.save_pretrained(tmp_path / "peft")
+    idx = random_tokens(SEQUENCES, 12, seed=6)
+    peft_model.eval().save_pretrained(tmp_path / "peft")
 
     adapter = Adapter.load(tmp_path / "peft", tiny.config)  # a folder: goes through import_peft
     assert adapter.train["source"] == "peft"
     if isinstance(peft_targets, list) and len(peft_targets) > 4:
         assert adapter.config.targets() == list(ALL)
     ours = load_model_with_adapter(tiny.folder, adapter, precision="32-true")
-    assert (ours(idx) - expected).abs().max().item() <= 1e-4
+    assert_logits_as_close_as(ours(idx), peft_model, idx, "against PEFT")
 
 
 def _save_peft(lora_ckpt, tmp_path, **kw) -> Path:

@@ -154,6 +154,9 @@ def test_layer_matches_bnb_reference(mode, dtype):
     assert isinstance(ours, type(ref))
     assert_same_stored(ours, ref)
     assert_same_forward_backward(ours, ref, dtype)
+    # the mode is read back from bitsandbytes' own storage (the decode kernel asks it so), int8 being no 4-bit mode
+    mode = QuantMode(mode)
+    assert QuantMode.of_quant_state(getattr(ref.weight, "quant_state", None)) == (mode if mode.is_4bit else None)
 
 
 # (odd in_features would send bitsandbytes' CPU dequantize to a torch.compile'd fallback: seconds per shape)

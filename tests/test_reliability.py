@@ -225,6 +225,18 @@ def _data_empty(t, p):
     return dict(data_dir=d), [str(d / "tasks.json"), "is empty"]
 
 
+def _data_symlink_loop(t, p):  # the file fuzzer: a traceback (RuntimeError: Symlink loop from '.../alpaca.json')
+    d = write_data(p / "data", "tasks.json", json.dumps(h.make_records()))
+    os.symlink("alpaca.json", d / "alpaca.json")  # a link to itself: ELOOP
+    return dict(data_dir=d), [str(d / "alpaca.json"), "is a symlink loop"]
+
+
+def _lora_dropout_huge(t, p):  # the file fuzzer: torch's ValueError (dropout probability) after the model was built
+    (p / "run.yaml").write_text("lora_dropout: 18446744073709551617\n")
+    return dict(config=p / "run.yaml", lora_dropout=None, out_dir=p / "new"), [
+        "--lora_dropout is 1.8446744073709552e+19", "from 0 to 1 (excluded)", f"--config {p / 'run.yaml'}"]
+
+
 def _batch_size(t, p):
     return dict(batch_size=6), ["--batch_size 6 is not a multiple of --micro_batch_size 4 x devices 1"]
 
@@ -291,6 +303,23 @@ def _resume_no_such_file(t, p):
     return dict(resume=p / "iter-000001.pth"), ["no such checkpoint"]
 
 
+def _resume_non_finite_lora(t, p):  # the file fuzzer: hyperparameters.json rewritten, then a NaN loss at step 1
+    ckpt = list_checkpoints(p / "prev_run")[0]  # not the last: the run would train on from it
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    name = sorted(state["lora"])[0]
+    state["lora"][name].view(-1)[0] = float("nan")
+    atomic_torch_save(state, ckpt)
+    return dict(resume=ckpt), [f"--resume {ckpt}", f"LoRA tensor {name} holds non-finite values (1 NaN or inf)"]
+
+
+def _resume_non_finite_optimizer_state(t, p):  # Adam's second moments: inf makes every later update NaN
+    ckpt = list_checkpoints(p / "prev_run")[0]
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["resume"]["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[0] = float("inf")
+    atomic_torch_save(state, ckpt)
+    return dict(resume=ckpt), [f"--resume {ckpt}", "resume.optimizer state 0 exp_avg_sq holds non-finite values"]
+
+
 def _loftq_without_4bit(t, p):
     return dict(lora_init="loftq", quantize="bnb.int8", out_dir=p / "new"), [
         "--lora_init loftq needs a 4-bit --quantize", "--lora_init pissa"]
@@ -331,8 +360,10 @@ CASES = {f.__name__[1:]: f for f in (
     _ckpt_config_corrupt,
     _tokenizer_missing, _tokenizer_of_another_model, _data_missing, _data_other_tokenizer, _data_other_max_len,
     _data_not_json, _data_bad_jsonl, _data_missing_field, _data_unknown_column,
-    _data_torn_parquet, _data_sources_bad_weight, _data_empty, _batch_size, _batch_size_devices, _quantize,
-    _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _strategy_unknown,
+    _data_torn_parquet, _data_sources_bad_weight, _data_empty, _data_symlink_loop, _lora_dropout_huge,
+    _batch_size, _batch_size_devices, _quantize,
+    _precision, _optimizer, _interval_zero, _resume_other_settings, _resume_no_such_file, _resume_non_finite_lora,
+    _resume_non_finite_optimizer_state, _strategy_unknown,
     _fsdp_8bit_optimizer, _fsdp_int8, _fsdp_fp16_mixed, _num_nodes_without_launcher, _num_nodes_zero,
     _cuda_without_a_gpu,
     _loftq_without_4bit, _loftq_on_a_dense_head, _pissa_rank_above_a_part, _rank_above_the_layers,
@@ -449,6 +480,10 @@ def test_adapter_for_another_base_model_is_refused(train_setup, tmp_path):
     model = GPT(other)
     lora = LoRAConfig(r=4, alpha=8)
     apply_lora(model, lora)
+    with torch.no_grad():  # (apply_lora leaves them uninitialized: an adapter holding NaN is refused for that first)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_()
     Adapter.of_model(model, lora, train={"template": "plain"}).save(tmp_path / "other.pth")
     r = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", train_setup["ckpt"], "--lora_path", tmp_path / "other.pth",
                                        "--prompt", "kind", "--precision", "32-true"])

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lit_qlora.data.records import RAW_SUFFIXES, is_dataset_folder, iter_rows, optional_module
-from lit_qlora.readers import read_json
+from lit_qlora.readers import check_file, read_json
 from lit_qlora.utils import UserError
 
 # files a data folder may hold that are not records
@@ -111,14 +111,15 @@ def _split_of(rel: Path) -> str | None:
 
 def data_files(folder: Path) -> list[Path]:
     """The data files under a folder (its subfolders too), in name order; hidden files and folders (a prepared
-    cache, .git) and dataset metadata are not data."""
+    cache, .git) and dataset metadata are not data. A data file's name on something that is no file (a symlink
+    loop, a link to nothing) is refused in one line: it would be read, or its path resolved, later."""
     out = []
     for root, dirs, files in os.walk(folder, followlinks=True):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if (not name.startswith(".") and name not in METADATA_FILES
                     and os.path.splitext(name)[1].lower() in RAW_SUFFIXES):
-                out.append(Path(root) / name)
+                out.append(check_file(Path(root) / name, "data file", "replace it with the file, or remove it"))
     return out
 
 

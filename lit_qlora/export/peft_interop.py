@@ -470,7 +470,7 @@ def check_peft(peft: PeftFolder, base_config: Config) -> dict[str, tuple[torch.T
 def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
                  base_config: Config) -> tuple[dict[str, torch.Tensor], LoRAConfig]:
     """Checked PEFT LoRAs -> our tensors in our layout (fused qkv, one r and alpha) and the LoRAConfig."""
-    where, universe, layout = peft.where, _universe(base_config), qkv_layout(base_config)
+    universe = _universe(base_config)
     by_cat = _layers_by_category(mods, universe)
     fused = "qkv" in by_cat
     lit_meta = _lit_meta(peft.metadata, peft.where)
@@ -478,16 +478,37 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
                  projection="projection" in by_cat, mlp=any(k.startswith("mlp:") for k in by_cat),
                  head="head" in by_cat, experts=any(role != "router" for _, role in peft.moe),
                  router=any(role == "router" for _, role in peft.moe))
+    by_ours = _by_our_module(mods, universe, peft.where)
+    lora_sd, ranks = _our_pairs(by_ours, mods, base_config, lit_meta, flags, peft.where)
+    _convert_moe(peft, base_config, lit_meta, lora_sd, ranks)
+    r, s = _check_uniform(list(ranks.values()), peft.where, None)
+    lora = _lora_config(peft, lit_meta, r, s, flags)
+    if lora.dora:
+        lora_sd.update(_our_magnitudes(peft, by_ours, base_config))
+    targets = lora_targets(base_config, lora)
+    _add_inert_pairs(lora_sd, targets, _weight_shapes(base_config), r, lora.dora, peft.where)
+    extra = set(k.rsplit(".", 1)[0] for k in lora_sd) - set(targets)
+    assert not extra, f"internal error: LoRA tensors for {sorted(extra)} outside the targets"
+    return {k: v.contiguous() for k, v in lora_sd.items()}, lora
 
-    lora_sd: dict[str, torch.Tensor] = {}
-    ranks: dict[str, tuple[int, float]] = {}  # our module -> (r, scaling)
+
+def _by_our_module(mods: dict, universe: dict, where: str) -> dict[str, dict[str, str]]:
+    """Our module -> {HF category: the PEFT module adapting it}; a tied head adapted twice must hold one LoRA."""
     by_ours: dict[str, dict[str, str]] = {}
     for mod in mods:
         ours, cat, _ = universe[mod]
         other = by_ours.setdefault(ours, {}).setdefault(cat, mod)
         if other != mod and not all(torch.equal(x, y) for x, y in zip(mods[mod][:2], mods[other][:2])):
             raise UserError(f"{where} holds two different LoRAs for the output head ({other} and {mod}); keep only one")
-    # fused HF qkv: our own export comes back as it was, if every layer still has its block structure
+    return by_ours
+
+
+def _our_pairs(by_ours: dict, mods: dict, base_config: Config, lit_meta: Optional[dict], flags: dict,
+               where: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, float]]]:
+    """(our lora_A / lora_B tensors, our module -> (r, scaling)) of the PEFT LoRAs on Linear modules. A fused HF qkv
+    or gate_up that our own export wrote (block-diagonal, every layer) comes back as the LoRAs it was, its flags
+    into `flags`."""
+    layout = qkv_layout(base_config)
     fused_qkv = {ours: mods[cats["qkv"]] for ours, cats in by_ours.items() if "qkv" in cats}
     fused_qkv = {ours: (A, qkv_from_hf(base_config, layout, [B_hf]), s) for ours, (A, B_hf, s) in fused_qkv.items()}
     restored = {ours: _block_diagonal(base_config, lit_meta, A, B) for ours, (A, B, _) in fused_qkv.items()}
@@ -495,71 +516,76 @@ def convert_peft(peft: PeftFolder, mods: dict[str, tuple[torch.Tensor, torch.Ten
         flags.update(next(iter(restored.values()))[3])
     else:
         restored = {}
-    # fused HF gate_up: our own export (rank 2r, block-diagonal) back as its two LoRAs, when every layer still is
     halves = {ours: _gate_up_halves(lit_meta, *mods[cats["gate_up"]][:2]) for ours, cats in by_ours.items()
               if "gate_up" in cats}
     if not all(v is not None for v in halves.values()):
         halves = {}
+    lora_sd: dict[str, torch.Tensor] = {}
+    ranks: dict[str, tuple[int, float]] = {}
     for ours, cats in by_ours.items():
-        if "qkv" in cats:  # one fused HF Linear
-            A, B, s = fused_qkv[ours]  # B rows in our order [q | k | v]
-            if ours in restored:
-                A, B, r, _ = restored[ours]
-            else:  # a LoRA with one A shared by q, k and v: the same A for each of our three parts
-                r = A.shape[0]
-                A = torch.cat([A, A, A])
-            lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
-            ranks[ours] = (r, s)
+        if "qkv" in cats:  # one fused HF Linear; B rows in our order [q | k | v]
+            pairs = [(ours, *_qkv_pair(fused_qkv[ours], restored.get(ours)))]
         elif "gate_up" in cats:  # one fused HF Linear: fc_1 has its first half of rows, fc_2 the second
             A, B, s = mods[cats["gate_up"]]
             (A1, B1), (A2, B2) = halves.get(ours) or ((A, B[:B.shape[0] // 2]), (A, B[B.shape[0] // 2:]))
-            for name, a, b in ((ours, A1, B1), (_partner(ours), A2, B2)):
-                lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = a, b
-                ranks[name] = (a.shape[0], s)
+            pairs = [(ours, A1, B1, A1.shape[0], s), (_partner(ours), A2, B2, A2.shape[0], s)]
         elif any(c in _QKV for c in cats):  # separate HF projections: stack them
             mlist = [mods[cats[c]] for c in _QKV if c in cats]
             _check_uniform([(m[0].shape[0], m[2]) for m in mlist], where, ours)
-            lora_sd[ours + ".lora_A"] = torch.cat([m[0] for m in mlist])
-            lora_sd[ours + ".lora_B"] = torch.cat([m[1] for m in mlist])
-            ranks[ours] = (mlist[0][0].shape[0], mlist[0][2])
+            pairs = [(ours, torch.cat([m[0] for m in mlist]), torch.cat([m[1] for m in mlist]), mlist[0][0].shape[0],
+                      mlist[0][2])]
         else:
             A, B, s = mods[next(iter(cats.values()))]
-            lora_sd[ours + ".lora_A"], lora_sd[ours + ".lora_B"] = A, B
-            ranks[ours] = (A.shape[0], s)
-    _convert_moe(peft, base_config, lit_meta, lora_sd, ranks)
-    r, s = _check_uniform(list(ranks.values()), where, None)
+            pairs = [(ours, A, B, A.shape[0], s)]
+        for name, A, B, r, s in pairs:
+            lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = A, B
+            ranks[name] = (r, s)
+    return lora_sd, ranks
 
+
+def _qkv_pair(fused: tuple, restored: Optional[tuple]) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """(A, B, r, scaling) of our qkv from a fused HF qkv LoRA: our own export restored, or a LoRA with one A shared
+    by q, k and v, which gives each of our three parts the same A."""
+    A, B, s = fused
+    if restored is not None:
+        A, B, r, _ = restored
+        return A, B, r, s
+    return torch.cat([A, A, A]), B, A.shape[0], s
+
+
+def _lora_config(peft: PeftFolder, lit_meta: Optional[dict], r: int, s: float, flags: dict) -> LoRAConfig:
+    """Our LoRAConfig of a PEFT adapter of rank r and scaling s, keeping what our own export recorded of how it was
+    trained (the exact alpha, the dropout, LoRA+'s ratio: PEFT's config has no place for them)."""
     rslora = bool(peft.config.get("use_rslora"))
     alpha = s * math.sqrt(r) if rslora else s * r  # the scaling s as alpha / sqrt(r) or alpha / r
-    dora = bool(peft.config.get("use_dora"))
     lora = LoRAConfig(r=r, alpha=alpha, dropout=float(peft.config.get("lora_dropout") or 0.0), rslora=rslora,
-                      dora=dora, **flags)
-    if dora:
-        lora_sd.update(_our_magnitudes(peft, by_ours, base_config))
-    if lit_meta is not None and math.isclose(lit_meta.get("alpha", float("nan")), alpha, rel_tol=1e-12):
+                      dora=bool(peft.config.get("use_dora")), **flags)
+    if lit_meta is None:
+        return lora
+    if math.isclose(lit_meta.get("alpha", float("nan")), alpha, rel_tol=1e-12):
         lora.alpha = lit_meta["alpha"]  # keep the exact number (e.g. an int) it was trained with
-    if lit_meta is not None and peft.moe:  # (target_parameters made our export write lora_dropout 0)
+    if peft.moe:  # (target_parameters made our export write lora_dropout 0)
         lora.dropout = float(lit_meta.get("dropout", lora.dropout))
-    if lit_meta is not None and lit_meta.get("loraplus_lr_ratio") is not None:
-        lora.loraplus_lr_ratio = lit_meta["loraplus_lr_ratio"]  # how it was trained (PEFT's config has no place)
-    targets = lora_targets(base_config, lora)
-    shapes = _weight_shapes(base_config)
-    # MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0
+    if lit_meta.get("loraplus_lr_ratio") is not None:
+        lora.loraplus_lr_ratio = lit_meta["loraplus_lr_ratio"]
+    return lora
+
+
+def _add_inert_pairs(lora_sd: dict, targets: dict, shapes: dict, r: int, dora: bool, where: str) -> None:
+    """MLP layers the PEFT adapter leaves alone (e.g. only down_proj adapted): an inert LoRA, A = B = 0."""
     for name, parts in targets.items():
-        if name + ".lora_A" not in lora_sd:
-            if dora:  # an inert DoRA layer needs the base's row norms as magnitudes, which the folder has not
-                raise UserError(f"{where} is a DoRA adapter that leaves {name} alone while adapting others of its "
-                                "kind; lit-qlora adapts all of them: make the adapter with every MLP Linear targeted")
-            if is_expert_target(name):  # e.g. only down_proj adapted: fc_1 and fc_2 inert
-                E, out_f, in_f = shapes[name + ".weight"]
-                lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = torch.zeros(E, r, in_f), torch.zeros(E, out_f, r)
-                continue
-            out_f, in_f = shapes[name + ".weight"]
-            lora_sd[name + ".lora_A"] = torch.zeros(len(parts or [None]) * r, in_f)
-            lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
-    extra = set(k.rsplit(".", 1)[0] for k in lora_sd) - set(targets)
-    assert not extra, f"internal error: LoRA tensors for {sorted(extra)} outside the targets"
-    return {k: v.contiguous() for k, v in lora_sd.items()}, lora
+        if name + ".lora_A" in lora_sd:
+            continue
+        if dora:  # an inert DoRA layer needs the base's row norms as magnitudes, which the folder has not
+            raise UserError(f"{where} is a DoRA adapter that leaves {name} alone while adapting others of its "
+                            "kind; lit-qlora adapts all of them: make the adapter with every MLP Linear targeted")
+        if is_expert_target(name):  # e.g. only down_proj adapted: fc_1 and fc_2 inert
+            E, out_f, in_f = shapes[name + ".weight"]
+            lora_sd[name + ".lora_A"], lora_sd[name + ".lora_B"] = torch.zeros(E, r, in_f), torch.zeros(E, out_f, r)
+            continue
+        out_f, in_f = shapes[name + ".weight"]
+        lora_sd[name + ".lora_A"] = torch.zeros(len(parts or [None]) * r, in_f)
+        lora_sd[name + ".lora_B"] = torch.zeros(sum(n for _, n in parts) if parts else out_f, r)
 
 
 def _our_magnitudes(peft: PeftFolder, by_ours: dict[str, dict[str, str]], config: Config) -> dict[str, torch.Tensor]:

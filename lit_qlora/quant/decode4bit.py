@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from lit_qlora.kernels import cpu_half
 from lit_qlora.lora import LoRALinear
+from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.quant.quantize import PartsQuantState, QuantizedExpertWeights, has_parts, quiet_bnb_import
 
 bnb = quiet_bnb_import()
@@ -229,7 +230,7 @@ def supports(module: nn.Module) -> bool:
     w = module.weight
     if getattr(w, "quant_state", None) is None or w.device.type != "cpu" or module.in_features % 2:
         return False
-    return all(not getattr(qs, "packing_format_for_cpu", False) and qs.quant_type in ("nf4", "fp4")
+    return all(not getattr(qs, "packing_format_for_cpu", False) and QuantMode.of_quant_state(qs) is not None
                and (not qs.nested or qs.state2.absmax.dtype == torch.float32) for _, _, _, qs in parts(module))
 
 

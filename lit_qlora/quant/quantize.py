@@ -132,7 +132,7 @@ def make_quantized_linear(linear: nn.Linear, mode: QuantMode, compute_dtype: tor
     if mode.is_int8:
         q = bnb.nn.Linear8bitLt(in_f, out_f, bias=has_bias, has_fp16_weights=False, threshold=6.0, device="meta")
     else:
-        q = _cpu_linear4bit()(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=mode.kind,
+        q = _cpu_linear4bit()(in_f, out_f, bias=has_bias, compute_dtype=compute_dtype, quant_type=mode.quant_type,
                 compress_statistics=mode.double_quant, device="meta")
         # Training must never run the CPU eval-time repacking (it silently stops gradients); generation
         # turns it back on where it is valid (`enable_cpu_inference_packing`).

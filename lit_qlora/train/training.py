@@ -152,9 +152,9 @@ _DATA_FIELDS = {"epoch": "count", "position": "count", "row": "count", "seed": "
 
 def check_checkpoint_state(state: dict, where: object) -> None:
     """A loaded checkpoint is used only when every part of it is what finetune/lora.py writes: the adapter
-    (`adapter.check_payload`: LoRA settings, base config, tensor shapes) and the resume state (a step, the data
-    position, RNG states the generators accept, the optimizer state of exactly these LoRA tensors). A UserError naming
-    the part otherwise."""
+    (`adapter.check_payload`: LoRA settings, base config, tensor shapes, finite values) and the resume state (a step,
+    the data position, RNG states the generators accept, the finite optimizer state of exactly these LoRA tensors).
+    A UserError naming the part otherwise: checked when the checkpoint is read, before the run writes anything."""
     from lit_qlora.adapter import Adapter
     from lit_qlora.lora import LoRAConfig, meta_model
 
@@ -195,6 +195,9 @@ def check_checkpoint_state(state: dict, where: object) -> None:
                 if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[i]):
                     raise UserError(f"{where} resume.optimizer state {i} {name} has shape "
                                     f"{tuple(getattr(t, 'shape', ()))}, its parameter {shapes[i]}; {fix}")
+                if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
+                    raise UserError(f"{where} resume.optimizer state {i} {name} holds non-finite values (NaN or inf)"
+                                    f"; {fix}")
 
 
 def rng_state() -> dict[str, Any]:

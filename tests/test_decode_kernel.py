@@ -304,14 +304,16 @@ def test_only_supported_layers_convert_and_disable_restores():
 
 def test_training_code_never_imports_the_kernel():
     """Only generation uses the kernel (the generate scripts' inference module, and the engine: its rows of several
-    adapters and its decoding attention): finetune, the loader and the LoRA code do not know about it."""
+    adapters, its decoding attention, and `decoding`, which converts a model being trained for the time it samples):
+    finetune, the loader and the LoRA code do not know about it."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     users = sorted(str(p.relative_to(root)) for p in [*root.glob("lit_qlora/**/*.py"), *root.glob("finetune/*.py"),
                                                         *root.glob("generate/*.py")]
                    if "decode4bit" in p.read_text() and p.name != "decode4bit.py")
-    assert users == ["lit_qlora/engine/adapters.py", "lit_qlora/engine/kv.py", "lit_qlora/inference.py"]
+    assert users == ["lit_qlora/engine/adapters.py", "lit_qlora/engine/engine.py", "lit_qlora/engine/kv.py",
+                     "lit_qlora/inference.py"]
 
 
 # ---- 7. unmerged LoRA layers ----------------------------------------------------------------------

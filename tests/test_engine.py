@@ -243,3 +243,50 @@ def test_adapters_mixed_in_decode_kernel_calls(adapted, monkeypatch):
     runs = [[lora is not None for lora in s.loras] for s in calls if s is not None]
     # a run of base rows, then a0's and a1's (None where that adapter does not target the layer)
     assert runs and all(len(r) == 3 and not r[0] and any(r) for r in runs)
+
+
+def test_a_model_being_trained_samples_through_the_kernel_and_trains_on(adapted):
+    """GRPO's case: a 4-bit model with an unmerged LoRA in training mode. generate_batch samples it through the
+    decode kernel (the update inside the call) for the call only: the tokens are those of the same model decoding
+    one sequence at a time without the kernel (bitsandbytes' path), and afterwards its layers, its training mode and
+    its gradients are as before; after an optimizer step the next samples follow the new weights (no stale copy)."""
+    from helpers import randomize_lora
+
+    from lit_qlora.loader import load_model
+    from lit_qlora.lora import LoRAConfig, lora_modules
+    from lit_qlora.quant import decode4bit as d
+
+    folder, _ = adapted
+    model = load_model(folder, precision="32-true", quantize="bnb.nf4", lora=LoRAConfig(r=4, alpha=8, dropout=0.1,
+                                                                                       query=True, value=True))
+    randomize_lora(model, 5)
+    model.train()
+    classes = [type(m) for m in model.modules()]
+    calls = []
+
+    def sample():
+        return [c.ids for c in generate_batch(model, prompts()[:3], Sampling(max_new_tokens=6))]
+
+    def reference():
+        model.eval()
+        with torch.no_grad():
+            out = [alone(model, p, 6) for p in prompts()[:3]]
+        model.train()
+        return out
+
+    original = d.run_kernel
+    d.run_kernel = lambda *a: calls.append(1) or original(*a)
+    try:
+        got = sample()
+    finally:
+        d.run_kernel = original
+    assert calls and got == reference()
+    assert model.training and [type(m) for m in model.modules()] == classes
+    loss = model(torch.tensor([prompts()[3]])).logsumexp(-1).mean()
+    loss.backward()
+    assert all(m.lora_A.grad is not None for m in lora_modules(model).values())
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.add_(0.5)
+    after = sample()
+    assert after == reference() and after != got

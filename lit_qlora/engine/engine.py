@@ -21,7 +21,7 @@ import math
 import queue
 import secrets
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,6 +31,7 @@ from lit_qlora.engine.kv import KVPool, StepBatch
 from lit_qlora.engine.text import TextStream
 from lit_qlora.generation import sample
 from lit_qlora.precision import autocast_for, parse_precision
+from lit_qlora.quant.decode4bit import disable_fast_decode, enable_fast_decode
 from lit_qlora.utils import UserError
 
 DEFAULT_KV_GB = 1.0  # the KV budget when none is given (and no more than max_batch full contexts)
@@ -391,11 +392,29 @@ class Engine:
         seq.emit("end", reason)
 
 
+@contextmanager
+def decoding(model):
+    """`model` ready for the engine for the duration: eval mode (no dropout), and its 4-bit layers on CPU decoding
+    through the 4-bit kernel with an unmerged LoRA's update inside the same call (`decode4bit.enable_fast_decode`:
+    class swaps over the same weights, no copy); afterwards the layers it converted and the mode are as they were. A
+    model being trained (GRPO's policy) is sampled this way between its optimizer steps."""
+    was_training = model.training
+    model.eval()
+    converted = enable_fast_decode(model)  # 0 where a generation script's loader converted them already
+    try:
+        yield model
+    finally:
+        if converted:
+            disable_fast_decode(model)
+        model.train(was_training)
+
+
 def generate_batch(model, prompts: list[list[int]], sampling: Sampling | list[Sampling], *, tokenizer=None,
                    bank=None, adapters: Optional[list[Optional[str]]] = None, kv_cache_tokens: Optional[int] = None,
                    max_batch: Optional[int] = None, precision: Optional[str] = None) -> list[Completion]:
-    """Continue every prompt (lists of ids) with its `sampling` (one for all, or one each), as one continuous batch;
-    the completions in the prompts' order. The KV budget defaults to what all of them need at once."""
+    """Continue every prompt (lists of ids) with its `sampling` (one for all, or one each), as one continuous batch,
+    by `model` as it is (`decoding`: eval mode, 4-bit layers on the kernel, for the call); the completions in the
+    prompts' order. The KV budget defaults to what all of them need at once."""
     settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     if len(settings) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(settings)} sampling settings")
@@ -406,5 +425,6 @@ def generate_batch(model, prompts: list[list[int]], sampling: Sampling | list[Sa
     engine = Engine(model, tokenizer=tokenizer, bank=bank, kv_cache_tokens=min(need, kv_cache_tokens or need),
                     max_batch=max_batch or len(prompts), block_size=block, precision=precision)
     seqs = [engine.submit(p, s, a) for p, s, a in zip(prompts, settings, adapters or [None] * len(prompts))]
-    engine.run()
+    with decoding(model):
+        engine.run()
     return [s.result() for s in seqs]

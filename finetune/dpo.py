@@ -26,7 +26,6 @@ import torch
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.convert import ensure_converted
 from lit_qlora.data.prepare import DataSettings, ensure_mixture
 from lit_qlora.distributed import is_sharded
 from lit_qlora.quant.quantize import validation_mode
@@ -60,9 +59,7 @@ def lora_config(args: FinetuneArgs):
 
 
 def _sft_adapter(args: FinetuneArgs) -> Adapter:
-    path = Path(args.pref.lora_path)
-    base = ensure_converted(args.run.checkpoint_dir, verify=True) if path.is_dir() else None  # a PEFT folder
-    return Adapter.load(path, base)
+    return loop.starting_adapter(args.run.checkpoint_dir, args.pref.lora_path)
 
 
 def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:

@@ -271,6 +271,13 @@ def router_aux_coef(flag: Optional[float], config) -> float:
     return float(config.hf_extra.get("router_aux_loss_coef", 0.001))
 
 
+def starting_adapter(checkpoint_dir: Path, path: Path) -> Adapter:
+    """The adapter a run starts from (--lora_path: an adapter file of finetune/lora.py, or a PEFT folder)."""
+    path = Path(path)
+    base = ensure_converted(checkpoint_dir, verify=True) if path.is_dir() else None  # a PEFT folder
+    return Adapter.load(path, base)
+
+
 def ensure_demo_files(args: FinetuneArgs) -> None:
     """The demo preset's model and data are built locally on first use."""
     if args.run.checkpoint_dir == demo.DEMO_CHECKPOINT:

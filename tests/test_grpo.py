@@ -7,6 +7,7 @@ gradients and the metrics, for every loss type, with and without beta, with num_
 between sampling and update (so the clip acts)."""
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict, deque
 from contextlib import nullcontext
@@ -133,7 +134,8 @@ def bare_trainer(model, ref_model, loss_type: str, beta: float, scale: str, mask
         scale_rewards=scale, multi_objective_aggregation="sum_then_normalize", max_completion_length=MAX_LEN,
         reward_funcs=[r.fn for r in REWARDS], reward_processing_classes=[None] * len(REWARDS),
         reward_func_names=[r.name for r in REWARDS], reward_weights=torch.tensor([r.weight for r in REWARDS]),
-        state=SimpleNamespace(num_input_tokens_seen=0, global_step=0), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        state=SimpleNamespace(num_input_tokens_seen=0, global_step=0),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _logs={"images": deque(), "prompt": deque(), "completion": deque(), "rewards": defaultdict(deque),
                "advantages": deque(), "extra": defaultdict(deque)},
         _pending_extra_logs=defaultdict(list), _pending_metrics=defaultdict(list), log_multimodal=False,
@@ -245,3 +247,253 @@ def test_log_probabilities_at_a_temperature_equal_the_full_logits(tiny, head):
     torch.testing.assert_close(ours, want, atol=2e-5, rtol=1e-5)
     for name, g in grads(model).items():
         torch.testing.assert_close(our_grads[name], g, atol=1e-5, rtol=1e-4)
+
+
+# ---- finetune/grpo.py end to end ---------------------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def prompt_setup(tmp_path_factory):
+    """The tiny Llama and its tokenizer (helpers_train), a folder of prompt rows with an answer column, and a reward
+    file: `low` (the share of a completion's tokens below 160, which the tiny model can learn to raise) and bad
+    functions for the error tests."""
+    import helpers_train as h
+
+    setup = h.tiny_setup(tmp_path_factory)
+    base = tmp_path_factory.mktemp("grpo")
+    rows = [{"prompt": f"kind {r['input']}", "answer": r["output"], "level": i % 3}
+            for i, r in enumerate(h.make_records(48, seed=1))]
+    data = base / "prompts"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewards = base / "my_rewards.py"
+    rewards.write_text(REWARD_FILE)
+    return {**setup, "prompts": data, "rewards": rewards}
+
+
+REWARD_FILE = '''
+import json
+import math
+
+def low(completion_ids, **kwargs):
+    return [sum(t < 160 for t in ids) / len(ids) for ids in completion_ids]
+
+def raises(completions, level, **kwargs):
+    return [1 / (lv - lv) for lv in level]
+
+def short(completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+def words(completions, **kwargs):
+    return ["good"] * len(completions)
+
+def nan(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+CALLS = [0]
+
+def late(completions, **kwargs):
+    CALLS[0] += 1
+    if CALLS[0] > 2:
+        raise ValueError("no answer here")
+    return [0.5] * len(completions)
+'''
+
+
+def grpo_args(s: dict, out, max_iters: int = 10, **kw) -> list[str]:
+    import helpers_train as h
+
+    opts = dict(data_dir=s["prompts"], reward=f"{s['rewards']}:low", num_generations=8, max_completion_length=6,
+                micro_batch_size=2, batch_size=4, learning_rate=3e-2, eval_iters=0, quantize="bnb.nf4",
+                lora_mlp="true", lora_head="true", lora_r=8, lora_alpha=16, warmup_steps=0, seed=3)
+    opts.update(kw)
+    return h.train_args(s, out, max_iters, **opts)
+
+
+def run_grpo(args: list, check: bool = True):
+    import helpers_train as h
+
+    r = h.run_script(h.ROOT / "finetune" / "grpo.py", args, timeout=600)
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def rewards_by_iter(out) -> list[float]:
+    import helpers_train as h
+
+    return [float(r["reward"]) for r in h.read_metrics(out) if r.get("reward")]
+
+
+def test_a_few_steps_raise_the_mean_reward(prompt_setup, tmp_path):
+    """Ten steps of GRPO on a reward the tiny random model can learn (more of its tokens below id 160; its output
+    layer adapted, as the random model's logits are nearly flat) raise the mean sampled reward clearly above where it
+    started (red when the advantages' sign is flipped)."""
+    out = tmp_path / "out"
+    run_grpo(grpo_args(prompt_setup, out))
+    r = rewards_by_iter(out)
+    assert len(r) == 10
+    first, last = sum(r[:2]) / 2, sum(r[-2:]) / 2
+    assert last > first + 0.1, r
+
+
+def run_grpo_here(args: list):
+    """finetune/grpo.py in this process (argument parsing, run_main's one-line errors): (returncode, stderr)."""
+    import helpers_train as h
+    from helpers import run_in_process
+
+    return run_in_process(h.ROOT / "finetune" / "grpo.py", *args)
+
+
+def assert_stops_in_one_line(r, *expect: str) -> None:
+    """A run that stopped mid-way: exit 2, no traceback, its last line the one-line error."""
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and all(e in last for e in expect), last
+
+
+@pytest.mark.parametrize("fn,expect", [
+    ("raises", ["reward function raises raised ZeroDivisionError", "(on row ", "train.jsonl)"]),
+    ("short", ["reward function short returned 7 rewards for 8 completions (rows row "]),
+    ("words", ["reward function words returned 'good' (str) for a completion of row ", "not a number"]),
+    ("nan", ["reward function nan returned nan for a completion of row ", "finite number"])])
+def test_a_bad_reward_function_stops_in_one_line_naming_it_and_the_row(prompt_setup, tmp_path, fn, expect):
+    r = run_grpo_here(grpo_args(prompt_setup, tmp_path / "out", 2, reward=f"{prompt_setup['rewards']}:{fn}",
+                                batch_size=2, num_generations=4, micro_batch_size=1))
+    assert_stops_in_one_line(r, *expect)
+
+
+def test_a_reward_failing_mid_run_keeps_the_last_checkpoint(prompt_setup, tmp_path):
+    """The third call raises: the run stops in one line at iteration 3, the checkpoint of iteration 2 intact (it
+    resumes)."""
+    from lit_qlora.train.training import find_resume
+
+    out = tmp_path / "out"
+    r = run_grpo_here(grpo_args(prompt_setup, out, 4, reward=f"{prompt_setup['rewards']}:late", save_interval=1,
+                                keep_checkpoints=0, batch_size=2, micro_batch_size=1, num_generations=4))
+    assert_stops_in_one_line(r, "reward function late raised ValueError: no answer here (on row ")
+    path, state = find_resume(out, "true")
+    assert path.name == "iter-000002.pth" and state["resume"]["step"] == 2
+
+
+def test_resuming_retraces_the_run_with_its_kept_samples(prompt_setup, tmp_path):
+    """With --num_iterations 2 a checkpoint after an odd step holds the samples its next step updates on again:
+    resumed there, the run continues exactly (same losses, rewards and adapter) as without the stop."""
+    import shutil
+
+    import helpers_train as h
+
+    kw = dict(num_iterations=2, beta=0.05, save_interval=3, keep_checkpoints=0, lora_head="false")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run_grpo(grpo_args(prompt_setup, whole, 6, **kw))
+    shutil.copytree(whole, part)
+    for f in ("metrics.json", "lit_model_lora_finetuned.pth"):
+        (part / f).unlink()
+    for ckpt in (part / "checkpoints").glob("iter-00000[4-6].pth"):
+        ckpt.unlink()
+    run_grpo(grpo_args(prompt_setup, part, 6, resume="true", **kw))
+    a, b = h.read_metrics(whole), h.read_metrics(part)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [str(i) for i in range(1, 7)]
+    for x, y in zip(a[3:], b[3:]):
+        for k in ("loss", "reward", "kl", "clip_ratio/region_mean"):
+            assert float(x[k]) == pytest.approx(float(y[k]), abs=1e-6), (x["iter"], k)
+    assert float(a[3]["clip_ratio/region_mean"]) + float(a[5]["clip_ratio/region_mean"]) > 0  # updates 2 of a batch
+    final = "lit_model_lora_finetuned.pth"
+    assert h.max_abs_diff(h.load_lora(whole / final), h.load_lora(part / final)) < 1e-6
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (dict(num_generations=1), "--num_generations 1: GRPO compares the completions"),
+    (dict(loss_type="ppo"), "unknown --loss_type 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
+    (dict(micro_batch_size="auto"), "finetune/grpo.py does not take --micro_batch_size auto"),
+    (dict(strategy="fsdp"), "finetune/grpo.py does not take --strategy fsdp"),
+    (dict(reward="nowhere.py:f"), "--reward nowhere.py:f: no such file nowhere.py"),
+    (dict(reward="exact_answer", answer_column="solution"), "has no 'solution' column, which the exact_answer"),
+    (dict(reward_weights="[1, 2]"), "--reward_weights has 2 value(s) for 1 --reward function(s)"),
+    (dict(temperature=0), "--temperature must be above 0")])
+def test_bad_flags_are_one_line_errors(prompt_setup, tmp_path, flags, expect):
+    import helpers_train as h
+
+    r = run_grpo_here(grpo_args(prompt_setup, tmp_path / "out", 2, **flags))
+    h.assert_one_line_error(r, expect)
+
+
+def all_rows(out) -> list[dict]:
+    import csv
+
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_two_devices_train_as_one(prompt_setup, tmp_path):
+    """DDP on two CPU processes, each prompt's group sampled, scored and updated on one of them (one prompt each per
+    micro batch), the rewards of both gathered for the metrics: the same samples (seeded per prompt and completion),
+    rewards, losses and adapter as one process doing both micro batches, and a validation reward over both devices'
+    prompts."""
+    import helpers_train as h
+
+    kw = dict(beta=0.05, eval_iters=2, eval_interval=2, accelerator="cpu", lora_head="false")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_grpo(grpo_args(prompt_setup, one, 3, micro_batch_size=2, batch_size=4, **kw))
+    run_grpo(grpo_args(prompt_setup, two, 3, micro_batch_size=1, batch_size=4, devices=2, **kw))
+    a, b = all_rows(one), all_rows(two)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == ["0", "1", "2", "3"]
+    for x, y in zip(a, b):
+        for k in ("loss", "reward", "reward_std", "kl", "completions/mean_length", "val_reward"):
+            if x[k] or y[k]:
+                assert float(x[k]) == pytest.approx(float(y[k]), abs=2e-5), (x["iter"], k)
+    final = "lit_model_lora_finetuned.pth"
+    # (Adam's first steps normalize each gradient entry: a 1e-8 difference in a near-zero one moves it by up to lr)
+    assert h.max_abs_diff(h.load_lora(one / final), h.load_lora(two / final)) < 2e-4
+    assert json.loads((two / "metrics.json").read_text())["devices"] == 2
+
+
+# ---- reward functions -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,answer", [
+    ("so it is \\boxed{\\frac{3}{4}} then 5", "\\frac{3}{4}"), ("<think>7?</think><answer> 42 </answer> 9", "42"),
+    ("6 + 8 = 14.", "14"), ("about 1,250 people", "1,250"), (" yppah", "yppah"), ("", None)])
+def test_the_answer_of_a_completion(text, answer):
+    from lit_qlora.train.rewards import extract_answer
+
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("completion,gold,right", [
+    ("6 + 8 = 14", "14", True), ("it is 13", "14", False), ("#### 1250", "1,250", True), ("0.50", "1/2", True),
+    ("<answer>Paris</answer>", "paris", True), (" koob", "book", False),
+    ("\\boxed{14}", "The answer: \\boxed{14}", True)])
+def test_the_exact_answer_reward(completion, gold, right):
+    """Built-in exact_answer against a column: numbers as numbers, words as words (never as products of symbols)."""
+    from lit_qlora.train.rewards import exact_answer_reward
+
+    fn = exact_answer_reward("answer")
+    assert fn(completions=[completion, [{"role": "assistant", "content": completion}]], answer=[gold, gold]) == [
+        float(right)] * 2
+
+
+def test_math_verify_when_installed():
+    pytest.importorskip("math_verify")
+    from lit_qlora.train.rewards import answers_match
+
+    assert answers_match("\\frac{1}{2}", "0.5") and answers_match("x+1", "1+x") and not answers_match("2", "3")
+
+
+def test_format_and_length_rewards_and_loading(tmp_path):
+    from lit_qlora.train.rewards import load_rewards
+    from lit_qlora.utils import UserError
+
+    (tmp_path / "mine.py").write_text("def score(completions, **kw):\n    return [1.0] * len(completions)\n")
+    rewards = load_rewards(["format", "length", f"{tmp_path / 'mine.py'}:score", "json:dumps"], [1, 0.5, 2, 1],
+                           answer_column="answer", format_regex=None, max_completion_length=8)
+    assert [(r.name, r.weight) for r in rewards] == [("format", 1.0), ("length", 0.5), ("score", 2.0), ("dumps", 1.0)]
+    good, bad = "<think>a b</think>\n<answer>3</answer>", "<answer>3</answer>"
+    assert rewards[0].fn(completions=[good, bad]) == [1.0, 0.0]
+    assert rewards[1].fn(completion_ids=[[1, 2], [1] * 8]) == [-0.25, -1.0]
+    for spec, expect in [("nothing", "neither a built-in"), ("mine.py:f", "no such file"),
+                         (f"{tmp_path / 'mine.py'}:absent", "has no 'absent'"),
+                         ("no_such_module_x:f", "cannot import")]:
+        with pytest.raises(UserError, match=expect):
+            load_rewards([spec], None, answer_column="a", format_regex=None, max_completion_length=8)
+    with pytest.raises(UserError, match="two functions are named 'format'"):
+        load_rewards(["format", "format"], None, answer_column="a", format_regex=None, max_completion_length=8)

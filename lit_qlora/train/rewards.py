@@ -92,17 +92,17 @@ def _math_verify():
 
 
 def answers_match(predicted: Optional[str], gold: Any) -> bool:
-    """Whether an extracted answer equals the gold one: by math-verify when it is installed (the `math` extra:
-    equivalent expressions, LaTeX), else as numbers when both read as numbers, else as text (case and spacing
-    aside)."""
+    """Whether an extracted answer equals the gold one: a gold answer with a digit or LaTeX by math-verify when it is
+    installed (the `math` extra: equivalent expressions), else as numbers when both read as numbers, else as text
+    (case, spacing and a final period aside)."""
     if predicted is None or gold is None:
         return False
     gold_text = str(gold)
     gold_answer = extract_answer(gold_text) if (_boxed(gold_text) or "<answer>" in gold_text) else gold_text.strip()
     if gold_answer is None:
         return False
-    mv = _math_verify()
-    if mv is not None:
+    mv = _math_verify() if re.search(r"[\d\\]", gold_answer) else None  # words: math-verify reads them as
+    if mv is not None:  # products of symbols (koob would equal book)
         try:
             g, p = mv.parse(f"${gold_answer}$"), mv.parse(f"${predicted}$")
             if g and p:
@@ -254,9 +254,9 @@ def _call(r: Reward, prompts, completions, completion_ids, columns, where) -> li
     for i, v in enumerate(values):
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-            raise UserError(f"reward function {r.name} returned {type(v).__name__} {_short(v)!s} for a completion of "
-                            f"{where[i]}, not a number; return a float (or None) per completion")
+        if not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+            raise UserError(f"reward function {r.name} returned {_short(repr(v))} ({type(v).__name__}) for a "
+                            f"completion of {where[i]}, not a number; return a float (or None) per completion")
         if not math.isfinite(float(v)):
             raise UserError(f"reward function {r.name} returned {float(v)} for a completion of {where[i]}; return a "
                             "finite number (or None: not scored)")

@@ -15,9 +15,8 @@ file gives them GRPO's Objective. A step, top to bottom (`accumulate`):
   logps    with --num_iterations > 1 the sampling policy's log-probabilities, with --beta the reference's (the
            adapter's starting tensors swapped in), both without gradient
   update   the clipped policy loss of each micro batch, forward and backward (`policy_micro_batch`)
-Samples are kept (and checkpointed) for --num_iterations steps. A prompt's group stays on one device. Validation
-(`validate`) samples one greedy completion per held-out prompt: val_reward, and val_loss = -val_reward for early
-stopping. The metrics keep TRL's names (reward, reward_std, rewards/NAME/mean, completions/*, kl, clip_ratio/*).
+Samples are kept (and checkpointed) for --num_iterations steps; a prompt's group stays on one device. `validate`:
+one greedy completion per held-out prompt. Metrics under TRL's names; tutorials/finetune_grpo.md.
 """
 from __future__ import annotations
 
@@ -37,16 +36,12 @@ from lit_qlora.quant.quantize import validation_mode
 from lit_qlora.readers import load_torch
 from lit_qlora.train import grpo as gr
 from lit_qlora.train import loop
-from lit_qlora.train.rewards import Reward, load_rewards, score
+from lit_qlora.train.rewards import Reward, load_rewards
 from lit_qlora.train.training import head_chunk
 from lit_qlora.utils import UserError, atomic_torch_save, run_main
 
 REFERENCE_FILE = "reference_adapter.pth"
-LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-SAMPLE_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                  "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-                  "completions/mean_terminated_length")
-TIMES = ("time/sampling_ms", "time/rewards_ms", "time/old_ref_logps_ms", "time/forward_ms", "time/backward_ms")
+LOSS_METRICS, TIMES = gr.LOSS_METRICS, gr.TIMES
 
 
 @dataclass
@@ -85,19 +80,14 @@ def check(args: FinetuneArgs) -> None:
 
 
 def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
-    """The prompts (lit_qlora.train.grpo.load_prompts), each row holding the built-in exact_answer's column."""
+    """The prompts (lit_qlora.train.grpo.load_prompts), every row holding the column exact_answer compares with."""
     d, g = args.data, args.grpo
     if g.lora_path is not None:
         loop.starting_adapter(args.run.checkpoint_dir, g.lora_path).check_base(config, g.lora_path)
     settings = DataSettings(max_seq_length, template=d.template, messages_column=d.messages_column)
-    train, val, meta = gr.load_prompts(d.data_dir, tokenizer, settings, d.prompt_column, config.block_size)
-    if "exact_answer" in g.reward:
-        for p in (*train, *val):
-            if g.answer_column not in p.columns:
-                raise UserError(f"{p.where} has no {g.answer_column!r} column, which the exact_answer reward compares "
-                                f"with (it has: {', '.join(p.columns) or 'only the prompt'}); name it with "
-                                "--answer_column")
-    return train, val, meta
+    needed = {g.answer_column: "the exact_answer reward compares with; name it with --answer_column"} \
+        if "exact_answer" in g.reward else {}
+    return gr.load_prompts(d.data_dir, tokenizer, settings, d.prompt_column, config.block_size, needed)
 
 
 def batches(args: FinetuneArgs, inputs, world: int) -> tuple[gr.PromptStream, int]:
@@ -124,12 +114,7 @@ def start(s, rewards: list[Reward]) -> None:
         if s.fabric.global_rank == 0:
             atomic_torch_save(reference, ref_file)
     saved = (inputs.resume_state or {}).get("resume", {}).get("objective") or {}
-    samples = None
-    if saved.get("samples"):
-        try:
-            samples = gr.Samples.from_state(saved["samples"])
-        except (KeyError, TypeError) as e:
-            raise UserError(f"{inputs.resume_path}: its GRPO samples are damaged ({e}); use an earlier checkpoint")
+    samples = gr.Samples.from_state(saved["samples"], inputs.resume_path) if saved.get("samples") else None
     template = inputs.data_meta.get("template")
     chat = inputs.tokenizer.chat_template if template == "chat" or any(
         isinstance(p.prompt, list) for p in inputs.train_data[:1]) else None
@@ -242,10 +227,8 @@ def sample(s, prompts: list, G: int, temperature: float, step: int) -> list[gr.C
     """G completions of each prompt (prompt-major), by the model as it is, through the 4-bit decoding kernel where
     it applies (switched on for the sampling only)."""
     g = s.args.grpo
-    sampling = [gr.Sampling(g.max_completion_length, temperature, g.top_k, g.top_p,
-                            gr.completion_seed(s.args.run.seed, step, p.index, i), s.grpo.stops)
-                for p in prompts for i in range(G)]
-    ids = [p.ids for p in prompts for _ in range(G)]
+    ids, sampling = gr.group_sampling(prompts, G, s.args.run.seed, step, g.max_completion_length, temperature, g.top_k,
+                                      g.top_p, s.grpo.stops)
     validation_mode(s.gpt)
     fast = enable_fast_decode(s.gpt) if s.fabric.device.type == "cpu" else 0
     try:
@@ -260,17 +243,11 @@ def sample(s, prompts: list, G: int, temperature: float, step: int) -> list[gr.C
 def scored(s, prompts: list, completions: list, G: int) -> torch.Tensor:
     """[n, F] rewards of this device's completions; a bad reward function stops every device (its message on the
     device where it failed)."""
-    texts = [s.inputs.tokenizer.decode(c.ids) for c in completions]
-    rows = [p for p in prompts for _ in range(G)]
-    shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t for p, t in zip(rows, texts)]
-    columns = {k: [p.columns.get(k) for p in rows] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
-    error, out = None, torch.zeros(0, len(s.grpo.rewards))
+    error, out = None, torch.zeros(len(completions), len(s.grpo.rewards))
     try:
-        if completions:
-                out = score(s.grpo.rewards, [p.prompt for p in rows], shown, [c.ids for c in completions], columns,
-                        [p.where for p in rows])
+        out = gr.score_completions(s.grpo.rewards, s.inputs.tokenizer, prompts, completions, G)
     except UserError as e:
-        error, out = e, torch.zeros(len(completions), len(s.grpo.rewards))
+        error = e
     if s.fabric.world_size > 1:
         failed = s.fabric.all_reduce(torch.tensor(float(error is not None), device=s.fabric.device), reduce_op="sum")
         if error is None and float(failed) > 0:
@@ -290,19 +267,12 @@ def validate(s) -> dict:
     mine = val[fabric.global_rank::world]
     completions = sample(s, mine, 1, 0.0, 0) if mine else []
     per_func = scored(s, mine, completions, 1)
-    weights = torch.tensor([r.weight for r in s.grpo.rewards])
-    summed = (per_func * weights).nansum(1)[~torch.isnan(per_func).all(1)]
-    sums = torch.cat([torch.stack([summed.sum(), torch.tensor(float(len(summed)))]),
-                      torch.nan_to_num(per_func).sum(0), (~torch.isnan(per_func)).sum(0).float()]).to(fabric.device)
+    sums = gr.validation_sums(per_func, torch.tensor([r.weight for r in s.grpo.rewards])).to(fabric.device)
     sums = (fabric.all_reduce(sums, reduce_op="sum") if world > 1 else sums).cpu()
-    reward = float(sums[0] / sums[1].clamp(min=1))
-    out = {"val_reward": reward, "val_loss": -reward}
-    F = len(names)
-    out.update({f"val_rewards/{n}/mean": float(sums[2 + j] / sums[2 + F + j].clamp(min=1))
-                for j, n in enumerate(names)})
+    out = gr.validation_metrics(sums, names)
     if completions and fabric.global_rank == 0:
         text = s.inputs.tokenizer.decode(completions[0].ids).strip().replace("\n", " ")
-        fabric.print(f"validation: reward {reward:.4f} ({int(sums[1])} prompts) | sample: {text[:200]!r}",
+        fabric.print(f"validation: reward {out['val_reward']:.4f} ({int(sums[1])} prompts) | sample: {text[:200]!r}",
                      file=sys.stderr)
     return out
 
@@ -324,7 +294,7 @@ def objective(args: FinetuneArgs) -> loop.Objective:
     per_func = tuple(f"rewards/{r.name}/{k}" for r in rewards for k in ("mean", "std"))
     val = ("val_reward", *(f"val_rewards/{r.name}/mean" for r in rewards))
     return replace(GRPO, start=lambda s: start(s, rewards),
-                   metric_fields=(*SAMPLE_METRICS, *per_func, *LOSS_METRICS, *TIMES, *val))
+                   metric_fields=(*gr.SAMPLE_METRICS, *per_func, *LOSS_METRICS, *TIMES, *val))
 
 
 def cli() -> None:

@@ -497,3 +497,54 @@ def test_format_and_length_rewards_and_loading(tmp_path):
             load_rewards([spec], None, answer_column="a", format_regex=None, max_completion_length=8)
     with pytest.raises(UserError, match="two functions are named 'format'"):
         load_rewards(["format", "format"], None, answer_column="a", format_regex=None, max_completion_length=8)
+
+
+def test_sampling_through_the_4bit_kernel_follows_the_adapter_as_it_trains(tiny):
+    """The completions finetune/grpo.py samples through the 4-bit decoding kernel (enable_fast_decode, the unmerged
+    adapter folded into each kernel call) are those of the plain 4-bit model, and after an in-place update of the
+    adapter (an optimizer step) those of the updated adapter: no stale decoding copy of A and B is used."""
+    from lit_qlora.quant.decode4bit import disable_fast_decode, enable_fast_decode, kernel
+
+    if kernel() is None:
+        pytest.skip("no C compiler for the decoding kernel")
+    model = load_model(tiny.folder, precision="32-true", quantize="bnb.nf4", lora=lora_cfg(query=True, value=True,
+                                                                                           mlp=True), seed=0)
+    randomize_lora(model, seed=2)
+    prompts = [p for p in PROMPTS for _ in range(G)]
+    sampling = [gr.Sampling(6, 1.0, seed=gr.completion_seed(1, 0, i // G, i % G)) for i in range(len(prompts))]
+
+    def both() -> tuple[list, list]:
+        plain = [c.ids for c in gr.sample_completions(model.eval(), prompts, sampling)]
+        assert enable_fast_decode(model) > 0
+        try:
+            fast = [c.ids for c in gr.sample_completions(model, prompts, sampling)]
+        finally:
+            disable_fast_decode(model)
+        return plain, fast
+
+    before, fast_before = both()
+    assert fast_before == before
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.mul_(-3.0)  # in place, as an optimizer step updates it
+    after, fast_after = both()
+    assert fast_after == after and after != before
+
+
+def test_starting_from_an_sft_adapter_it_is_the_reference(prompt_setup, tmp_path):
+    """--lora_path: the run trains that adapter further (its LoRA settings, not the flags'), and with --beta the
+    reference is that adapter as it was: the first step's KL is 0 (the base would be far from it)."""
+    import helpers_train as h
+    from helpers import random_adapter
+
+    from lit_qlora.adapter import Adapter
+
+    sft = tmp_path / "sft.pth"
+    random_adapter(prompt_setup["ckpt"], seed=4, query=True, value=True, mlp=True).save(sft)
+    out = tmp_path / "out"
+    run_grpo(grpo_args(prompt_setup, out, 2, lora_path=sft, beta=0.5, lora_r=2, lora_head="false"))
+    rows = h.read_metrics(out)
+    assert float(rows[0]["kl"]) == 0.0 and float(rows[1]["kl"]) > 0
+    trained = Adapter.load(out / "lit_model_lora_finetuned.pth")
+    assert trained.config == Adapter.load(sft).config and trained.config.r == 4
+    assert h.max_abs_diff(trained.lora, Adapter.load(sft).lora) > 0

@@ -34,11 +34,17 @@ from lit_qlora.data.sources import resolve
 from lit_qlora.data.templates import AUTO, CHAT, check_template_name, get_template
 from lit_qlora.generation import generate
 from lit_qlora.lora import lora_modules
+from lit_qlora.train.rewards import score
 from lit_qlora.utils import UserError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+# metrics.csv columns (TRL's names), besides each reward function's rewards/NAME/mean and /std
+SAMPLE_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                  "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length")
+LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+TIMES = ("time/sampling_ms", "time/rewards_ms", "time/old_ref_logps_ms", "time/forward_ms", "time/backward_ms")
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------------
@@ -72,6 +78,15 @@ def completion_seed(seed: int, step: int, prompt_index: int, generation: int) ->
         h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h & 0x7FFFFFFFFFFFFFFF
+
+
+def group_sampling(prompts: list, G: int, seed: int, step: int, max_new_tokens: int, temperature: float,
+                   top_k: Optional[int], top_p: Optional[float], stops: tuple) -> tuple[list, list[Sampling]]:
+    """The prompt ids and the Sampling of each of G completions of each prompt (prompt-major), each seeded by
+    `completion_seed`."""
+    ids = [p.ids for p in prompts for _ in range(G)]
+    return ids, [Sampling(max_new_tokens, temperature, top_k, top_p, completion_seed(seed, step, p.index, i), stops)
+                 for p in prompts for i in range(G)]
 
 
 @torch.no_grad()
@@ -122,12 +137,13 @@ class PromptStream(BatchStream):
 
 
 def load_prompts(data_dir: Path, tokenizer: Any, s: DataSettings, prompt_column: str, block_size: int,
-                 ) -> tuple[list[Prompt], list[Prompt], dict]:
+                 needed: Optional[dict] = None) -> tuple[list[Prompt], list[Prompt], dict]:
     """(train prompts, validation prompts, meta) from a --data_dir of rows read by the one records reader: the
     `prompt_column` (a string, or a list of messages), or a conversation (`messages` / `conversations`, or
     --messages_column; a final assistant turn is left out). Strings go through --template when one is given (alpaca,
     plain, chat: one user turn), as they are with auto (as TRL passes them); messages through the chat template with
-    the generation prompt. Every other column of the row is kept for the reward functions."""
+    the generation prompt. Every other column of the row is kept for the reward functions; `needed` names columns
+    every row must have ({column: what needs it})."""
     raw = resolve(Path(data_dir))
     if raw is None:
         raise UserError(f"{data_dir} holds no .json/.jsonl/.csv/.parquet file; put the prompt rows there")
@@ -143,10 +159,12 @@ def load_prompts(data_dir: Path, tokenizer: Any, s: DataSettings, prompt_column:
                for f, row, rec in read_rows(val_src, s)]
     else:
         train, val = split(train, s.test_split_fraction, s.seed)
-    for i, p in enumerate(train):
+    for i, p in enumerate([*train, *val]):
         p.index = i
-    for i, p in enumerate(val):
-        p.index = len(train) + i
+        for column, why in (needed or {}).items():
+            if column not in p.columns:
+                raise UserError(f"{p.where} has no {column!r} column, which {why} (it has: "
+                                f"{', '.join(p.columns) or 'only the prompt'})")
     files = [str(f) for src in raw if src is not None for f in src.key_files()]
     return train, val, {"template": template, "n_train": len(train), "n_val": len(val), "source_files": files}
 
@@ -319,6 +337,39 @@ def length_metrics(lengths: Tensor, truncated: Tensor) -> dict:
             "completions/mean_terminated_length": float(done.mean())}
 
 
+def score_completions(rewards: list, tokenizer: Any, prompts: list[Prompt], completions: list[Completion],
+                      G: int) -> Tensor:
+    """[n, F] each reward function's reward of the completions (G per prompt, prompt-major), passed as TRL passes them:
+    the prompts as the data holds them, the completions as text (for a conversation prompt as an assistant message),
+    their token ids, and each other column of the rows."""
+    if not completions:
+        return torch.zeros(0, len(rewards))
+    rows = [p for p in prompts for _ in range(G)]
+    texts = [tokenizer.decode(c.ids) for c in completions]
+    shown = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t for p, t in zip(rows, texts)]
+    columns = {k: [p.columns.get(k) for p in rows] for k in dict.fromkeys(k for p in prompts for k in p.columns)}
+    return score(rewards, [p.prompt for p in rows], shown, [c.ids for c in completions], columns,
+                 [p.where for p in rows])
+
+
+def validation_sums(per_func: Tensor, weights: Tensor) -> Tensor:
+    """What validation adds up over devices: [the scored completions' summed rewards, their count, each function's
+    reward sum, each function's scored count]."""
+    scored = ~torch.isnan(per_func)
+    summed = (per_func * weights).nansum(1)[scored.any(1)]
+    return torch.cat([torch.stack([summed.sum(), torch.tensor(float(len(summed)))]),
+                      torch.nan_to_num(per_func).sum(0), scored.sum(0).float()])
+
+
+def validation_metrics(sums: Tensor, names: list[str]) -> dict:
+    """val_reward (the mean reward), val_loss (minus it: what early stopping lowers), val_rewards/NAME/mean."""
+    reward, F = float(sums[0] / sums[1].clamp(min=1)), len(names)
+    out = {"val_reward": reward, "val_loss": -reward}
+    out.update({f"val_rewards/{n}/mean": float(sums[2 + j] / sums[2 + F + j].clamp(min=1))
+                for j, n in enumerate(names)})
+    return out
+
+
 # ---- the loss --------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LossSettings:
@@ -404,8 +455,12 @@ class Samples:
                 "micro": [vars(m) for m in self.micro]}
 
     @classmethod
-    def from_state(cls, d: dict) -> "Samples":
-        return cls(d["step"], [MicroBatch(**m) for m in d["micro"]], d["metrics"], StepCounts(**d["counts"]))
+    def from_state(cls, d: dict, where: object) -> "Samples":
+        try:
+            return cls(d["step"], [MicroBatch(**m) for m in d["micro"]], d["metrics"], StepCounts(**d["counts"]))
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{where}: its GRPO samples are damaged ({type(e).__name__}: {e}); use an earlier "
+                            "checkpoint") from None
 
 
 def completion_mask(completions: list[Completion], mask_truncated: bool) -> Tensor:

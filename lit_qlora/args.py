@@ -12,7 +12,7 @@ import sys
 from argparse import ArgumentError
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal, Optional, Union, get_args, get_type_hints
+from typing import Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
@@ -597,7 +597,9 @@ def _checked_configs(argv: list[str], preference: bool = False, grpo: bool = Fal
             if isinstance(v, float) and not math.isfinite(v):
                 raise UserError(f"--{key} is {v} in --config {path}, not a finite value; give a number or text as "
                                 "--help says, or leave it out for its default")
-            textual = {t for t in get_args(hints[key]) or (hints[key],) if t is not type(None)} <= {str, Path}
+            hint = hints[key]
+            textual = get_origin(hint) is not list and {t for t in get_args(hint) or (hint,)
+                                                         if t is not type(None)} <= {str, Path}
             if textual and not isinstance(v, (str, type(None))):
                 raise UserError(f"--{key} is {v!r} in --config {path}, not text; write it in quotes, or leave it out "
                                 "for its default (--help lists the values)")

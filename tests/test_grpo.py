@@ -548,3 +548,19 @@ def test_starting_from_an_sft_adapter_it_is_the_reference(prompt_setup, tmp_path
     trained = Adapter.load(out / "lit_model_lora_finetuned.pth")
     assert trained.config == Adapter.load(sft).config and trained.config.r == 4
     assert h.max_abs_diff(trained.lora, Adapter.load(sft).lora) > 0
+
+
+def test_rewards_repeat_on_the_command_line_and_list_in_a_config(tmp_path):
+    """--reward / --reward_weights given several times make lists in order (TRL's reward_funcs, reward_weights); a
+    --config file lists them as YAML lists; the GRPO help says what the shared batch flags count."""
+    from lit_qlora.args import finetune_parser, parse_finetune_args
+
+    a = parse_finetune_args(["--checkpoint_dir", str(tmp_path), "--reward", "f.py:one", "--reward=exact_answer",
+                             "--reward_weights", "1", "--reward_weights", "0.5"], grpo=True)
+    assert (a.grpo.reward, a.grpo.reward_weights, a.data.prompt_column) == (["f.py:one", "exact_answer"], [1.0, 0.5],
+                                                                            "prompt")
+    (tmp_path / "c.yaml").write_text(f"checkpoint_dir: {tmp_path}\nreward: [format, length]\nreward_weights: [2, 1]\n")
+    a = parse_finetune_args(["--config", str(tmp_path / "c.yaml")], grpo=True)
+    assert (a.grpo.reward, a.grpo.reward_weights) == (["format", "length"], [2.0, 1.0])
+    text = " ".join(finetune_parser(grpo=True).format_help().split())
+    assert "Prompts per forward/backward per device, each with its --num_generations completions" in text

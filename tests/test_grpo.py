@@ -564,3 +564,30 @@ def test_rewards_repeat_on_the_command_line_and_list_in_a_config(tmp_path):
     assert (a.grpo.reward, a.grpo.reward_weights) == (["format", "length"], [2.0, 1.0])
     text = " ".join(finetune_parser(grpo=True).format_help().split())
     assert "Prompts per forward/backward per device, each with its --num_generations completions" in text
+
+
+def test_conversation_prompts_render_as_transformers_does(tmp_path):
+    """A `prompt` of messages, and a `messages` row whose last turn is an answer, are prompted as transformers'
+    apply_chat_template(..., add_generation_prompt=True) renders them (the answer left out); the other columns are
+    kept for the rewards; a text prompt goes in as it is."""
+    import transformers
+    from helpers_chat import load_template, make_chat_checkpoint
+
+    from lit_qlora.data.prepare import DataSettings
+    from lit_qlora.tokenizer import Tokenizer
+
+    folder = make_chat_checkpoint("chatml_smollm", tmp_path / "smol", load_template("smollm2_instruct"))
+    tok, hf = Tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3"}]
+    rows = [{"prompt": turns, "answer": "5"}, {"messages": [*turns, {"role": "assistant", "content": "5"}], "n": 1},
+            {"prompt": "2 + 3 =", "answer": "5"}]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "val.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    train, val, meta = gr.load_prompts(data, tok, DataSettings(256), "prompt", 256)
+    want = hf.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert train[0].ids == train[1].ids == val[0].ids == list(want)
+    assert train[0].prompt == turns and train[0].columns == {"answer": "5"} and train[1].columns == {"n": 1}
+    assert train[2].ids == tok.encode("2 + 3 =").tolist() and train[2].prompt == "2 + 3 ="
+    assert [p.index for p in (*train, *val)] == [0, 1, 2, 3]

@@ -182,9 +182,10 @@ def _prompt(rec: Any, path: Path, row: int, tokenizer: Any, template: str, colum
         raise UserError(f"{where} has no {column!r} column and no messages (it has: {', '.join(map(str, rec))}); "
                         "name the prompt's column with --prompt_column")
     if isinstance(value, list):
-        messages = normalize_conversation({"messages": value}, row, path)
-        if messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
+        answered = bool(value) and isinstance(value[-1], dict) and value[-1].get("role", value[-1].get("from")) in (
+            "assistant", "gpt")
+        placeholder = [] if answered else [{"role": "assistant", "content": "-"}]  # checked as a whole conversation
+        messages = normalize_conversation({"messages": [*value, *placeholder]}, row, path)[:-1]
         if not messages:
             raise UserError(f"{where}: the conversation has no turn before its answer; give the prompt's turns")
         if not getattr(tokenizer, "chat_template", None):

@@ -10,7 +10,9 @@ tokens, AdamW, constant learning rate, no dropout, no validation, beta 0, loss d
   ours      finetune/grpo.py in the child process: sampling by the model as it trains (4-bit base, adapter unmerged),
             the policy's log-probabilities through the chunked output layer; metrics.csv's time/* columns split
             its step (sampling, rewards, old/reference log-probabilities, forward, backward).
-  ours_g16  the same with 16 completions per prompt (the memory goal: within what TRL takes with 4).
+  ours_g16  the same with 16 completions per prompt (the memory goal: within what TRL takes with 4), all of a step's
+            completions sampled together, the update over micro batches of --g16_micro prompts (default 1: 16
+            completions a forward, against TRL's 8; accumulated to the same step) and --activation_checkpointing true.
   trl       GRPOTrainer as its QLoRA recipe runs it: AutoModelForCausalLM.from_pretrained with a BitsAndBytesConfig,
             a PEFT LoraConfig on every linear layer (target_modules "all-linear"), transformers' generate.
 The random model never ends a completion early (no eos sampled), so both sides generate and train on exactly
@@ -79,6 +81,9 @@ def make_model(folder: Path, model: str, prompts: int) -> Path:
             {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>", "add_bos_token": False,
              "add_eos_token": False, "model_max_length": config.block_size,
              "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    from lit_qlora.convert import ensure_converted
+
+    ensure_converted(folder, quiet=True)  # once, here: no side's peak holds the conversion (a one-time step)
     g = torch.Generator().manual_seed(0)
     data.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.jsonl", prompts), ("val.jsonl", 1)):
@@ -93,16 +98,17 @@ def length_reward(completion_ids, **kwargs):
 
 
 # ---- the sides (each in a fresh child process) --------------------------------------------------------------
-def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int) -> dict:
+def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int, micro: int) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-ours-"))
     argv = ["--checkpoint_dir", folder, "--data_dir", data, "--out_dir", out_dir, "--quantize", a.quantize,
-            "--precision", a.precision, "--seed", 1, "--micro_batch_size", a.prompts, "--batch_size", a.prompts,
+            "--precision", a.precision, "--seed", 1, "--micro_batch_size", micro, "--batch_size", a.prompts,
             "--max_iters", a.steps, "--learning_rate", "1e-5", "--min_lr", "1e-5", "--warmup_steps", "0",
             "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0", "--lora_query", "true", "--lora_key", "true",
             "--lora_value", "true", "--lora_projection", "true", "--lora_mlp", "true", "--eval_iters", "0",
             "--save_interval", "100000", "--num_generations", generations, "--max_completion_length",
             a.completion_tokens, "--temperature", "1.0", "--reward", f"{Path(__file__).resolve()}:length_reward",
-            "--loss_type", "dapo", "--beta", "0"]
+            "--loss_type", "dapo", "--beta", "0",
+            "--activation_checkpointing", str(a.checkpointing and generations == 16).lower()]
     sys.argv = ["grpo.py", *map(str, argv)]
     import runpy
 
@@ -165,7 +171,8 @@ def child(a: argparse.Namespace) -> None:
     if a.child == "trl":
         out = run_trl(folder, data, a)
     else:
-        out = run_ours(folder, data, a, 16 if a.child == "ours_g16" else a.generations)
+        g16 = a.child == "ours_g16"
+        out = run_ours(folder, data, a, 16 if g16 else a.generations, a.g16_micro if g16 else a.prompts)
     out["peak_rss_gb"] = status_gb("VmHWM")
     print("BENCH_CHILD " + json.dumps(out), flush=True)
 
@@ -179,7 +186,12 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--completion_tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--g16_micro", type=int, default=1, help="ours_g16's --micro_batch_size (prompts; the step's "
+                   "samples are drawn together, the update accumulates over micro batches)")
     p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--checkpointing", type=lambda v: v.lower() == "true", default=True,
+                   help="ours_g16 recomputes each block in backward (--activation_checkpointing; TRL's GRPOConfig "
+                        "default, gradient_checkpointing, is on too, off here for its run)")
     p.add_argument("--work", default=None, help="folder for the model and data (default: a temporary one)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)

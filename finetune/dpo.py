@@ -4,9 +4,9 @@
         --quantize bnb.nf4 --loss dpo --beta 0.1 --lora_path out/sft/lit_model_lora_finetuned.pth
 
 --data_dir holds JSON / JSONL rows {prompt, chosen, rejected}, strings or messages (lit_qlora/train/preference.py);
---data_sources mixes several such sources as finetune/lora.py mixes samples. The phases are finetune/lora.py's
-(setup -> check_inputs -> main -> build_model -> restore -> fit -> summarize, with its flags, checkpoints, --resume,
-DDP and FSDP, NaN guard and metrics.csv); this script gives them its Objective: pairs instead of
+--data_sources mixes several such sources as finetune/lora.py mixes samples. The phases are the shared training loop's
+(lit_qlora/train/loop.py: setup -> check_inputs -> main -> build_model -> restore -> fit -> summarize, with its flags,
+checkpoints, --resume, DDP and FSDP, NaN guard and metrics.csv); this script gives them its Objective: pairs instead of
 samples, the preference loss of each step, validation on the held-out pairs, and the rewards TRL logs
 (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies) as metrics.csv columns.
 
@@ -18,7 +18,6 @@ in generate/lora.py and exports to PEFT like any other.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +26,14 @@ import torch
 
 from lit_qlora.adapter import Adapter
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
-from lit_qlora.convert import ensure_converted
 from lit_qlora.data.prepare import DataSettings, ensure_mixture
 from lit_qlora.distributed import is_sharded
 from lit_qlora.quant.quantize import validation_mode
 from lit_qlora.readers import load_torch
+from lit_qlora.train import loop
 from lit_qlora.train import preference as pf
 from lit_qlora.train.training import head_chunk
 from lit_qlora.utils import UserError, atomic_torch_save, run_main
-
-_spec = importlib.util.spec_from_file_location("finetune_lora", Path(__file__).resolve().parent / "lora.py")
-sft = sys.modules["finetune_lora"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sft)  # finetune/lora.py's phases (a script, not a package module)
 
 REFERENCE_FILE = "reference_logps.pt"
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -64,9 +59,7 @@ def lora_config(args: FinetuneArgs):
 
 
 def _sft_adapter(args: FinetuneArgs) -> Adapter:
-    path = Path(args.pref.lora_path)
-    base = ensure_converted(args.run.checkpoint_dir, verify=True) if path.is_dir() else None  # a PEFT folder
-    return Adapter.load(path, base)
+    return loop.starting_adapter(args.run.checkpoint_dir, args.pref.lora_path)
 
 
 def load_data(args: FinetuneArgs, tokenizer, config, max_seq_length: int) -> tuple[list, list, dict]:
@@ -232,13 +225,14 @@ def validate(s) -> dict:
     return out
 
 
-PREFERENCE = sft.Objective(lora_config=lora_config, load_data=load_data, start=start, accumulate=accumulate,
-                           validate=validate, metric_fields=(*REWARDS, *(f"val_{k}" for k in REWARDS)))
+PREFERENCE = loop.Objective(lora_config=lora_config, load_data=load_data, start=start, accumulate=accumulate,
+                            validate=validate, metric_fields=(*REWARDS, *(f"val_{k}" for k in REWARDS)),
+                            script="finetune/dpo.py")
 
 
 def cli() -> None:
     """`python finetune/dpo.py ...`."""
-    run_main(lambda: sft.setup(parse_finetune_args(preference=True), PREFERENCE))
+    run_main(lambda: loop.setup(parse_finetune_args(preference=True), PREFERENCE))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import json
 import math
 import sys
 from argparse import ArgumentError
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal, Optional, Union, get_args, get_type_hints
+from typing import Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from jsonargparse import ArgumentParser, set_parsing_settings
 
@@ -22,6 +22,8 @@ from lit_qlora.lora import LORA_INITS, LoRAConfig
 from lit_qlora.precision import ACCELERATORS, PRECISION_CHOICES
 from lit_qlora.quant.quant_mode import QuantMode
 from lit_qlora.readers import check_path, read_yaml
+from lit_qlora.train.grpo import LOSS_TYPES as GRPO_LOSSES
+from lit_qlora.train.grpo import SCALE_REWARDS
 from lit_qlora.train.preference import LOSSES
 from lit_qlora.train.tracking import parse_loggers
 from lit_qlora.train.training import OPTIMIZERS
@@ -377,6 +379,85 @@ class PreferenceArgs:
         _check_floats(self)
 
 
+@dataclass
+class GRPOArgs:
+    """Online RL (finetune/grpo.py): GRPO's sampling, rewards and loss, as TRL's GRPOConfig names them"""
+
+    num_generations: int = 8
+    """Completions sampled for each prompt (G): a group, whose rewards are compared with each other."""
+    max_completion_length: int = 256
+    """Longest completion in tokens; a completion still going there is cut (completions/clipped_ratio; a warning
+    when most are)."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities of the loss are of the same distribution (logits / temperature)."""
+    top_p: Optional[float] = None
+    """Nucleus sampling: draw from the most likely tokens that reach this probability (left out: all)."""
+    top_k: Optional[int] = None
+    """Draw from the k most likely tokens only (left out: all)."""
+    loss_type: str = "dapo"
+    """grpo (each completion's token mean, averaged), bnpo (token mean of each micro batch), dr_grpo (token sum over
+    completions x --max_completion_length) or dapo (token mean of the step), as TRL's loss_type."""
+    epsilon: float = 0.2
+    """Clip of the importance ratio pi / pi_sampling from below: 1 - epsilon (and from above unless
+    --epsilon_high)."""
+    epsilon_high: Optional[float] = None
+    """Upper clip 1 + epsilon_high (DAPO's clip-higher, e.g. 0.28); default: --epsilon."""
+    beta: float = 0.0
+    """Weight of the KL term to the reference: the model with the adapter as it started (the base for a fresh
+    adapter, the --lora_path adapter as it was), the same weights with the adapter tensors swapped (no second
+    copy); 0: no reference forward at all."""
+    num_iterations: int = 1
+    """Optimizer steps on each batch of samples (GRPO's mu): above 1, the sampling policy's log-probabilities are kept
+    and the ratios are clipped."""
+    scale_rewards: str = "group"
+    """Advantages = (reward - group mean) / std: group (each group's std), batch (the whole step's), none (no
+    division: Dr. GRPO)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at --max_completion_length out of the loss (DAPO's overlong filtering)."""
+    reward: list[str] = field(default_factory=lambda: ["exact_answer"])
+    """Reward functions, repeatable (--reward a --reward b): a built-in (exact_answer: the completion's \\boxed{},
+    <answer> or last number against the --answer_column column, by math-verify when installed; format: 1 when the
+    completion matches --format_regex; length: -tokens / --max_completion_length), or module:function (a .py file
+    or an importable module), called as TRL calls it (prompts, completions, completion_ids, the row's other
+    columns as keyword arguments) and returning a float or None per completion."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per --reward, in order (repeatable); default: 1 each. The reward is their weighted sum."""
+    answer_column: str = "answer"
+    """The column the built-in exact_answer compares with."""
+    format_regex: Optional[str] = None
+    """The built-in format reward's pattern (whole completion, dot matches newlines); default:
+    <think>.*?</think>\\s*<answer>.*?</answer>."""
+    lora_path: Optional[Path] = None
+    """An SFT adapter (lit_model_lora_finetuned.pth of finetune/lora.py, or a PEFT folder) to start from: trained
+    further and, as it was, the reference of --beta. Its LoRA settings replace the --lora_* flags."""
+
+    def __post_init__(self) -> None:
+        check_path(self.lora_path, "--lora_path")
+        for flag, value in (("num_generations", self.num_generations), ("num_iterations", self.num_iterations),
+                            ("max_completion_length", self.max_completion_length)):
+            if value < 1:
+                raise UserError(f"--{flag} must be at least 1, got {value}")
+        if self.num_generations < 2:
+            raise UserError(f"--num_generations {self.num_generations}: GRPO compares the completions of a prompt "
+                            "with each other, so it needs at least 2; use e.g. 8")
+        if self.loss_type not in GRPO_LOSSES:
+            raise UserError(f"unknown --loss_type {self.loss_type!r}; choose one of {', '.join(GRPO_LOSSES)}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise UserError(f"unknown --scale_rewards {self.scale_rewards!r}; choose one of {', '.join(SCALE_REWARDS)}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise UserError(f"--temperature must be above 0, got {self.temperature} (GRPO learns from sampled "
+                            "completions); use e.g. 1.0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"--top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top_k must be at least 1, got {self.top_k}; or leave it out")
+        for flag, value in (("epsilon", self.epsilon), ("epsilon_high", self.epsilon_high), ("beta", self.beta)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise UserError(f"--{flag} must be 0 or more, got {value}")
+        if not self.epsilon < 1:
+            raise UserError(f"--epsilon must be below 1 (the lower clip is 1 - epsilon), got {self.epsilon}")
+
+
 GROUPS = (RunArgs, DataArgs, LoRAArgs, TrainArgs, EvalArgs)
 
 
@@ -390,24 +471,47 @@ class FinetuneArgs:
     train: TrainArgs
     eval: EvalArgs
     pref: Optional[PreferenceArgs] = None  # finetune/dpo.py only
+    grpo: Optional[GRPOArgs] = None  # finetune/grpo.py only
 
     def as_flat_dict(self) -> dict:
         """The flags and their values, as a `--config` file holds them (what hyperparameters.json records)."""
         out = {}
-        for group in (self.run, self.data, self.lora, self.train, self.eval, *([self.pref] if self.pref else [])):
+        for group in (self.run, self.data, self.lora, self.train, self.eval,
+                      *(g for g in (self.pref, self.grpo) if g is not None)):
             out.update({k: str(v) if isinstance(v, Path) else v for k, v in asdict(group).items()})
         return out
 
 
-def finetune_parser(preference: bool = False) -> ArgumentParser:
+def finetune_parser(preference: bool = False, grpo: bool = False) -> ArgumentParser:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(prog="finetune/dpo.py" if preference else "finetune/lora.py",
-                            description="Preference-tune (DPO, IPO, ORPO, SimPO) a LoRA adapter" if preference else
-                            "Fine-tune a model with LoRA on a dense or quantized (QLoRA) base.")
+    prog, description = ("finetune/grpo.py", "Train a LoRA adapter by online RL (GRPO) on reward functions") if grpo \
+        else ("finetune/dpo.py", "Preference-tune (DPO, IPO, ORPO, SimPO) a LoRA adapter") if preference \
+        else ("finetune/lora.py", "Fine-tune a model with LoRA on a dense or quantized (QLoRA) base.")
+    parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", action="config", help="A YAML file of flags (as --print_config writes it).")
-    for group in _groups(preference):
+    for group in _groups(preference, grpo):
         parser.add_class_arguments(group, None)
+    if grpo:  # what the shared flags mean here
+        parser.set_defaults(prompt_column="prompt")
+        for flag, text in GRPO_HELP.items():
+            parser._option_string_actions[f"--{flag}"].help = text
     return parser
+
+
+GRPO_HELP = {  # finetune/grpo.py's help of shared flags whose meaning differs there
+    "micro_batch_size": "Prompts per forward/backward per device, each with its --num_generations completions (G x "
+                        "this many sequences).",
+    "batch_size": "Prompts per optimizer step over all devices, each with its --num_generations completions; all "
+                  "of a step's completions are sampled together, a prompt's group on one device (default "
+                  "micro_batch_size x devices).",
+    "prompt_column": "The column that holds the prompt: text, or a list of messages (chat template). Rows of "
+                     "`messages` alone: the turns before the last answer.",
+    "max_iters": "Optimizer steps; default: --epochs passes over the prompts x --num_iterations.",
+    "eval_iters": "Validation micro batches of held-out prompts (one greedy completion each; val_reward is their "
+                  "mean reward, val_loss minus it, which early stopping watches; 0: no validation).",
+    "template": "How text prompts are rendered: auto (as they are, as TRL passes them; conversations with the chat "
+                "template), alpaca, plain, or chat (one user turn).",
+}
 
 
 def add_lora_flags(parser: ArgumentParser) -> None:
@@ -422,24 +526,31 @@ def pop_lora_args(values: dict) -> LoRAArgs:
     return LoRAArgs(**{f.name: values.pop(f.name) for f in fields(LoRAArgs)})
 
 
-def _groups(preference: bool) -> tuple:
-    return (*GROUPS, PreferenceArgs) if preference else GROUPS
+def _groups(preference: bool, grpo: bool = False) -> tuple:
+    return (*GROUPS, PreferenceArgs) if preference else (*GROUPS, GRPOArgs) if grpo else GROUPS
 
 
-def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = False) -> FinetuneArgs:
+def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = False,
+                        grpo: bool = False) -> FinetuneArgs:
     """Parse the command line; without --checkpoint_dir, the demo preset lies under the flags given (finetune/lora.py;
-    finetune/dpo.py needs --checkpoint_dir). `preference`: finetune/dpo.py's flags too."""
+    finetune/dpo.py and finetune/grpo.py need --checkpoint_dir). `preference`: finetune/dpo.py's flags too; `grpo`:
+    finetune/grpo.py's (--reward and --reward_weights repeatable)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if grpo:
+        argv = _joined_repeats(argv, ("reward", "reward_weights"))
     if argv and argv[-1] == "--resume" or any(a == "--resume" and b.startswith("--") for a, b in zip(argv, argv[1:])):
         argv.insert(argv.index("--resume") + 1, "true")  # a bare `--resume` means `--resume true`
-    argv, sources = _checked_configs(argv, preference)
-    parser = finetune_parser(preference)
+    argv, sources = _checked_configs(argv, preference, grpo)
+    parser = finetune_parser(preference, grpo)
     parser.exit_on_error = False  # a wrong value is one line naming the flag (and the --config file), not a usage text
     try:
         ns = parser.parse_args(argv)
         if ns.checkpoint_dir is None and preference:
             raise UserError("--checkpoint_dir is required (finetune/dpo.py has no demo); pass the model folder, and "
                             "--data_dir a folder of prompt/chosen/rejected rows")
+        if ns.checkpoint_dir is None and grpo:
+            raise UserError("--checkpoint_dir is required (finetune/grpo.py has no demo); pass the model folder, and "
+                            "--data_dir a folder of prompt rows (tutorials/finetune_grpo.md)")
         if ns.checkpoint_dir is None and sources:  # a damaged or emptied file must not turn the run into the demo
             raise UserError(f"--config {', '.join(sources)} sets no checkpoint_dir (and no --checkpoint_dir flag "
                             "does); add `checkpoint_dir: <model folder>` to the file, or drop --config to run the demo")
@@ -448,21 +559,22 @@ def parse_finetune_args(argv: Optional[list[str]] = None, preference: bool = Fal
     except ArgumentError as e:
         where = f" (flags from --config {', '.join(sources)})" if sources else ""
         raise UserError(f"{' '.join(str(e).split())}{where}; fix the value (--help lists every flag)") from None
-    _refuse_nulls(ns, preference, sources)
-    _refuse_huge_counts(ns, preference, sources)
+    _refuse_nulls(ns, preference, sources, grpo)
+    _refuse_huge_counts(ns, preference, sources, grpo)
     try:
-        return FinetuneArgs(*(group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference)))
+        groups = [group(**{f.name: ns[f.name] for f in fields(group)}) for group in _groups(preference, grpo)]
+        return FinetuneArgs(*groups[:5], pref=groups[5] if preference else None, grpo=groups[5] if grpo else None)
     except UserError as e:
         if not sources:
             raise
         raise UserError(f"{e} (flags from --config {', '.join(sources)})") from None
 
 
-def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:
+def _refuse_nulls(ns, preference: bool, sources: list[str], grpo: bool = False) -> None:
     """A null in a --config file (YAML `~`, JSON null) reaches a flag as None without jsonargparse's type check (on the
     command line `--lora_r null` is refused): a flag that has no "left out" meaning (its type is not Optional) is
     refused in one line naming it, never run with None (a null --lora_key trained without the key adapter)."""
-    for group in _groups(preference):
+    for group in _groups(preference, grpo):
         for name, hint in get_type_hints(group).items():
             if ns[name] is None and type(None) not in get_args(hint):
                 where = f" in --config {', '.join(sources)}" if sources else ""
@@ -475,9 +587,9 @@ def _refuse_nulls(ns, preference: bool, sources: list[str]) -> None:
 MAX_COUNT = 2**31 - 1
 
 
-def _refuse_huge_counts(ns, preference: bool, sources: list[str]) -> None:
+def _refuse_huge_counts(ns, preference: bool, sources: list[str], grpo: bool = False) -> None:
     """Every integer flag but --seed (RunArgs checks its range) at most MAX_COUNT in size, or a one-line refusal."""
-    for group in _groups(preference):
+    for group in _groups(preference, grpo):
         for name, hint in get_type_hints(group).items():
             v = ns[name]
             if name != "seed" and isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
@@ -491,11 +603,11 @@ def _refuse_huge_counts(ns, preference: bool, sources: list[str]) -> None:
 _RECORD_ONLY = ("lora", "resolved")
 
 
-def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[str], list[str]]:
+def _checked_configs(argv: list[str], preference: bool = False, grpo: bool = False) -> tuple[list[str], list[str]]:
     """argv with each `--config FILE` read through lit_qlora.readers (a UserError naming the file and the line or
     the key for undecodable text, bad YAML / JSON, a top level that is not a mapping, a key that is no flag) and
     replaced by its checked content; and the files' names."""
-    hints = {name: hint for group in _groups(preference) for name, hint in get_type_hints(group).items()}
+    hints = {name: hint for group in _groups(preference, grpo) for name, hint in get_type_hints(group).items()}
     flags = set(hints)
     out, sources, i = [], [], 0
     while i < len(argv):
@@ -529,10 +641,47 @@ def _checked_configs(argv: list[str], preference: bool = False) -> tuple[list[st
             if isinstance(v, float) and not math.isfinite(v):
                 raise UserError(f"--{key} is {v} in --config {path}, not a finite value; give a number or text as "
                                 "--help says, or leave it out for its default")
-            textual = {t for t in get_args(hints[key]) or (hints[key],) if t is not type(None)} <= {str, Path}
+            hint = hints[key]
+            textual = get_origin(hint) is not list and {t for t in get_args(hint) or (hint,)
+                                                         if t is not type(None)} <= {str, Path}
             if textual and not isinstance(v, (str, type(None))):
                 raise UserError(f"--{key} is {v!r} in --config {path}, not text; write it in quotes, or leave it out "
                                 "for its default (--help lists the values)")
         out += ["--config", json.dumps(data, default=str)]
         sources.append(str(path))
     return out, sources
+
+
+def _joined_repeats(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv with each of `flags` given several times (`--reward a --reward b`, or `--reward=a`) as one list value
+    (`--reward '["a", "b"]'`); a value already written as a list is kept as it is."""
+    out, found = [], {f: [] for f in flags}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if name in found and (eq or i + 1 < len(argv)):
+            if not eq:
+                value, i = argv[i + 1], i + 1
+            found[name].append(value)
+            if len(found[name]) == 1:
+                out.append(name)  # its place, filled below
+        else:
+            out.append(a)
+        i += 1
+    result = []
+    for a in out:
+        if a in found and found[a]:
+            values = found[a]
+            listed = len(values) == 1 and values[0].lstrip().startswith("[")
+            result += [f"--{a}", values[0] if listed else json.dumps([_number_or_text(v) for v in values])]
+        else:
+            result.append(a)
+    return result
+
+
+def _number_or_text(v: str):
+    try:
+        return float(v)
+    except ValueError:
+        return v

@@ -16,10 +16,12 @@ HEAD_CHUNK_ELEMENTS = 2**24  # logits per chunk of head_cross_entropy: 64 MiB in
 
 
 def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
-                          ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+                          ignore_index: int = -100, reduction: str = "sum", temperature: float = 1.0) -> torch.Tensor:
     """Sum (not mean) of token losses, or with reduction "none" each target position's loss, -log p(target) [N] in
-    fp32 (0 at ignored positions). `logits` may come in sequence chunks from `GPT(lm_head_chunk=...)`: the fp32
-    upcast is then made chunk by chunk, as a temporary (backward keeps only the logits and a log-sum-exp per row).
+    fp32 (0 at ignored positions); with a `temperature`, of the distribution softmax(logits / temperature) (what
+    sampling at that temperature draws from: GRPO's log-probabilities). `logits` may come in sequence chunks from
+    `GPT(lm_head_chunk=...)`: the fp32 upcast is then made chunk by chunk, as a temporary (backward keeps only the
+    logits and a log-sum-exp per row).
     Logits [B, T, V] go with targets [B, T]; logits of selected positions [N, V] (`GPT(output_mask=...)`) with the
     targets of those positions [N]."""
     _check_reduction(reduction)
@@ -31,7 +33,7 @@ def chunked_cross_entropy(logits: torch.Tensor | list[torch.Tensor], targets: to
         t = targets[:, start:start + T] if chunk.dim() == 3 else targets[start:start + T]
         start += T
         losses.append(_CrossEntropy.apply(chunk.reshape(-1, chunk.size(-1)), t.reshape(-1), ignore_index,
-                                          reduction == "sum"))
+                                          reduction == "sum", temperature))
     if reduction == "none":
         return torch.cat(losses)
     total = losses[0]
@@ -52,14 +54,17 @@ class _CrossEntropy(torch.autograd.Function):
     gradient, scatters into it and runs softmax's backward; here backward builds softmax - one_hot in one tensor."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, summed: bool) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, summed: bool,
+                temperature: float = 1.0) -> torch.Tensor:
         x = logits.float()
+        if temperature != 1.0:
+            x = x / temperature
         lse = torch.logsumexp(x, dim=-1)  # [N]
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
         picked = x.gather(-1, safe[:, None])[:, 0]
         ctx.save_for_backward(logits, targets, lse)
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.temperature = ignore_index, temperature
         nll = torch.where(valid, lse - picked, 0)
         return nll.sum() if summed else nll
 
@@ -67,11 +72,14 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         valid = targets != ctx.ignore_index
-        g = torch.sub(logits, lse[:, None]).exp_()  # softmax, one new fp32 [N, V] (bf16 - fp32 gives fp32)
+        T = ctx.temperature
+        x = logits if T == 1.0 else logits.float() / T
+        g = torch.sub(x, lse[:, None]).exp_()  # softmax, one new fp32 [N, V] (bf16 - fp32 gives fp32)
         rows = valid.nonzero()[:, 0]
         g[rows, targets[rows]] -= 1.0
-        g.mul_(torch.where(valid, grad, 0)[:, None])  # a scalar (sum) or one per row (none); ignored rows: none
-        return g.to(logits.dtype), None, None, None
+        scale = torch.where(valid, grad, 0)[:, None]  # a scalar (sum) or one per row (none); ignored rows: none
+        g.mul_(scale if T == 1.0 else scale / T)  # d(z / T) / dz = 1 / T
+        return g.to(logits.dtype), None, None, None, None
 
 
 def head_chunk_rows(vocab_size: int) -> int:
@@ -81,7 +89,7 @@ def head_chunk_rows(vocab_size: int) -> int:
 
 def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                        softcap: Optional[float] = None, ignore_index: int = -100,
-                       chunk: Optional[int] = None, reduction: str = "sum") -> torch.Tensor:
+                       chunk: Optional[int] = None, reduction: str = "sum", temperature: float = 1.0) -> torch.Tensor:
     """The token losses of the output layer `weight` [V, C] (frozen, no bias) at the hidden states x [N, C] with
     targets [N], summed, or each position's (reduction "none": -log p(target) [N] in fp32, what preference losses are
     made of): `chunked_cross_entropy(softcap(x @ weight.T), targets, reduction=...)` with the same value and gradient
@@ -91,17 +99,17 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     tensor of a step. Each position's loss depends on its own hidden state only, so the gradient of loss i for x_i
     (one row [C]) is known in forward: (softmax_i - one_hot_i) @ weight. Each chunk's logits, its fp32 softmax and
     these rows are made and dropped in forward; backward only scales row i by the upstream gradient of loss i (one
-    scalar for the sum)."""
+    scalar for the sum). `temperature`: of softmax(logits / temperature), as `chunked_cross_entropy`."""
     _check_reduction(reduction)
     chunk = chunk or head_chunk_rows(weight.size(0))
     return _HeadCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), softcap, ignore_index,
-                                   chunk, reduction == "sum")
+                                   chunk, reduction == "sum", temperature)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: Optional[float],
-                ignore_index: int, chunk: int, summed: bool) -> torch.Tensor:
+                ignore_index: int, chunk: int, summed: bool, temperature: float = 1.0) -> torch.Tensor:
         want_grad = ctx.needs_input_grad[0]
         grad_x = torch.empty_like(x) if want_grad else None
         nll = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
@@ -110,6 +118,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             z = cpu_half.linear(xc, w)  # the logits in x's dtype, as the output layer computes them
             t = torch.tanh(z / cap) if cap is not None else None
             logits = (t * cap if cap is not None else z).float()
+            if temperature != 1.0:
+                logits = logits.div_(temperature)
             del z
             lse = torch.logsumexp(logits, dim=-1)
             valid = tc != ignore_index
@@ -120,6 +130,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 rows = valid.nonzero()[:, 0]
                 g[rows, tc[rows]] -= 1.0
                 g[~valid] = 0.0
+                if temperature != 1.0:
+                    g.div_(temperature)  # d(z / T) / dz
                 g = g.to(x.dtype)  # the precision autograd hands the output layer's backward
                 if cap is not None:
                     g = g * (1 - t * t)  # d(cap * tanh(z / cap)) / dz, in x's dtype as autograd's tanh backward
@@ -132,4 +144,4 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (grad_x,) = ctx.saved_tensors
         scale = grad.to(grad_x.dtype)
-        return grad_x * (scale if scale.dim() == 0 else scale[:, None]), None, None, None, None, None, None
+        return grad_x * (scale if scale.dim() == 0 else scale[:, None]), None, None, None, None, None, None, None

@@ -74,11 +74,11 @@ class GPT(nn.Module):
                 positions: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None,
                 output_mask: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None,
                 reduction: str = "sum", prefixes: Optional[torch.Tensor] = None,
-                router_aux: bool = False, batch=None) -> torch.Tensor | list | tuple:
+                router_aux: bool = False, temperature: float = 1.0, batch=None) -> torch.Tensor | list | tuple:
         """idx [B, T] -> logits [B, T, V]. With `input_pos` [T] the KV cache is used (prefill or decode). With
         `targets` (of the positions that reach the output layer: [B, T], or [N] under `output_mask`) the summed
         cross entropy instead of the logits, or with reduction "none" each position's, -log p(target) in fp32
-        (`output_loss`).
+        (`output_loss`; `temperature`: of softmax(logits / temperature), GRPO's sampling distribution).
 
         Packed samples (training): `segments` [B, T] numbers the sample each token belongs to (-1: padding) and
         `positions` [B, T] restart at 0 with every sample; attention stays inside each sample. `prefixes` [B, T]: a
@@ -97,7 +97,8 @@ class GPT(nn.Module):
         if router_aux:
             return self._with_routing(idx, input_pos=input_pos, lm_head_chunk=lm_head_chunk, positions=positions,
                                       segments=segments, output_mask=output_mask, targets=targets,
-                                      reduction=reduction, prefixes=prefixes, batch=batch)
+                                      reduction=reduction, prefixes=prefixes, temperature=temperature,
+                                      batch=batch)
         B, T = idx.shape
         x = self.transformer.wte(idx)  # [B, T, C]
         if self.config.scale_embeddings:
@@ -137,7 +138,7 @@ class GPT(nn.Module):
                                                       use_reentrant=False)
             else:
                 x = block(x, cos, sin, input_pos, cache, mask, kv_len, spans)
-        return self._head(self.transformer.ln_f(x), output_mask, targets, lm_head_chunk, reduction)
+        return self._head(self.transformer.ln_f(x), output_mask, targets, lm_head_chunk, reduction, temperature)
 
     def _rope_for(self, kind: Optional[bool], positions: torch.Tensor, per_row: bool, x: torch.Tensor,
                   lengths: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +164,7 @@ class GPT(nn.Module):
         return None, T, spans
 
     def _head(self, x: torch.Tensor, output_mask: Optional[torch.Tensor], targets: Optional[torch.Tensor],
-              lm_head_chunk: int, reduction: str) -> torch.Tensor | list:
+              lm_head_chunk: int, reduction: str, temperature: float = 1.0) -> torch.Tensor | list:
         """The output layer on the final hidden states x [B, T, C] (see `forward`)."""
         if output_mask is not None:
             # Why: prompt and padding positions have no target. Skipping them in the output layer saves its matmuls
@@ -172,7 +173,7 @@ class GPT(nn.Module):
         else:
             dim = 1
         if targets is not None:
-            return self.output_loss(x, targets, lm_head_chunk, reduction=reduction)
+            return self.output_loss(x, targets, lm_head_chunk, reduction=reduction, temperature=temperature)
         if lm_head_chunk:
             # the loss upcasts each chunk to fp32 on its own (losses.chunked_cross_entropy)
             return [self.output(xc) for xc in x.split(lm_head_chunk, dim=dim)]
@@ -196,7 +197,7 @@ class GPT(nn.Module):
         return out, aux, load
 
     def output_loss(self, x: torch.Tensor, targets: torch.Tensor, lm_head_chunk: int = 0,
-                    ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+                    ignore_index: int = -100, reduction: str = "sum", temperature: float = 1.0) -> torch.Tensor:
         """Cross entropy of the output layer at the final hidden states x ([B, T, C] or [N, C]): summed, or per
         position (reduction "none", flattened [N]). A frozen dense head (the default) never holds more than one chunk
         of logits (losses.head_cross_entropy); a quantized head or one with a LoRA computes its logits
@@ -205,9 +206,9 @@ class GPT(nn.Module):
         head = self.lm_head
         if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad:
             return head_cross_entropy(x, head.weight, targets, self.config.final_softcap, ignore_index,
-                                      reduction=reduction)
+                                      reduction=reduction, temperature=temperature)
         chunks = x.split(lm_head_chunk) if lm_head_chunk else [x]
-        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index, reduction)
+        return chunked_cross_entropy([self.output(xc) for xc in chunks], targets, ignore_index, reduction, temperature)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, with Gemma 2's final soft-capping."""

@@ -31,7 +31,6 @@ import torch
 from lit_qlora.args import FinetuneArgs, parse_finetune_args
 from lit_qlora.data.chat_template import stop_ids
 from lit_qlora.data.prepare import DataSettings
-from lit_qlora.quant.decode4bit import disable_fast_decode, enable_fast_decode
 from lit_qlora.quant.quantize import validation_mode
 from lit_qlora.readers import load_torch
 from lit_qlora.train import grpo as gr
@@ -224,19 +223,16 @@ def micro_batches(s, micro: list, completions: list, adv: torch.Tensor) -> list[
 
 
 def sample(s, prompts: list, G: int, temperature: float, step: int) -> list[gr.Completion]:
-    """G completions of each prompt (prompt-major), by the model as it is, through the 4-bit decoding kernel where
-    it applies (switched on for the sampling only)."""
+    """G completions of each prompt (prompt-major), by the model as it is, as one batch of the engine (through the
+    4-bit decoding kernel where it applies, for the sampling only)."""
     g = s.args.grpo
     ids, sampling = gr.group_sampling(prompts, G, s.args.run.seed, step, g.max_completion_length, temperature, g.top_k,
                                       g.top_p, s.grpo.stops)
     validation_mode(s.gpt)
-    fast = enable_fast_decode(s.gpt) if s.fabric.device.type == "cpu" else 0
     try:
         with s.fabric.autocast():
             return gr.sample_completions(s.gpt, ids, sampling)
     finally:
-        if fast:
-            disable_fast_decode(s.gpt)
         s.model.train()
 
 

@@ -500,10 +500,12 @@ def test_format_and_length_rewards_and_loading(tmp_path):
 
 
 def test_sampling_through_the_4bit_kernel_follows_the_adapter_as_it_trains(tiny):
-    """The completions finetune/grpo.py samples through the 4-bit decoding kernel (enable_fast_decode, the unmerged
-    adapter folded into each kernel call) are those of the plain 4-bit model, and after an in-place update of the
-    adapter (an optimizer step) those of the updated adapter: no stale decoding copy of A and B is used."""
-    from lit_qlora.quant.decode4bit import disable_fast_decode, enable_fast_decode, kernel
+    """The completions finetune/grpo.py samples (one batch of the engine, through the 4-bit decoding kernel with the
+    unmerged adapter folded into each call) are those of the plain 4-bit model decoding each completion alone
+    (generation.generate, bitsandbytes' path, a generator of the completion's seed), and after an in-place update of
+    the adapter (an optimizer step) those of the updated adapter: no stale decoding copy of A and B is used."""
+    from lit_qlora.generation import generate
+    from lit_qlora.quant.decode4bit import kernel
 
     if kernel() is None:
         pytest.skip("no C compiler for the decoding kernel")
@@ -514,21 +516,23 @@ def test_sampling_through_the_4bit_kernel_follows_the_adapter_as_it_trains(tiny)
     sampling = [gr.Sampling(6, 1.0, seed=gr.completion_seed(1, 0, i // G, i % G)) for i in range(len(prompts))]
 
     def both() -> tuple[list, list]:
-        plain = [c.ids for c in gr.sample_completions(model.eval(), prompts, sampling)]
-        assert enable_fast_decode(model) > 0
-        try:
-            fast = [c.ids for c in gr.sample_completions(model, prompts, sampling)]
-        finally:
-            disable_fast_decode(model)
-        return plain, fast
+        model.eval()
+        with torch.no_grad():
+            plain = [generate(model, torch.tensor(p), 6, temperature=1.0,
+                              generator=torch.Generator().manual_seed(s.seed))[len(p):].tolist()
+                     for p, s in zip(prompts, sampling)]
+        model.train()
+        batched = [c.ids for c in gr.sample_completions(model, prompts, sampling)]
+        assert model.training
+        return plain, batched
 
-    before, fast_before = both()
-    assert fast_before == before
+    before, batched_before = both()
+    assert batched_before == before
     with torch.no_grad():
         for m in lora_modules(model).values():
             m.lora_B.mul_(-3.0)  # in place, as an optimizer step updates it
-    after, fast_after = both()
-    assert fast_after == after and after != before
+    after, batched_after = both()
+    assert batched_after == after and after != before
 
 
 def test_starting_from_an_sft_adapter_it_is_the_reference(prompt_setup, tmp_path):

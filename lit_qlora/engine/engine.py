@@ -399,7 +399,8 @@ def decoding(model):
     class swaps over the same weights, no copy); afterwards the layers it converted and the mode are as they were. A
     model being trained (GRPO's policy) is sampled this way between its optimizer steps."""
     was_training = model.training
-    model.eval()
+    if was_training:  # (a caller may have set its own eval mode: quantize.validation_mode keeps int8 layers training)
+        model.eval()
     converted = enable_fast_decode(model)  # 0 where a generation script's loader converted them already
     try:
         yield model

@@ -19,7 +19,7 @@ step).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,7 +32,7 @@ from lit_qlora.data.prepare import DataSettings, read_rows
 from lit_qlora.data.records import normalize_conversation, split, what_value
 from lit_qlora.data.sources import resolve
 from lit_qlora.data.templates import AUTO, CHAT, check_template_name, get_template
-from lit_qlora.generation import generate
+from lit_qlora.engine import Completion, Sampling, generate_batch
 from lit_qlora.lora import lora_modules
 from lit_qlora.train.rewards import score
 from lit_qlora.utils import UserError
@@ -48,27 +48,6 @@ TIMES = ("time/sampling_ms", "time/rewards_ms", "time/old_ref_logps_ms", "time/f
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Sampling:
-    """How one sequence is sampled (the batched engine's `Sampling`, lit_qlora.engine, field for field)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop_ids: tuple = ()
-    stop_strings: tuple = ()
-
-
-@dataclass
-class Completion:
-    """A sampled continuation: its new tokens (a stop id included) and why it ended ("stop" or "length")."""
-
-    ids: list[int]
-    finish_reason: str
-
-
 def completion_seed(seed: int, step: int, prompt_index: int, generation: int) -> int:
     """The seed of one completion: a function of --seed, the step that samples, the prompt's place in the data and
     the completion's number in its group, so a completion does not depend on what else is sampled with it (DDP
@@ -89,21 +68,17 @@ def group_sampling(prompts: list, G: int, seed: int, step: int, max_new_tokens: 
                  for p in prompts for i in range(G)]
 
 
-@torch.no_grad()
-def sample_completions(model, prompts: list[list[int]], sampling: list[Sampling]) -> list[Completion]:
-    """Every completion of a step: prompt i continued as `sampling[i]` says (its own seeded generator), by the model
-    as it is (its LoRA unmerged, eval mode, no gradient). The one place GRPO samples: the batched engine's
-    `generate_batch(model, prompts, sampling)` takes the same arguments and returns the same."""
-    device = model.transformer.wte.weight.device
-    out = []
-    for prompt, s in zip(prompts, sampling):
-        g = torch.Generator(device=device)
-        g.manual_seed(s.seed if s.seed is not None else 0)
-        room = min(s.max_new_tokens, model.config.block_size - len(prompt))
-        ids = generate(model, torch.tensor(prompt, dtype=torch.long), room, temperature=s.temperature,
-                       top_k=s.top_k, top_p=s.top_p, eos_ids=s.stop_ids, generator=g)[len(prompt):].tolist()
-        out.append(Completion(ids, "stop" if ids and ids[-1] in s.stop_ids else "length"))
-    return out
+def sample_completions(model, prompts: list[list[int]], sampling: list[Sampling],
+                       precision: Optional[str] = None) -> list[Completion]:
+    """Every completion of a step: prompt i continued as `sampling[i]` says (its own seeded generator: a completion
+    does not depend on what is sampled beside it), all of them as one continuous batch of the engine
+    (`engine.generate_batch`), by the model as it is: the 4-bit base with the adapter unmerged, each decoding step's
+    layers through the 4-bit kernel with the update inside the call (`engine.decoding`), no copy of the weights.
+    A completion is cut at the model's context."""
+    limit = model.config.block_size
+    sampling = [replace(s, max_new_tokens=max(1, min(s.max_new_tokens, limit - len(p))))
+                for p, s in zip(prompts, sampling)]
+    return generate_batch(model, prompts, sampling, precision=precision)
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------------

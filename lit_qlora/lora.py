@@ -22,8 +22,10 @@ from lit_qlora.kernels import cpu_half
 from lit_qlora.model import GPT, ExpertWeights, linear
 from lit_qlora.utils import UserError
 
-# Up to this many rows of 16-bit activations (a decoding step: one per sequence) the LoRA products run in fp32 on CPU
-DECODE_ROWS = 32
+# Up to this many rows of 16-bit activations (a decoding step: one per sequence) the LoRA products run in fp32 on CPU;
+# up to DECODE_BATCH for the batched engine's decoding steps (one token per row)
+DECODE_ROWS = 16
+DECODE_BATCH = 32
 
 
 # --lora_init: how A and B start. default: A kaiming-uniform, B = 0 (PEFT's True); gaussian: A ~ N(0, 1/r^2), B = 0;
@@ -219,7 +221,8 @@ class LoRALinear(nn.Module):
         """A generation step on CPU: a few rows of 16-bit activations, nothing to differentiate, no dropout, no
         autocast (which would cast the products back to 16 bits)."""
         return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not self.training
-                and not torch.is_grad_enabled() and x.numel() <= DECODE_ROWS * x.size(-1)
+                and not torch.is_grad_enabled()
+                and x.numel() <= (DECODE_BATCH if x.dim() >= 3 and x.size(-2) == 1 else DECODE_ROWS) * x.size(-1)
                 and not torch.is_autocast_enabled("cpu"))
 
     def _decode_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

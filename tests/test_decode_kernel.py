@@ -213,21 +213,23 @@ def test_bf16_dot_weights_are_bf16_codes_times_the_block_scale(mode, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("mode", MODES_4BIT)
 def test_converted_layer_dispatch(monkeypatch, mode, dtype):
-    """Through the module: up to MAX_KERNEL_ROWS rows on the kernel, more on the dense path, both right; [B, T, in]
-    inputs keep their leading dimensions."""
+    """Through the module: up to MAX_KERNEL_ROWS rows on the kernel, more on the dense path, both right; a decoding
+    step of the batched engine (one token per row) up to MAX_DECODE_ROWS rows on the kernel; [B, T, in] inputs keep
+    their leading dimensions."""
     calls = []
     monkeypatch.setattr(d, "run_kernel", lambda *a, _f=d.run_kernel: calls.append(a[2].shape) or _f(*a))
     for shape in [(96, 192), (64, 96)]:
         layer = quantized_layer(mode, *shape, dtype=dtype, bias=True)
         assert d.enable_fast_decode(layer) == 1 and type(layer) is d.DecodeLinear4bit
-        for b, t in [(1, 1), (2, 3), (1, d.MAX_KERNEL_ROWS), (1, d.MAX_KERNEL_ROWS + 1), (2, 40)]:
+        for b, t in [(1, 1), (2, 3), (1, d.MAX_KERNEL_ROWS), (1, d.MAX_KERNEL_ROWS + 1), (2, 40),
+                     (d.MAX_DECODE_ROWS, 1), (d.MAX_DECODE_ROWS + 1, 1)]:
             calls.clear()
             x = torch.randn(b, t, shape[1], generator=torch.Generator().manual_seed(t)).to(dtype)
             with torch.inference_mode():
                 y = layer(x)
             assert y.shape == (b, t, shape[0]) and y.dtype == dtype
-            assert len(calls) == (1 if b * t <= d.MAX_KERNEL_ROWS else 0), (b, t)
-            on_kernel = b * t <= d.MAX_KERNEL_ROWS
+            on_kernel = b * t <= (d.MAX_DECODE_ROWS if t == 1 else d.MAX_KERNEL_ROWS)
+            assert len(calls) == on_kernel, (b, t)
             if on_kernel and dtype != torch.float16:
                 assert_close_to_reference(y.reshape(-1, shape[0]), layer, x.reshape(-1, shape[1]), d.kernel())
                 continue

@@ -52,9 +52,11 @@ SOURCE = Path(__file__).with_name("decode4bit.c")
 # The kernel decodes each weight row once per 8 activation rows and runs at ~80% of the CPU's peak multiply rate
 # from 8 rows on (AVX512-BF16 EPYC, one thread: 46 GMAC/s in bf16 against 59 for a loop of nothing but vdpbf16ps,
 # 24 of 30 in fp32); at 32 rows it still beats dequantize + matmul in bf16 (690 against ~900 us for 576 x 1536) and
-# is within 25% of it in fp32, and the batched engine decodes up to 32 sequences per step through it, each row
-# computed as it would be alone (tutorials/batched_generation.md).
-MAX_KERNEL_ROWS = 32
+# is within 25% of it in fp32. A prompt's rows go to the kernel up to MAX_KERNEL_ROWS (as before the batched engine);
+# the engine's decoding steps, one token per sequence, up to MAX_DECODE_ROWS sequences (each row computed as it
+# would be alone: tutorials/batched_generation.md).
+MAX_KERNEL_ROWS = 16
+MAX_DECODE_ROWS = 32
 # Layers with fewer weights than this run on one thread: waking a second one costs more than it saves (a few us
 # on an idle machine, up to milliseconds when another process holds the other core).
 PARALLEL_MIN_WEIGHTS = 1 << 17
@@ -457,6 +459,12 @@ def dequantized_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def kernel_rows(x: torch.Tensor) -> int:
+    """How many rows of x [..., T, in] the kernel takes: MAX_DECODE_ROWS for a decoding step (one token per row),
+    MAX_KERNEL_ROWS otherwise."""
+    return MAX_DECODE_ROWS if x.dim() >= 3 and x.size(-2) == 1 else MAX_KERNEL_ROWS
+
+
 class DecodeLinear4bit(bnb.nn.Linear4bit):
     """A `bitsandbytes.nn.Linear4bit` for generation on CPU: the same stored weights (so every tool that reads
     them still works), with decoding through the kernel. Made by `enable_fast_decode`, never constructed."""
@@ -474,7 +482,7 @@ class DecodeLinear4bit(bnb.nn.Linear4bit):
         does not take x (more than MAX_KERNEL_ROWS rows, a gradient to compute, not on CPU, ...)."""
         lib = kernel()
         rows = x.numel() // self.in_features if self.in_features else 0
-        if (lib is None or x.device.type != "cpu" or rows > MAX_KERNEL_ROWS
+        if (lib is None or x.device.type != "cpu" or rows > kernel_rows(x)
                 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
                 or torch.is_grad_enabled() and (x.requires_grad or self.bias is not None and self.bias.requires_grad)):
             return None

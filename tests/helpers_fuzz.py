@@ -380,27 +380,20 @@ def _resume_named(d: Path):
     return path and path.name, state and state["resume"]["step"]
 
 
-_FINETUNE: dict = {}  # finetune/lora.py's functions (run once)
-
-
 def _parsed_flags(config_file: Path) -> dict:
     """The flags of a --config file as finetune/lora.py reads them, and the folders they name opened as its
     check_inputs opens them next (a damaged path is refused there, not trained on)."""
     from lit_qlora.args import parse_finetune_args
     from lit_qlora.convert import ensure_converted
     from lit_qlora.data.sources import resolve
+    from lit_qlora.precision import resolve_accelerator
     from lit_qlora.quant.quant_mode import QuantMode
+    from lit_qlora.train.loop import check_flags
 
     args = parse_finetune_args(["--config", str(config_file)])
-    if "check_flags" not in _FINETUNE:
-        import runpy
-
-        _FINETUNE.update(runpy.run_path(str(h.FINETUNE)))
-    from lit_qlora.precision import resolve_accelerator
-
     quantize = QuantMode.parse(args.run.quantize)
-    _FINETUNE["check_flags"](args, quantize and quantize.value, args.lora.config(),  # finetune's checks of the flags
-                             resolve_accelerator(args.run.accelerator))
+    check_flags(args, quantize and quantize.value, args.lora.config(),  # finetune's checks of the flags
+                resolve_accelerator(args.run.accelerator))
     ensure_converted(args.run.checkpoint_dir, quiet=True)
     if resolve(args.data.data_dir) is None:
         raise UserError(f"no data in {args.data.data_dir}")

@@ -212,9 +212,9 @@ class LoRALinear(nn.Module):
         matmuls of that size cost several times their fp32 ones (oneDNN's per-call overhead: 18 against 2.5 us for
         1 x 576 @ 576 x 24 in bf16 on an AVX512-BF16 CPU). With every layer adapted that made unmerged decoding 2.2x
         slower than merged."""
-        A, B, g = self._decode_weights()
+        A, Bt, g = self._decode_weights()
         ax = nn.functional.linear(x.reshape(-1, self.in_features).float(), A)
-        z = torch.addmm(y.reshape(-1, self.out_features).float(), ax, B.T)
+        z = torch.addmm(y.reshape(-1, self.out_features).float(), ax, Bt)
         return (z if g is None else self._dora_rescale(z, g)).to(y.dtype).view(y.shape)
 
     def _decoding(self, x: torch.Tensor) -> bool:
@@ -226,8 +226,8 @@ class LoRALinear(nn.Module):
                 and not torch.is_autocast_enabled("cpu"))
 
     def _decode_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """fp32 A, scaling * stacked B and, for DoRA, the factor g = `dora_scale` of every output row, for a model
-        that is not training: made once instead of at every step (four to eight small ops per layer and step:
+        """fp32 A, (scaling * stacked B)^T [r, out] and, for DoRA, the factor g = `dora_scale` of every output row, for
+        a model that is not training: made once instead of at every step (four to eight small ops per layer and step:
         decoding with every layer adapted went from 41 to 46 tokens/s; DoRA's g takes a product with the base).
         Made again whenever A, B or the magnitudes change: their version counters count every in-place update (an
         optimizer step, a load_state_dict). `train()` drops them (a few MB of fp32 copies that training would make
@@ -245,8 +245,8 @@ class LoRALinear(nn.Module):
 
     def _make_decode_weights(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         with torch.no_grad():
-            A, B = self.lora_A.float().contiguous(), (self.stacked_B().float() * self.scaling).contiguous()
-            return A, B, self.dora_scale().float().contiguous() if self.dora else None
+            A, Bt = self.lora_A.float().contiguous(), (self.stacked_B().float() * self.scaling).T.contiguous()
+            return A, Bt, self.dora_scale().float().contiguous() if self.dora else None
 
     def drop_decode_weights(self) -> None:
         """Free the fp32 copies `_decode_weights` keeps (made again at the next decoding step)."""

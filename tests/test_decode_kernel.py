@@ -335,7 +335,7 @@ def test_kernel_adds_a_lora_update(mode, r, rows, dtype, variant):
         g = torch.Generator().manual_seed(r + rows)
         A, B = 0.1 * torch.randn(r, shape[1], generator=g), 0.1 * torch.randn(shape[0], r, generator=g)
         x = torch.randn(rows, shape[1], generator=g).to(dtype)
-        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B))
+        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B.T.contiguous()))  # (B given as B^T)
         assert_close_to_reference(y, layer, x, lib, lora=(A, B))
 
 
@@ -345,9 +345,9 @@ def test_kernel_adds_a_lora_update(mode, r, rows, dtype, variant):
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.fp4-dq"])
 def test_kernel_scales_a_dora_sum_per_row(mode, rows, dtype, variant):
-    """q4_linear_dora: g * (x @ W^T + (x @ A^T) @ B^T) + bias in one call (DoRA's output with its factor g per row,
-    rows between 0.5 and 1.5, some exactly 1), against float64 from bitsandbytes' weights; red with the factor
-    applied to the bias too, or not at all."""
+    """q4_linear_lora with a factor: g * (x @ W^T + (x @ A^T) @ B^T) + bias in one call (DoRA's output with its
+    factor g per row, rows between 0.5 and 1.5, some exactly 1), against float64 from bitsandbytes' weights; red
+    with the factor applied to the bias too, or not at all."""
     lib = lib_for(variant)
     for shape in [(96, 192), (33, 128), (7, 100), (514, 256)]:
         layer = quantized_layer(mode, *shape, dtype=dtype, bias=True)
@@ -356,7 +356,7 @@ def test_kernel_scales_a_dora_sum_per_row(mode, rows, dtype, variant):
         scale = 0.5 + torch.rand(shape[0], generator=g)
         scale[::3] = 1.0
         x = torch.randn(rows, shape[1], generator=g).to(dtype)
-        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B), rowscale=scale)
+        y = d.run_kernel(lib, d._State(layer, lib), x, shape[0], lora=(A, B.T.contiguous()), rowscale=scale)
         assert_close_to_reference(y, layer, x, lib, lora=(A, B), rowscale=scale)
 
 
@@ -1036,7 +1036,7 @@ def test_rows_of_several_adapters_in_one_call(dtype, variant):
     fused.bias = nn.Parameter(0.1 * torch.randn(96, generator=g).to(dtype), requires_grad=False)
     for layer in (quantized_layer("bnb.nf4", 96, 192, dtype=dtype, bias=True), fused.eval()):
         assert len(d._State(layer, lib).parts) == (1 if layer is not fused else 3)
-        adapters = [(0.1 * torch.randn(r, 192, generator=g), 0.1 * torch.randn(96, r, generator=g), scale)
+        adapters = [(0.1 * torch.randn(r, 192, generator=g), 0.1 * torch.randn(r, 96, generator=g), scale)
                     for r, scale in [(4, None), (8, 0.5 + torch.rand(96, generator=g)), (2, None)]]
         loras = [adapters[0], None, adapters[1], adapters[2], adapters[0]]
         ends = [2, 3, 6, 7, 9]

@@ -28,11 +28,13 @@
  * Decoding (one activation row) on AVX512 takes four weight rows at a time, sharing the activations' loads and one
  * combined horizontal sum, and the AVX512 loops prefetch the weights a few KB ahead.
  *
- * `q4_linear_lora` adds a LoRA update in the same call: y = x @ W^T (+ bias) + (x @ A^T) @ B^T, A [r, K] and B
- * [N, r] in fp32 (the LoRA scaling folded into B), everything summed in fp32 and rounded once. A decoding step
- * then costs one call per adapted layer where separate torch ops cost five and their Python around them.
- * `q4_linear_dora` is DoRA's form of it: y = g * (x @ W^T + (x @ A^T) @ B^T) (+ bias), g [N] the fp32 factor of
- * each output row (magnitude / row norm of W + B A, 1 for rows without LoRA), still rounded once.
+ * `q4_linear_lora` adds a LoRA update in the same call: y = x @ W^T (+ bias) + (x @ A^T) @ B^T, A [r, K] in fp32 and B
+ * given transposed ([r, N], the LoRA scaling folded in), everything summed in fp32 and rounded once. A decoding step
+ * then costs one call per adapted layer where separate torch ops cost five and their Python around them. With a DoRA
+ * factor g it is DoRA's form: y = g * (x @ W^T + (x @ A^T) @ B^T) (+ bias), g [N] the fp32 factor of each output row
+ * (magnitude / row norm of W + B A, 1 for rows without LoRA), still rounded once. `q4_linear_segments` does the same
+ * for runs of rows of different adapters (the batched engine's rows), each run with its own A, B and g. The
+ * weights' products are kept in fp32 and each row's update added afterwards, 16 outputs at a time.
  *
  * `q4_linear_many` runs several layers, each on its own rows, in one call and one OpenMP region: a mixture of
  * experts' active experts of a projection (and the up projection's with the gate's) while decoding, where a call
@@ -459,14 +461,16 @@ DEFINE_TILE(7)
 DEFINE_TILE(8)
 
 /* The LoRA of each run of rows ("segment"): rows seg_end[s-1] .. seg_end[s]-1 add (x @ A_s^T) @ B_s^T, A_s [r_s, K]
- * and B_s [N, r_s] in fp32 (the scaling folded into B), and with g_s (DoRA: the fp32 factor of each output row) the
- * output is g_s * (x @ W^T + update) (+ bias). A NULL A_s: rows without LoRA. One adapter for every row is one
- * segment; rows of several adapters in one batch, one segment per run of rows of the same adapter. */
+ * in fp32 and B_s^T given as Bt_s, r_s rows of `ldb` floats whose first N are this layer's (the scaling folded in),
+ * and with g_s (DoRA: the fp32 factor of each output row) the output is g_s * (x @ W^T + update) (+ bias). A NULL
+ * A_s: rows without LoRA. One adapter for every row is one segment; rows of several adapters in one batch, one
+ * segment per run of rows of the same adapter. */
 typedef struct {
     int64_t n;
     const int64_t *end;
-    const float *const *A, *const *B, *const *g;
+    const float *const *A, *const *Bt, *const *g;
     const int64_t *r;
+    int64_t ldb;
 } segments_t;
 
 /* One product to compute: y[M, N] = x[M, K] @ W^T (+ bias) (+ each segment's LoRA, see segments_t), with what
@@ -478,7 +482,7 @@ typedef struct {
     int64_t M;
     segments_t S;
     int64_t *seg, *ax_at;
-    float *xs, *ax;
+    float *xs, *ax, *wx; /* wx: with a LoRA, the weights' products [M, N], finished by `lora_row` */
     uint16_t *xs16;
     int b2_shift; /* see block_scale */
 } job_t;
@@ -487,21 +491,52 @@ static void job_free(job_t *J) {
     free(J->xs);
     free(J->xs16);
     free(J->ax);
+    free(J->wx);
     free(J->seg);
-    J->xs = J->ax = NULL;
+    J->xs = J->ax = J->wx = NULL;
     J->xs16 = NULL;
     J->seg = J->ax_at = NULL;
 }
 
-/* Output (m, o) from the weights' product `wx`: plus the bias and row m's LoRA update B[o] . ax[m]; with a DoRA
- * factor g, g[o] * (wx + update) + bias. */
-static inline float finish(const job_t *J, int64_t m, int64_t o, float wx) {
-    const float bias = J->L->bias ? J->L->bias[o] : 0.0f;
-    const int64_t s = J->seg ? J->seg[m] : -1;
-    if (s < 0) return wx + (bias + 0.0f);
-    const int64_t r = J->S.r[s];
-    const float update = dot_f32(J->S.B[s] + o * r, J->ax + J->ax_at[m], r), *g = J->S.g ? J->S.g[s] : NULL;
-    return g ? g[o] * (wx + update) + bias : wx + (bias + update);
+/* Output (m, o) from the weights' product `wx`: plus the bias (then y); with a LoRA, wx kept for `lora_row`. */
+static inline void emit(const job_t *J, int dtype, int64_t m, int64_t o, float wx) {
+    if (J->wx) {
+        J->wx[m * J->L->n + o] = wx;
+        return;
+    }
+    put(J->y, dtype, m * J->L->n + o, wx + ((J->L->bias ? J->L->bias[o] : 0.0f) + 0.0f));
+}
+
+/* Row m of y from its products `wx`: plus the bias and its LoRA update u = Bt^T ax[m] (each u[o] summed over the r
+ * ranks in order, fused multiply-adds, 16 outputs at a time); with a DoRA factor g, g[o] * (wx + u) + bias. */
+static void lora_row(const job_t *J, int dtype, int64_t m) {
+    const int64_t n = J->L->n, s = J->seg[m], r = s >= 0 ? J->S.r[s] : 0, ldb = J->S.ldb;
+    const float *wx = J->wx + m * n, *bias = J->L->bias, *ax = s >= 0 ? J->ax + J->ax_at[m] : NULL;
+    const float *Bt = s >= 0 ? J->S.Bt[s] : NULL, *g = s >= 0 && J->S.g ? J->S.g[s] : NULL;
+    float u[16];
+    for (int64_t o0 = 0; o0 < n; o0 += 16) {
+        const int64_t w = n - o0 < 16 ? n - o0 : 16;
+        int64_t i = 0;
+#if Q4_ISA == 512
+        if (w == 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t j = 0; j < r; j++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(ax[j]), _mm512_loadu_ps(Bt + j * ldb + o0), acc);
+            _mm512_storeu_ps(u, acc);
+            i = 16;
+        }
+#endif
+        for (; i < w; i++) {
+            float a = 0.0f;
+            for (int64_t j = 0; j < r; j++) a = fmaf(ax[j], Bt[j * ldb + o0 + i], a);
+            u[i] = a;
+        }
+        for (i = 0; i < w; i++) {
+            const int64_t o = o0 + i;
+            const float b = bias ? bias[o] : 0.0f;
+            put(J->y, dtype, m * n + o, g ? g[o] * (wx[o] + u[i]) + b : wx[o] + (b + u[i]));
+        }
+    }
 }
 
 /* Each row's segment, and its x @ A^T [r] (in ax), computed once before the rows are shared out. */
@@ -536,11 +571,12 @@ static int job_lora(job_t *J, const void *x, int dtype) {
 static int job_start(job_t *J, const q4_layer *L, const void *x, void *y, int64_t M, int dtype,
                      const segments_t *S) {
     const int64_t k = L->k, kh = k / 2;
-    *J = (job_t){L, y, M, {0, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL, NULL, NULL, -1};
+    *J = (job_t){L, y, M, {0, NULL, NULL, NULL, NULL, NULL, 0}, NULL, NULL, NULL, NULL, NULL, NULL, -1};
     if (k % 2) return -1;
     if (S && S->n > 0) {
         J->S = *S;
-        if (job_lora(J, x, dtype)) { job_free(J); return -1; }
+        J->wx = (float *)malloc(sizeof(float) * (size_t)(M * L->n > 0 ? M * L->n : 1));
+        if (!J->wx || job_lora(J, x, dtype)) { job_free(J); return -1; }
     }
     /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
     const size_t cells = (size_t)(M * k > 0 ? M * k : 1);
@@ -585,7 +621,7 @@ static void job_rows(const job_t *J, int dtype, int64_t g) {
 #endif
             rows4_fp32(L, o0, xs, J->b2_shift, out4);
         for (int j = 0; j < 4; j++)
-            put(J->y, dtype, o0 + j, finish(J, 0, o0 + j, out4[j]));
+            emit(J, dtype, 0, o0 + j, out4[j]);
         return;
     }
 #endif
@@ -606,7 +642,7 @@ static void job_rows(const job_t *J, int dtype, int64_t g) {
                 default: tile_8(L, o, xt, xt16, J->b2_shift, out); break;
             }
             for (int64_t m = 0; m < mt; m++)
-                put(J->y, dtype, (m0 + m) * n + o, finish(J, m0 + m, o, out[m]));
+                emit(J, dtype, m0 + m, o, out[m]);
         }
     }
 }
@@ -641,6 +677,12 @@ static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtyp
     job_t J;
     if (job_start(&J, L, x, y, M, dtype, S)) return -1;
     run_jobs(&J, 1, dtype, nthreads);
+    if (J.wx) {
+        const int threads = nthreads > 0 && M > 1 ? nthreads : 1;
+        (void)threads; /* (read only by the pragma) */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t m = 0; m < M; m++) lora_row(&J, dtype, m);
+    }
     job_free(&J);
     return 0;
 }
@@ -665,18 +707,18 @@ int q4_linear_many(const q4_layer *const *Ls, const void *const *xs, void *const
     return failed ? -1 : 0;
 }
 
-/* One LoRA (g NULL) or DoRA adapter on every row. */
+/* One LoRA (g NULL) or DoRA adapter on every row (Bt: B transposed, see segments_t). */
 int q4_linear_lora(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, const float *A,
-                   const float *B, int64_t r, const float *g) {
-    const segments_t S = {1, &M, &A, &B, &g, &r};
+                   const float *Bt, int64_t r, const float *g, int64_t ldb) {
+    const segments_t S = {1, &M, &A, &Bt, &g, &r, ldb};
     return linear(L, x, y, M, dtype, nthreads, &S);
 }
 
 /* Rows of several adapters (see segments_t): the batched engine's rows of different LoRA adapters in one call. */
 int q4_linear_segments(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads, int64_t nseg,
-                       const int64_t *seg_end, const float *const *A, const float *const *B, const int64_t *r,
-                       const float *const *g) {
-    const segments_t S = {nseg, seg_end, A, B, g, r};
+                       const int64_t *seg_end, const float *const *A, const float *const *Bt, const int64_t *r,
+                       const float *const *g, int64_t ldb) {
+    const segments_t S = {nseg, seg_end, A, Bt, g, r, ldb};
     return linear(L, x, y, M, dtype, nthreads, &S);
 }
 

@@ -182,9 +182,10 @@ def kernel(variant: str = "native") -> Optional[ctypes.CDLL]:
                               ctypes.c_int, ctypes.c_int]
     lib.q4_linear.restype = ctypes.c_int
     lib.q4_linear_lora.argtypes = lib.q4_linear.argtypes + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                            ctypes.c_void_p]
+                                                            ctypes.c_void_p, ctypes.c_int64]
     lib.q4_linear_lora.restype = ctypes.c_int
-    lib.q4_linear_segments.argtypes = lib.q4_linear.argtypes + [ctypes.c_int64] + [ctypes.c_void_p] * 5
+    lib.q4_linear_segments.argtypes = lib.q4_linear.argtypes + [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [
+        ctypes.c_int64]
     lib.q4_linear_segments.restype = ctypes.c_int
     lib.q4_linear_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.q4_linear_many.restype = ctypes.c_int
@@ -291,46 +292,46 @@ def _run_part(lib: ctypes.CDLL, part: _Part, x: torch.Tensor, y: torch.Tensor, r
         failed = lib.q4_linear_segments(*args, *segments.arrays(part.r0, part.rows))
     elif lora is None:
         failed = lib.q4_linear(*args)
-    else:
-        A, B = lora
-        failed = lib.q4_linear_lora(*args, A.data_ptr(), B.data_ptr(), A.size(0),
-                                    rowscale.data_ptr() if rowscale is not None else None)
+    else:  # this part's columns of B^T, and its rows' factors
+        A, Bt = lora
+        failed = lib.q4_linear_lora(*args, A.data_ptr(), Bt.data_ptr() + part.r0 * 4, A.size(0),
+                                    rowscale.data_ptr() + part.r0 * 4 if rowscale is not None else None, Bt.size(1))
     if failed:
         raise MemoryError("the 4-bit decode kernel could not allocate its activation buffer")
 
 
 class Segments:
     """Rows of several LoRA adapters for one kernel call (`q4_linear_segments`): run i of the rows, up to ends[i],
-    adds the update of loras[i] = (A [r, in], scaling * B [out, r], DoRA's factor g [out] or None), all fp32 and
-    contiguous, or None for rows of the base alone."""
+    adds the update of loras[i] = (A [r, in], (scaling * B)^T [r, out], DoRA's factor g [out] or None: what
+    `LoRALinear._decode_weights` gives), all fp32 and contiguous, or None for rows of the base alone."""
 
     def __init__(self, ends: list[int], loras: list[Optional[tuple]]) -> None:
         self.loras, n = loras, len(ends)
         self.ends = (ctypes.c_int64 * n)(*ends)
         self.r = (ctypes.c_int64 * n)(*(lora[0].size(0) if lora else 0 for lora in loras))
         self.A = (ctypes.c_void_p * n)(*(lora[0].data_ptr() if lora else None for lora in loras))
-        self.g = (ctypes.c_void_p * n)(*(lora[2].data_ptr() if lora and lora[2] is not None else None
-                                         for lora in loras))
+        self.ldb = next((lora[1].size(1) for lora in loras if lora), 0)
         self._B: dict[int, ctypes.Array] = {}
 
     def arrays(self, r0: int, rows: int) -> tuple:
-        """What the kernel reads for the output rows r0 .. r0+rows-1 of the layer (a part quantized on its own)."""
+        """What the kernel reads for the output rows r0 .. r0+rows-1 of the layer (a part quantized on its own): each
+        adapter's columns of B^T and its factors from r0 on."""
         if r0 not in self._B:
-            B = [lora[1].data_ptr() + r0 * lora[1].stride(0) * 4 if lora else None for lora in self.loras]
+            B = [lora[1].data_ptr() + r0 * 4 if lora else None for lora in self.loras]
             g = [lora[2].data_ptr() + r0 * 4 if lora and lora[2] is not None else None for lora in self.loras]
             self._B[r0] = ((ctypes.c_void_p * len(B))(*B), (ctypes.c_void_p * len(g))(*g))
         B, g = self._B[r0]
-        return len(self.loras), self.ends, self.A, B, self.r, g
+        return len(self.loras), self.ends, self.A, B, self.r, g, self.ldb
 
 
 def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: int,
                lora: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                rowscale: Optional[torch.Tensor] = None, segments: Optional[Segments] = None) -> torch.Tensor:
     """x [..., in] (fp32 or bf16, any number of rows) @ W^T (+ bias) through the kernel, in x's dtype. With `lora`
-    (A [r, in], B [out, r], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before the
-    one rounding to x's dtype; with `rowscale` too (DoRA's factor g [out], fp32 and contiguous) the output is
-    g * (x @ W^T + update) (+ bias). A layer quantized part by part runs a kernel call per part (B's rows and g's of
-    that part). `segments`: rows of several adapters instead (see `Segments`)."""
+    (A [r, in] and B^T [r, out], fp32 and contiguous, the scaling in B) the update (x @ A^T) @ B^T is added before
+    the one rounding to x's dtype; with `rowscale` too (DoRA's factor g [out], fp32 and contiguous) the output is
+    g * (x @ W^T + update) (+ bias). A layer quantized part by part runs a kernel call per part (B^T's columns and
+    g's rows of that part). `segments`: rows of several adapters instead (see `Segments`)."""
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if len(state.parts) == 1 or not rows:
@@ -341,9 +342,7 @@ def run_kernel(lib: ctypes.CDLL, state: _State, x: torch.Tensor, out_features: i
     outs = []
     for part in state.parts:
         y = x.new_empty((*x.shape[:-1], part.rows))
-        piece = slice(part.r0, part.r0 + part.rows)
-        _run_part(lib, part, x, y, rows, lora and (lora[0], lora[1][piece]),
-                  rowscale[piece] if rowscale is not None else None, segments)
+        _run_part(lib, part, x, y, rows, lora, rowscale, segments)
         outs.append(y)
     return torch.cat(outs, dim=-1)
 
@@ -515,8 +514,8 @@ class DecodeLoRALinear(LoRALinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (type(self.base) is DecodeLinear4bit and not self.training and not torch.is_grad_enabled()
                 and not torch.is_autocast_enabled("cpu")):
-            A, B, g = self._decode_weights()
-            y = self.base.kernel_forward(x, (A, B), g)
+            A, Bt, g = self._decode_weights()
+            y = self.base.kernel_forward(x, (A, Bt), g)
             if y is not None:
                 return y
         return super().forward(x)

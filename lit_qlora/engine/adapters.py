@@ -207,8 +207,10 @@ class AdapterBank:
         return self._row_norms2[module_name]
 
     def activate(self, name: Optional[str]) -> None:
-        """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere)."""
-        self.routes.set([], [])  # (rows of mixed adapters: `route` says them again for each forward)
+        """Put adapter `name`'s wrappers in place of the layers they target (None: the bare base everywhere, or the
+        layers rows of several adapters share, which `route` tells what to add)."""
+        if name is not None:  # no row of another adapter in this forward
+            self.routes.set([], [])
         if name == self.active:
             return
         for w in self.wrappers.get(self.active, {}).values():  # its fp32 decoding copies: ~2.4x its own size

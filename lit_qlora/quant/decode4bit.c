@@ -539,8 +539,9 @@ static void lora_row(const job_t *J, int dtype, int64_t m) {
     }
 }
 
-/* Each row's segment, and its x @ A^T [r] (in ax), computed once before the rows are shared out. */
-static int job_lora(job_t *J, const void *x, int dtype) {
+/* Each row's segment, and its x @ A^T [r] (in ax), computed before the weight rows are shared out, a row per
+ * thread at a time. */
+static int job_lora(job_t *J, const void *x, int dtype, int nthreads) {
     const int64_t k = J->L->k, M = J->M;
     const segments_t *S = &J->S;
     int64_t cells = 0, s = 0;
@@ -553,11 +554,14 @@ static int job_lora(job_t *J, const void *x, int dtype) {
         J->ax_at[m] = cells;
         cells += J->seg[m] >= 0 ? S->r[s] : 0;
     }
-    J->ax = (float *)malloc(sizeof(float) * (size_t)(cells + k));
+    J->ax = (float *)malloc(sizeof(float) * (size_t)(cells + M * k));
     if (!J->ax) return -1;
-    float *xrow = J->ax + cells;
+    const int threads = nthreads > 0 && M > 1 ? nthreads : 1;
+    (void)threads; /* (read only by the pragma) */
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < M; m++) {
         const int64_t sm = J->seg[m];
+        float *xrow = J->ax + cells + m * k;
         if (sm < 0) continue;
         for (int64_t j = 0; j < k; j++)
             xrow[j] = dtype == 1 ? bf16_to_f32(((const uint16_t *)x)[m * k + j]) : ((const float *)x)[m * k + j];
@@ -569,14 +573,14 @@ static int job_lora(job_t *J, const void *x, int dtype) {
 /* Fill J for layer L on x (fp32, dtype 0, or bf16, dtype 1; row-major, contiguous). Returns 0, or -1 when K is odd
  * (rows would start mid-byte) or memory runs out (nothing left allocated then). */
 static int job_start(job_t *J, const q4_layer *L, const void *x, void *y, int64_t M, int dtype,
-                     const segments_t *S) {
+                     const segments_t *S, int nthreads) {
     const int64_t k = L->k, kh = k / 2;
     *J = (job_t){L, y, M, {0, NULL, NULL, NULL, NULL, NULL, 0}, NULL, NULL, NULL, NULL, NULL, NULL, -1};
     if (k % 2) return -1;
     if (S && S->n > 0) {
         J->S = *S;
         J->wx = (float *)malloc(sizeof(float) * (size_t)(M * L->n > 0 ? M * L->n : 1));
-        if (!J->wx || job_lora(J, x, dtype)) { job_free(J); return -1; }
+        if (!J->wx || job_lora(J, x, dtype, nthreads)) { job_free(J); return -1; }
     }
     /* The bf16 loop takes bf16 activations de-interleaved as they are; every other case fp32 ones. */
     const size_t cells = (size_t)(M * k > 0 ? M * k : 1);
@@ -675,7 +679,7 @@ static void run_jobs(const job_t *jobs, int64_t count, int dtype, int nthreads) 
 static int linear(const q4_layer *L, const void *x, void *y, int64_t M, int dtype, int nthreads,
                   const segments_t *S) {
     job_t J;
-    if (job_start(&J, L, x, y, M, dtype, S)) return -1;
+    if (job_start(&J, L, x, y, M, dtype, S, nthreads)) return -1;
     run_jobs(&J, 1, dtype, nthreads);
     if (J.wx) {
         const int threads = nthreads > 0 && M > 1 ? nthreads : 1;
@@ -700,7 +704,7 @@ int q4_linear_many(const q4_layer *const *Ls, const void *const *xs, void *const
     if (!jobs) return -1;
     int failed = 0;
     for (int64_t i = 0; i < count && !failed; i++)
-        failed = job_start(&jobs[i], Ls[i], xs[i], ys[i], Ms[i], dtype, NULL);
+        failed = job_start(&jobs[i], Ls[i], xs[i], ys[i], Ms[i], dtype, NULL, 1);
     if (!failed) run_jobs(jobs, count, dtype, nthreads);
     for (int64_t i = 0; i < count; i++) job_free(&jobs[i]);
     free(jobs);

@@ -1,9 +1,9 @@
 """Benchmark generate/serve.py (prints figures; not a test): requests/s and time to first token for 1, 4 and 16
 concurrent streaming clients over two adapters, and the server's memory with 1 and with 8 adapters.
 
-    python scripts/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
-    python scripts/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
-    python scripts/bench_serve.py --clients ""          # memory with 0 / 1 / 8 adapters only
+    python scripts/bench/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
+    python scripts/bench/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
+    python scripts/bench/bench_serve.py --clients ""          # memory with 0 / 1 / 8 adapters only
 
 A random-weight checkpoint of the model's shape is written once (with a made-up byte-level tokenizer of the model's
 vocabulary size and a ChatML template), and 8 random adapters on every target (r 8). Each server is a subprocess of
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lit_qlora.checkpoint import LIT_WEIGHTS  # noqa: E402

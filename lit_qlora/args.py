@@ -96,9 +96,10 @@ class RunArgs:
     out_dir: Path = Path("out/lora/demo")
     """Where checkpoints, metrics.csv, metrics.json, hyperparameters.json and the final adapter go."""
     precision: str = "auto"
-    """auto, 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (see the README's precision table). auto: bf16-true on
-    a GPU with bf16 (16-mixed without) and on a CPU with native bf16 (AVX512-BF16/AMX), 32-true on other CPUs (where
-    bf16-true computes by fp32 kernels: a little slower, less memory)."""
+    """auto, 32-true, 16-true, bf16-true, 16-mixed or bf16-mixed (the table in
+    tutorials/reference/precision-and-quantization.md). auto: bf16-true on a GPU with bf16 (16-mixed without) and on a
+    CPU with native bf16 (AVX512-BF16/AMX), 32-true on other CPUs (where bf16-true computes by fp32 kernels: a little
+    slower, less memory)."""
     quantize: Optional[str] = None
     """Frozen base weights as bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq or bnb.int8; none (or left out) for dense."""
     quantize_lm_head: Optional[bool] = None
@@ -108,7 +109,7 @@ class RunArgs:
     """Processes per machine (DDP; gloo on CPU)."""
     num_nodes: int = 1
     """Machines. Above 1, a launcher starts this command on every machine (torchrun --nnodes, SLURM's srun/sbatch;
-    README, "Several machines"); every process trains on its share of each batch."""
+    tutorials/reference/distributed.md); every process trains on its share of each batch."""
     accelerator: str = "auto"
     """auto, cpu or cuda."""
     strategy: str = "auto"
@@ -135,7 +136,7 @@ class RunArgs:
     configured), mlflow (train/tracking.py). Each logs the hyperparameters, the resolved precision, every row of
     metrics.csv, the memory report and the adapter paths."""
     logger_dir: Optional[Path] = None
-    """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlruns/); default: --out_dir."""
+    """Where the trackers write (logs/csv, logs/tensorboard, wandb/, mlflow.db); default: --out_dir."""
 
     def __post_init__(self) -> None:
         for flag in ("checkpoint_dir", "out_dir", "logger_dir"):

@@ -1,7 +1,7 @@
 """Several processes: data parallel on one or several machines (DDP), and the sharded base (FSDP).
 
 Several machines: Fabric's cluster environments start and connect the processes (torchrun, SLURM, ...): every
-machine runs the same command, `--num_nodes` says how many there are (README, "Several machines").
+machine runs the same command, `--num_nodes` says how many there are (tutorials/reference/distributed.md).
 
 Sharded base (`--strategy fsdp`): torch's `fully_shard` (FSDP2), through Fabric's ModelParallelStrategy, on CPU
 (gloo) and CUDA alike. Fabric's FSDPStrategy (FSDP1) is not used: Fabric refuses it on CPU and torch's FSDP1 needs
@@ -66,7 +66,8 @@ def check_world(devices: int, num_nodes: int) -> None:
     if num_nodes > 1 and env is None:
         raise UserError(f"--num_nodes {num_nodes} needs a launcher that starts this command on every machine and "
                         "connects them; none was found: run it with torchrun --nnodes ... or under SLURM (srun / "
-                        "sbatch), see the README's 'Several machines', or leave --num_nodes at 1")
+                        "sbatch), see 'Several machines' in tutorials/reference/distributed.md, or leave --num_nodes "
+                        "at 1")
     if env == "torchrun":
         world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", devices))
         if devices * num_nodes != world or per_node != devices:

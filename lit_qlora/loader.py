@@ -102,7 +102,7 @@ def load_model(checkpoint_dir: Path, precision: str = "bf16-true", quantize: Opt
     the A0, B0 to take out instead of computing them (an adapter loaded to use it).
 
     `tensors` ((name, tensor) pairs in our naming, with `config`) fills the model instead of the checkpoint file:
-    scripts/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists.
+    scripts/bench/bench_gpu.py makes random weights on the device that way, each quantized as soon as it exists.
 
     `embedding_from_head` (generation, never training): a tied model with a 4-bit output layer reads its input
     embedding from that layer (`TiedEmbedding4bit`), so the dense embedding is never kept; an untied quantized

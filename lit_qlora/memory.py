@@ -26,7 +26,7 @@ mirrors what actually exists during training:
 
 The activation terms match the bytes autograd really saves (tests/test_memory.py compares them through
 saved-tensor hooks) and, with the temporaries, the peak of live tensors measured with torch's profiler. On CPU
-two measured terms come on top (scripts/bench_estimator.py): the runtime (interpreter, torch, Lightning,
+two measured terms come on top (scripts/bench/bench_estimator.py): the runtime (interpreter, torch, Lightning,
 bitsandbytes, thread pools) and glibc's heap slack (`_allocator_slack`). Not modelled: oneDNN's per-shape
 caches, which grow the CPU resident size over the first iterations when batches come in many different
 lengths (up to a few hundred MB), so variable-length data on CPU can peak above the estimate.
@@ -65,7 +65,7 @@ from lit_qlora.utils import UserError
 GiB = 2**30
 MiB = 2**20
 
-# Measured on CPU (scripts/bench_estimator.py --calibrate_runtime): peak RSS of a training run of a ~0-size
+# Measured on CPU (scripts/bench/bench_estimator.py --calibrate_runtime): peak RSS of a training run of a ~0-size
 # model: Python, torch, Lightning, jsonargparse, tokenizers, oneDNN/OpenMP buffers after the first steps.
 CPU_RUNTIME_BYTES = int(0.376 * GiB)
 CPU_RUNTIME_BNB_BYTES = int(0.047 * GiB)  # extra when bitsandbytes is imported (quantization or its optimizers)
@@ -474,7 +474,7 @@ def _moe_stranded(c: Config, d: _Dims, dequant: int) -> int:
     expert's projection dequantizes its weight (`dequant` bytes), computes its rows' output, a small tensor alive
     until all experts' outputs are concatenated, and frees the weight: the outputs, carved from the freed weights'
     space, leave holes too small for the next expert's weight, so the heap grows by about one dequantized weight
-    per active expert and keeps it. Measured (scripts/bench_estimator.py --model moe --n_layer 4, nf4-dq): ~0.24
+    per active expert and keeps it. Measured (scripts/bench/bench_estimator.py --model moe --n_layer 4, nf4-dq): ~0.24
     GiB of peak RSS above the tensors and the dense-fitted slack at micro batch 4 and at 1 alike, i.e. it does not
     grow with the tokens. Active experts: those at least one of the N*k routed rows picks, under even routing."""
     E, rows = c.moe_n_expert, d.N * c.moe_top_k
@@ -498,7 +498,7 @@ def _allocator_slack(device_type: str, small_bytes: int, churn_bytes: int, stran
     gives back: holes and an untrimmed top keep the resident size above the live tensors, by a share of the
     small tensors alive at the peak, more when quantized layers allocate and free a dequantized weight of that
     size for every matmul, plus what each mixture-of-experts layer strands below its saved tensors
-    (`_moe_stranded`). Fitted with scripts/bench_estimator.py (glibc defaults; the spread between runs of one
+    (`_moe_stranded`). Fitted with scripts/bench/bench_estimator.py (glibc defaults; the spread between runs of one
     cell is about +-5%). CUDA: 0, max_memory_allocated counts live blocks only."""
     if device_type != "cpu":
         return 0

@@ -982,7 +982,7 @@ def test_bf16_prefill_uses_fp32_kernels_without_native_bf16(mode):
 
 
 def test_profile_decode_times_every_part_of_a_step(train_setup):
-    """scripts/profile_decode.py (a benchmark, figures only) still reaches every part it names: each row is there,
+    """scripts/bench/profile_decode.py (a benchmark, figures only) still reaches every part it names: each row is there,
     timed (> 0), no part longer than the step, and the 4-bit layers ran on the kernel."""
     import re
     import subprocess
@@ -990,7 +990,7 @@ def test_profile_decode_times_every_part_of_a_step(train_setup):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "scripts" / "profile_decode.py"), "--checkpoint_dir",
+    r = subprocess.run([sys.executable, str(root / "scripts" / "bench" / "profile_decode.py"), "--checkpoint_dir",
                         str(train_setup["ckpt"]), "--quantize", "bnb.nf4", "--precision", "32-true", "--steps", "3"],
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr

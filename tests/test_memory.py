@@ -1,6 +1,6 @@
 """The memory estimator (lit_qlora/memory.py): exact weight and saved-activation bytes, monotonicity, checkpointing,
 --micro_batch_size auto and --estimate_only. (Predicted vs measured peak RSS is a benchmark:
-scripts/bench_estimator.py.)"""
+scripts/bench/bench_estimator.py.)"""
 import json
 import re
 import subprocess

@@ -310,7 +310,7 @@ def test_generation_reads_an_untied_embedding_from_the_file(tmp_path, stored, pr
 
 
 def test_generation_keeps_a_16bit_untied_embedding_as_stored(tmp_path):
-    """Where the embedding is not read from the file (weights given as tensors: on CUDA, or scripts/bench_gpu.py),
+    """Where the embedding is not read from the file (weights given as tensors: on CUDA, or scripts/bench/bench_gpu.py),
     an untied bf16 embedding loaded for generation at 32-true stays bf16 (half the memory of fp32), and its lookups,
     hence the logits, are bit for bit those of the fp32 embedding. Training, a 16-bit compute dtype or an fp32
     checkpoint keep the plain embedding."""

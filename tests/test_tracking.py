@@ -119,7 +119,7 @@ def test_loggers_hold_the_run(train_setup, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     out = tmp_path / "run"
-    for k in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+    for k in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no netrc: W&B is not configured, so offline
     h.train(train_setup, out, max_iters=4, eval_interval=2, logger="csv,wandb,mlflow")
@@ -129,13 +129,12 @@ def test_loggers_hold_the_run(train_setup, tmp_path, monkeypatch):
     metrics = json.loads((out / "metrics.json").read_text())
     adapter = str(out / "lit_model_lora_finetuned.pth")
 
-    # MLflow: the store at out_dir/mlruns, read with MlflowClient
-    import os
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    # MLflow: the SQLite store at out_dir/mlflow.db, read with MlflowClient as a user would, nothing set first (the
+    # file store of earlier versions, ./mlruns, MLflow 3 refuses to open unless MLFLOW_ALLOW_FILE_STORE is set)
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    assert (out / "mlflow.db").is_file() and not (out / "mlruns").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("lit-qlora").experiment_id])
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == pytest.approx(losses)
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_loss")} == pytest.approx(vals)
@@ -179,7 +178,26 @@ def test_missing_package_names_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(UserError, match="--logger wandb needs the wandb package.*pip install wandb"):
         tracking.parse_loggers("csv,wandb")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert tracking.parse_loggers("csv,mlflow") == ["csv", "mlflow"]
+
+
+def test_mlflow_local_store_needs_sqlalchemy(monkeypatch):
+    """MLflow's local store is a SQLite database, which mlflow-skinny opens only with sqlalchemy and alembic: without
+    them, one line naming the package (the track extra has them); a server (MLFLOW_TRACKING_URI) does not need them."""
+    import importlib.util
+
+    from lit_qlora.train import tracking
+    from lit_qlora.utils import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(UserError, match="--logger mlflow needs the sqlalchemy package.*lit-qlora\\[track\\]"):
+        tracking.parse_loggers("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking.parse_loggers("mlflow") == ["mlflow"]
+    assert tracking.mlflow_store(Path("out")) == ("http://127.0.0.1:5000", None)
 
 
 def test_run_report(trained_run, tmp_path):

@@ -1,8 +1,13 @@
-"""Generate demo_data.json: ~400 short Alpaca-format tasks a tiny model can learn with a few minutes
-of LoRA on a CPU (string reversal, upper-casing, small sums, next letter, repetition, opposites,
-counting). Deterministic: re-running it rewrites the identical file.
+"""Generate the demo's data files (deterministic: re-running it rewrites identical files).
 
     python lit_qlora/demo/make_demo_data.py
+
+train.json and val.json: the demo's fine-tuning questions and its held-out set (lit_qlora/demo/tasks.py), which
+`python finetune/lora.py` trains and validates on and `python generate/lora.py` scores.
+
+demo_data.json: the ~400 Alpaca-format tasks of the first demo (string reversal, upper-casing, small sums, next letter,
+repetition, opposites, counting), kept as they were because tutorials/finetune_chat.md and
+scripts/bench/bench_dpo.py build their data from them.
 """
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ import random
 import string
 from pathlib import Path
 
+from lit_qlora.demo.tasks import split
+
 SEED = 1234
-OUT = Path(__file__).with_name("demo_data.json")
+HERE = Path(__file__).parent
+OUT = HERE / "demo_data.json"
 
 WORDS = """cat dog sun moon tree bird fish star rain snow book lamp door road milk cake bread apple
 lemon grape river stone cloud green blue red black white happy quick slow warm cold house mouse
@@ -49,11 +57,17 @@ def build(rng: random.Random) -> list[dict]:
     return recs
 
 
-def main() -> None:
-    recs = build(random.Random(SEED))
+def write(path: Path, recs: list[dict]) -> None:
     # One record per line: small, diff-friendly, still a plain JSON list.
-    OUT.write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n", encoding="utf-8")
-    print(f"wrote {len(recs)} records to {OUT} ({OUT.stat().st_size / 1024:.1f} KiB)")
+    path.write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n", encoding="utf-8")
+    print(f"wrote {len(recs)} records to {path} ({path.stat().st_size / 1024:.1f} KiB)")
+
+
+def main() -> None:
+    write(OUT, build(random.Random(SEED)))
+    train, val = split(SEED)
+    write(HERE / "train.json", train)
+    write(HERE / "val.json", val)
 
 
 if __name__ == "__main__":

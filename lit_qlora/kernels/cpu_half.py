@@ -2,7 +2,7 @@
 
 Why: on a CPU without AVX512-BF16/AMX, torch converts every bf16 operand in software inside its matmul kernel, and a
 bf16 matmul of a fine-tuning shape runs 3-4x slower than the fp32 one (1024x576 @ 576x1536: 30 vs 10 ms on a 2-core
-AVX2/AVX512F Xeon; scripts/bench_precision.py). Converting the operands to fp32 first and calling the fp32 kernel
+AVX2/AVX512F Xeon; scripts/bench/bench_precision.py). Converting the operands to fp32 first and calling the fp32 kernel
 takes about as long as the fp32 matmul alone. The result is what a native 16-bit kernel computes: products of the
 same 16-bit values, summed in fp32, rounded to the 16-bit type once. Only the kernel moves: weights, activations and
 what is saved for backward keep their dtype, so memory is what `--precision bf16-true` promises.

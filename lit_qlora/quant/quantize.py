@@ -582,7 +582,7 @@ class _ExpertMatmul(torch.autograd.Function):
     freed right after the product, so W is the newest block of the heap when it is freed and the next expert's W takes
     its place. (With bitsandbytes' matmul, which allocates its output after W, the outputs that stay alive between
     the freed weights of a layer's 64 experts left holes: peak RSS grew step after step, +25% after 4 steps on
-    scripts/bench_moe.py's shape.)"""
+    scripts/bench/bench_moe.py's shape.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,8 @@ of the validation losses alone, so a resumed run rebuilds it from the rows of me
 
 Loggers (lightning.pytorch.loggers, the ones that also take hyperparameters): csv and tensorboard under
 <logger_dir>/logs/, wandb (offline, under <logger_dir>/wandb/, unless W&B is configured: WANDB_MODE, WANDB_API_KEY or
-a `wandb login`) and mlflow (a file store at <logger_dir>/mlruns unless MLFLOW_TRACKING_URI names another).
+a `wandb login`) and mlflow (MLflow's recommended local store, a SQLite database at <logger_dir>/mlflow.db, unless
+MLFLOW_TRACKING_URI names another; MLflow 3 refuses to open its older file store, ./mlruns, without an opt-in).
 logger_dir: --logger_dir, default out_dir. Each package is imported only when its logger is chosen.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Callable, Optional
 from lit_qlora.utils import UserError
 
 LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name: package needed
+MLFLOW_DB = "mlflow.db"  # the local MLflow store under --logger_dir (sqlite:///<logger_dir>/mlflow.db)
+MLFLOW_LOCAL_STORE = ("sqlalchemy", "alembic")  # what MLflow's SQLite store needs beyond mlflow-skinny
 BEST_ADAPTER = "lit_model_lora_best.pth"
 PROJECT = "lit-qlora"  # the W&B project and the MLflow experiment
 
@@ -34,12 +37,24 @@ def parse_loggers(value: Optional[str]) -> list[str]:
     for n in names:
         if n not in LOGGERS:
             raise UserError(f"unknown --logger {n!r}; choose any of {', '.join(LOGGERS)} (comma-separated)")
-        package = LOGGERS[n]
-        if package and importlib.util.find_spec(package) is None:
-            extra = "mlflow-skinny" if package == "mlflow" else package
-            raise UserError(f"--logger {n} needs the {package} package, which is not installed; "
-                            f"`pip install {extra}` (or `pip install 'lit-qlora[track]'`)")
+        local_store = MLFLOW_LOCAL_STORE if n == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI") else ()
+        for package in (LOGGERS[n], *local_store):
+            if package and importlib.util.find_spec(package) is None:
+                extra = "mlflow-skinny" if package == "mlflow" else package
+                raise UserError(f"--logger {n} needs the {package} package, which is not installed; "
+                                f"`pip install {extra}` (or `pip install 'lit-qlora[track]'`)")
     return list(dict.fromkeys(names))
+
+
+def mlflow_store(logger_dir: Path) -> tuple[str, Optional[str]]:
+    """(tracking URI, artifact location) of the MLflow logger: MLFLOW_TRACKING_URI's store (a server, a database),
+    else a SQLite database at <logger_dir>/mlflow.db with its artifacts beside it, which `mlflow ui --backend-store-uri
+    sqlite:///<logger_dir>/mlflow.db` and MlflowClient open as they are."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri, None
+    folder = Path(logger_dir).resolve()
+    return f"sqlite:///{folder / MLFLOW_DB}", (folder / "mlartifacts").as_uri()
 
 
 def wandb_configured() -> bool:
@@ -73,12 +88,9 @@ def make_loggers(names: list[str], logger_dir: Path, run_name: str) -> list:
         elif n == "mlflow":
             from lightning.pytorch.loggers import MLFlowLogger
 
-            uri = os.environ.get("MLFLOW_TRACKING_URI")
-            if not uri:  # mlflow 3 refuses a file store unless allowed: the one place that needs no server
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-                uri = (logger_dir / "mlruns").resolve().as_uri()
+            uri, artifacts = mlflow_store(logger_dir)
             loggers.append(MLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT),
-                                        run_name=run_name, tracking_uri=uri))
+                                        run_name=run_name, tracking_uri=uri, artifact_location=artifacts))
     return loggers
 
 

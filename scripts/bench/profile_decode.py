@@ -1,14 +1,14 @@
 """Profile: where the time of one decoding step (batch 1, one new token with the KV cache) goes, by part of the model.
 
-    python scripts/profile_decode.py --checkpoint_dir /tmp/bench-generate-XXXX --quantize bnb.nf4
-    python scripts/profile_decode.py --checkpoint_dir ... --quantize none --precision 32-true
+    python scripts/bench/profile_decode.py --checkpoint_dir /tmp/bench-generate-XXXX --quantize bnb.nf4
+    python scripts/bench/profile_decode.py --checkpoint_dir ... --quantize none --precision 32-true
 
 Loads the model as generate/*.py does (4-bit output layer, a tied embedding read from it, the decode kernel), fills
 the KV cache with a `--prompt_len`-token prompt, then times `--steps` decoding steps, with a wall-clock timer around
 each part of every block: the norms, the projections (dense, or the 4-bit kernel and its call), rotary embedding, the
 KV cache update, attention and the MLP. Parts nest (an "attn" includes its "qkv", "rope", ...);
 "outside" is the step's time not inside any block, embedding or output layer. The timers add about 1 us per part
-call. Prints figures only (not a test); `scripts/bench_generate.py` measures tokens/s without timers.
+call. Prints figures only (not a test); `scripts/bench/bench_generate.py` measures tokens/s without timers.
 """
 from __future__ import annotations
 

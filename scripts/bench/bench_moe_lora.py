@@ -6,8 +6,8 @@ step time, the peak RSS and its trainable parameters; then the trainable paramet
 weights, gradients and AdamW's two moments: 16 bytes each) of each variant on the real Qwen3-30B-A3B and Mixtral
 8x7B shapes, computed from their published configs.
 
-    python scripts/bench_moe_lora.py          # 4 layers, 16 experts, 4 active, hidden 256, 60 iterations of 4 x 128
-    python scripts/bench_moe_lora.py --layers 8 --experts 32 --active 4 --hidden 512 --iters 200   # longer
+    python scripts/bench/bench_moe_lora.py       # 4 layers, 16 experts, 4 active, hidden 256, 60 iterations of 4 x 128
+    python scripts/bench/bench_moe_lora.py --layers 8 --experts 32 --active 4 --hidden 512 --iters 200   # longer
 
 Variants (all with LoRA r 8 on q and v): attention only; + experts, a pair per expert (what --lora_experts trains);
 + experts, one pair shared by every expert of a projection (the alternative, built here on the same code path: the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("attention", "experts", "shared", "shared-wide", "experts+router")

@@ -1,6 +1,6 @@
 """Benchmark: peak memory of checkpoint conversion against the checkpoint's size (goal: peak RSS < 1.5x its size).
 
-    python scripts/bench_convert_memory.py [--size 1.0] [--out_dir /tmp/bench] [--keep true] [--export false]
+    python scripts/bench/bench_convert_memory.py [--size 1.0] [--out_dir /tmp/bench] [--keep true] [--export false]
 
 Writes a random Llama-shaped bf16 Hugging Face checkpoint of `--size` billion parameters, one tensor at a time (it
 is never whole in memory), then runs scripts/convert_hf_checkpoint.py on it in a child process (then, unless --export
@@ -22,7 +22,7 @@ import torch
 from lit_qlora.checkpoint import write_safetensors_stream
 from lit_qlora.utils import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 

@@ -1,10 +1,10 @@
 """Benchmark: batch-1 decoding speed, prefill time and peak memory of generation, dense vs 4-bit (prints figures;
 not a test).
 
-    python scripts/bench_generate.py --model SmolLM2-135M --precision 32-true,bf16-true   # the 135M shape, tied
-    python scripts/bench_generate.py                         # ~150M-parameter Llama-shaped model (untied head)
-    python scripts/bench_generate.py --settings none,bnb.nf4,bnb.nf4:nokernel,hf.nf4 --new_tokens 64
-    python scripts/bench_generate.py table runs.jsonl      # the table (medians) of runs written with --json_out
+    python scripts/bench/bench_generate.py --model SmolLM2-135M --precision 32-true,bf16-true   # the 135M shape, tied
+    python scripts/bench/bench_generate.py                         # ~150M-parameter Llama-shaped model (untied head)
+    python scripts/bench/bench_generate.py --settings none,bnb.nf4,bnb.nf4:nokernel,hf.nf4 --new_tokens 64
+    python scripts/bench/bench_generate.py table runs.jsonl      # the table (medians) of runs written with --json_out
 
 A random-weight checkpoint (bf16 on disk) is written once, then each setting runs in its own process so that its
 peak RSS is its own (VmHWM: the child's high-water mark, which, unlike ru_maxrss, does not inherit this parent's),
@@ -247,7 +247,7 @@ def main(model: str = "", n_layer: int = 12, n_embd: int = 768, n_head: int = 12
         write_bench_adapter(folder)
     for prec in precision.split(","):  # what the :stored settings load
         for mode in dict.fromkeys(s.partition(":")[0] for s in wanted if s.endswith(":stored")):
-            subprocess.run([sys.executable, str(Path(__file__).with_name("quantize_checkpoint.py")),
+            subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "quantize_checkpoint.py"),
                             "--checkpoint_dir", str(folder), "--quantize", mode, "--precision", prec], check=True)
     params = sum(s.numel() for s in lit_param_shapes(config).values())
     print(f"model: {config.name}, {params / 1e6:.0f}M parameters ({config.n_layer} layers, n_embd {config.n_embd}, "

@@ -3,7 +3,7 @@ trained) against the exported one (`Adapter.as_plain_lora`, a plain LoRA over th
 scripts/export_peft.py writes it), the original base, and the merge; and how much closer the export would come with a
 rank-k SVD of each adapted layer's quantization error folded into it (not offered as an option: see the figures).
 
-    python scripts/bench_loftq_export.py --checkpoint_dir DIR --data_dir DIR --lora_path ADAPTER.pth \\
+    python scripts/bench/bench_loftq_export.py --checkpoint_dir DIR --data_dir DIR --lora_path ADAPTER.pth \\
         [--batches 8] [--fold_ranks 8,32,64]
 
 Figures: KL(trained || model) and the loss on the target tokens of the first --batches of finetune's batches (the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lit_qlora.adapter import Adapter  # noqa: E402

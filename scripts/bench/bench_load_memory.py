@@ -1,6 +1,6 @@
 """Benchmark: peak memory and time of loading a ~1.1B-parameter checkpoint with every --quantize value.
 
-    python scripts/bench_load_memory.py [--out_dir /tmp/bench_load] [--keep true] [--n_layer 22]
+    python scripts/bench/bench_load_memory.py [--out_dir /tmp/bench_load] [--keep true] [--n_layer 22]
 
 Writes a random TinyLlama-shaped checkpoint in our format (bf16 `lit_model.safetensors` + `model_config.json`),
 one tensor at a time so the model is never whole in memory, then loads it in a fresh child process per setting

@@ -2,9 +2,9 @@
 decoded together, next to transformers' own batched `generate` and continuous-batching `generate_batch` on the same
 prompts, and what mixing two adapters in every batch costs.
 
-    python scripts/bench_engine.py                       # SmolLM2-135M's shape, nf4 and dense, 1 and 2 threads
-    python scripts/bench_engine.py --model gemma-3-270m --batches 1,16
-    python scripts/bench_engine.py --modes ours,mixed --settings bnb.nf4 --threads 2
+    python scripts/bench/bench_engine.py                       # SmolLM2-135M's shape, nf4 and dense, 1 and 2 threads
+    python scripts/bench/bench_engine.py --model gemma-3-270m --batches 1,16
+    python scripts/bench/bench_engine.py --modes ours,mixed --settings bnb.nf4 --threads 2
 
 A random-weight checkpoint of the model's shape is written once (bf16; the tutorials' figures say which), and each
 (mode, setting, threads, B) runs in a fresh process so that its peak RSS is its own. B prompts of `prompt_len` random
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_generate import cpu_description, vm_hwm_gb, vm_rss_gb  # noqa: E402
 from bench_serve import write_adapters, write_tokenizer  # noqa: E402

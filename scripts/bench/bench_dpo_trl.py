@@ -2,8 +2,8 @@
 test): the same random-weight model, the same pairs in the same batches, the same LoRA targets and rank, the same
 4-bit quantization, precision and maximum length, each side in its own fresh process.
 
-    python scripts/bench_dpo_trl.py                      # SmolLM2-135M's shape, nf4-dq, 8 steps of 4 pairs
-    python scripts/bench_dpo_trl.py --model demo --steps 4 --sides ours,trl   # seconds per side
+    python scripts/bench/bench_dpo_trl.py                      # SmolLM2-135M's shape, nf4-dq, 8 steps of 4 pairs
+    python scripts/bench/bench_dpo_trl.py --model demo --steps 4 --sides ours,trl   # seconds per side
 
 Sides (each runs `--steps` optimizer steps of `--pairs` pairs, AdamW, constant learning rate, no dropout, no
 validation):
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 SIDES = ("ours", "trl", "trl_precompute")

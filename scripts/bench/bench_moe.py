@@ -2,8 +2,8 @@
 decoding on a random-weight Qwen3-MoE, ours against transformers + bitsandbytes (+ PEFT for training), each side of
 each task in its own fresh process.
 
-    python scripts/bench_moe.py              # 4 layers, 16 experts, 4 active, hidden 256: a quick check
-    python scripts/bench_moe.py --layers 16 --experts 64 --active 8 --hidden 1024 --batch 4 --length 256  # issue 34
+    python scripts/bench/bench_moe.py              # 4 layers, 16 experts, 4 active, hidden 256: a quick check
+    python scripts/bench/bench_moe.py --layers 16 --experts 64 --active 8 --hidden 1024 --batch 4 --length 256
 
 Ours is what finetune/lora.py trains (every expert a bitsandbytes 4-bit layer, LoRA on attention, the loss computed
 as its step computes it) and what generate/*.py decodes with (the 4-bit decode kernel, only the active experts'
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,11 +1,11 @@
 """Benchmark: predicted (lit_qlora.memory) vs measured peak training memory on CPU.
 
-    python scripts/bench_estimator.py                       # the full matrix (12 cells, ~10 iterations each)
-    python scripts/bench_estimator.py --cells 0 --iters 3   # one cell, to check that it runs
-    python scripts/bench_estimator.py --calibrate_runtime   # re-measure the CPU runtime constant first
-    python scripts/bench_estimator.py --model moe --precision 32-true --lora attention --iters 3 --cells 0,1,2
-                                              # the mixture of experts of scripts/bench_moe.py (issue 34's shape)
-    python scripts/bench_estimator.py --model moe-tiny --precision 32-true --lora attention --iters 3
+    python scripts/bench/bench_estimator.py                       # the full matrix (12 cells, ~10 iterations each)
+    python scripts/bench/bench_estimator.py --cells 0 --iters 3   # one cell, to check that it runs
+    python scripts/bench/bench_estimator.py --calibrate_runtime   # re-measure the CPU runtime constant first
+    python scripts/bench/bench_estimator.py --model moe --precision 32-true --lora attention --iters 3 --cells 0,1,2
+                                              # the mixture of experts of scripts/bench/bench_moe.py (issue 34's shape)
+    python scripts/bench/bench_estimator.py --model moe-tiny --precision 32-true --lora attention --iters 3
 
 Writes a random Llama-shaped checkpoint of ~56M parameters (vocab 32000, 8 layers, n_embd 512, GQA) in our format
 (`lit_model.safetensors` streamed tensor by tensor + `model_config.json`) with the demo tokenizer, and a prepared
@@ -29,13 +29,13 @@ from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
 from lit_qlora.memory import GiB, estimate_training_memory
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = dict(name="bench-llama-56m", hf_architecture="LlamaForCausalLM", block_size=1024, vocab_size=32000, n_layer=8,
              n_head=8, n_query_groups=4, n_embd=512, intermediate_size=1408)
 TINY = dict(name="bench-tiny", hf_architecture="LlamaForCausalLM", block_size=64, vocab_size=384, n_layer=1, n_head=2,
             n_embd=64, intermediate_size=128)
-# Qwen3-MoE as scripts/bench_moe.py builds it for issue 34 (16 layers, 64 experts, 8 active, hidden 1024, experts of
+# Qwen3-MoE as bench_moe.py builds it for issue 34 (16 layers, 64 experts, 8 active, hidden 1024, experts of
 # 384 = 3/8 x hidden as Qwen3-30B-A3B's): 1.21G expert weights, 0.62 GiB in nf4-dq; and a tiny one
 MOE = dict(name="bench-qwen3-moe", hf_architecture="Qwen3MoeForCausalLM", block_size=1024, vocab_size=4096, n_layer=16,
            n_head=16, n_query_groups=4, n_embd=1024, head_size=64, intermediate_size=3072, norm_eps=1e-6,
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--cells", default="all", help="'all' or comma-separated indices into the matrix")
     p.add_argument("--calibrate_runtime", action="store_true", help="first measure the runtime on a ~0-size model")
     p.add_argument("--model", choices=list(MODELS), default="llama",
-                   help="llama: 56M dense; moe: the Qwen3-MoE of scripts/bench_moe.py; moe-tiny: a tiny Qwen3-MoE")
+                   help="llama: 56M dense; moe: the Qwen3-MoE of bench_moe.py; moe-tiny: a tiny Qwen3-MoE")
     p.add_argument("--lora", choices=list(LORA), default="qv", help="LoRA r=8 on q,v or on all of attention")
     p.add_argument("--n_layer", type=int, help="override the model's layer count")
     args = p.parse_args()

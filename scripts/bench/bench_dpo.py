@@ -1,10 +1,10 @@
 """Benchmark a preference (DPO) step against a supervised (SFT) step on the same model and sequence length (prints
 figures; not a test): peak resident memory and step time, each variant in its own fresh process.
 
-    python scripts/bench_dpo.py                     # SmolLM2-135M's shape, random weights, bnb.nf4, 4 pairs x 256
-    python scripts/bench_dpo.py --checkpointing true   # the same with activation checkpointing (QLoRA recipes' way)
-    python scripts/bench_dpo.py --model demo --pairs 8 --length 128 --steps 3   # the demo model's shape
-    python scripts/bench_dpo.py --accuracy true     # held-out preference accuracy before / after a run on demo pairs
+    python scripts/bench/bench_dpo.py                     # SmolLM2-135M's shape, random weights, bnb.nf4, 4 pairs x 256
+    python scripts/bench/bench_dpo.py --checkpointing true   # with activation checkpointing (QLoRA recipes' way)
+    python scripts/bench/bench_dpo.py --model demo --pairs 8 --length 128 --steps 3   # the demo model's shape
+    python scripts/bench/bench_dpo.py --accuracy true   # held-out accuracy before / after training on demo pairs
 
 Variants, all with LoRA r 8 on every target and AdamW, the base quantized with --quantize:
   sft      : a step on B rows of `length` tokens (the chosen rows), as finetune/lora.py computes it
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lit_qlora.checkpoint import LIT_WEIGHTS  # noqa: E402

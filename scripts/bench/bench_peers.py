@@ -2,8 +2,8 @@
 not part of this repository), one after the other on the same batches, and the ratios the issues set goals on
 (prints figures; not a test).
 
-    python scripts/bench_peers.py --work /tmp/bench-work --size gemma3 --precision 32-true --iters 20
-    python scripts/bench_peers.py --work /tmp/bench-work --size smol --lora qkvo --precision bf16-true
+    python scripts/bench/bench_peers.py --work /tmp/bench-work --size gemma3 --precision 32-true --iters 20
+    python scripts/bench/bench_peers.py --work /tmp/bench-work --size smol --lora qkvo --precision bf16-true
 
 Builds what is missing in --work first: the harness's fixture (`make_fixture.py --size SIZE`, random weights; a few
 minutes for gemma3) and the data folder `data-SIZE/` holding exactly the harness's train/val split (the peers'
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT.parent / "shared" / "bench"
 
 

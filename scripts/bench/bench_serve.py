@@ -2,10 +2,10 @@
 and 16 concurrent streaming clients, over the base alone and over two adapters (requests alternating); a load test
 of 64 clients; and the server's memory with 1 and with 8 adapters.
 
-    python scripts/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
-    python scripts/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
-    python scripts/bench_serve.py --clients "" --load_clients 0   # memory with 0 / 1 / 8 adapters only
-    python scripts/bench_serve.py --model gemma-3-270m --memory false
+    python scripts/bench/bench_serve.py                       # SmolLM2-135M's shape, random weights, bnb.nf4
+    python scripts/bench/bench_serve.py --clients 1,4 --requests_per_level 8 --max_tokens 16
+    python scripts/bench/bench_serve.py --clients "" --load_clients 0   # memory with 0 / 1 / 8 adapters only
+    python scripts/bench/bench_serve.py --model gemma-3-270m --memory false
 
 Load test (`--load_clients`, bounded by `--load_s`): that many threads, each sending in turn a streamed chat
 request, a non-streamed completion with n 2, a stream it hangs up on after two chunks, and a malformed request (bad
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lit_qlora.checkpoint import LIT_WEIGHTS  # noqa: E402

@@ -4,7 +4,7 @@ DoRA and LoRA+ on nf4-dq the loss after --iters iterations, the median step time
 plain LoRA's; with --peft, transformers + bitsandbytes + PEFT's plain LoRA and DoRA on the same nf4-dq base and
 batches beside ours (the same learning-rate schedule and gradient clipping as finetune's).
 
-    python scripts/bench_lora_variants.py [--iters 40] [--checkpoint_dir DIR --data_dir DIR] [--peft] [--start]
+    python scripts/bench/bench_lora_variants.py [--iters 40] [--checkpoint_dir DIR --data_dir DIR] [--peft] [--start]
         [--start_batches 8] [--all_linear]
 
 Each of our rows is one `finetune/lora.py` run (the demo model and data by default, the same seed, so the same
@@ -17,7 +17,7 @@ each start's adapted weights (base + s*B@A) and next-token distribution are from
 loss, over the first --start_batches batches (the iteration-1 loss is one micro-batch: a few hundred tokens).
 --all_linear adapts every linear layer of the blocks (q, k, v, o and the MLP) instead of finetune's default q and v,
 in the runs and in the start comparison. For a trained model to measure on with no download:
-scripts/make_trained_fixture.py.
+scripts/bench/make_trained_fixture.py.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # name: extra flags (every run: the demo preset's model and data, --lora_head off so every init applies)
 RUNS = {

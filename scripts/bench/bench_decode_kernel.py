@@ -1,8 +1,9 @@
 """Benchmarks behind the 4-bit decode kernel (lit_qlora/quant/decode4bit.py); figures, not tests.
 
-    python scripts/bench_decode_kernel.py layers [--rows 1,16,32] [--threads 1] [--compiled true] [--shapes 4096x4096]
-    python scripts/bench_decode_kernel.py paired --folder CKPT [--precision 32-true] [--threads 1] [--rounds 3]
-    python scripts/bench_decode_kernel.py head --folder CKPT [--precision 32-true] [--threads 1] [--rounds 5]
+    python scripts/bench/bench_decode_kernel.py layers [--rows 1,16,32] [--threads 1] [--compiled true]
+        [--shapes 4096x4096]
+    python scripts/bench/bench_decode_kernel.py paired --folder CKPT [--precision 32-true] [--threads 1] [--rounds 3]
+    python scripts/bench/bench_decode_kernel.py head --folder CKPT [--precision 32-true] [--threads 1] [--rounds 5]
 
 layers: one 1536x576 and one 49152x576 layer (SmolLM2-135M's MLP and output layer; others with --shapes): dense
   fp32 and bf16 `nn.Linear`, bitsandbytes' `Linear4bit` (dequantize + matmul; on AVX512-BF16 CPUs also its

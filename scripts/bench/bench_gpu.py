@@ -1,8 +1,8 @@
 """Benchmark: QLoRA training step time and peak GPU memory, ours vs transformers + PEFT (figures, not a test).
 
-    python scripts/bench_gpu.py                        # Llama-2-7B shape, micro batch 1, seq 512, 20 iterations
-    python scripts/bench_gpu.py --cells ours:bnb.nf4-dq,hf:bnb.nf4-dq --out /tmp/bench_gpu.jsonl
-    python scripts/bench_gpu.py --tiny --device cpu    # a 2-layer model, to check the script on a CPU
+    python scripts/bench/bench_gpu.py                        # Llama-2-7B shape, micro batch 1, seq 512, 20 iterations
+    python scripts/bench/bench_gpu.py --cells ours:bnb.nf4-dq,hf:bnb.nf4-dq --out /tmp/bench_gpu.jsonl
+    python scripts/bench/bench_gpu.py --tiny --device cpu    # a 2-layer model, to check the script on a CPU
 
 Six cells, {ours, hf} x {none, bnb.nf4, bnb.nf4-dq}, all bf16-true, each in a fresh process so that its peak
 memory is its own. Nothing is downloaded: each cell builds the model's skeleton on the meta device and then makes
@@ -51,7 +51,7 @@ import torch.nn as nn
 from lit_qlora.config import Config
 from lit_qlora.lora import LoRAConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 PRECISION = "bf16-true"

@@ -1,6 +1,6 @@
 """Benchmark: peak memory of converting and loading a gpt-oss checkpoint whose experts are MXFP4, as published.
 
-    python scripts/bench_gptoss_load.py [--out_dir /tmp/bench_gptoss] [--keep true] [--n_layer 8] [--n_expert 32]
+    python scripts/bench/bench_gptoss_load.py [--out_dir /tmp/bench_gptoss] [--keep true] [--n_layer 8] [--n_expert 32]
                                         [--hidden 1024]
 
 Writes a random gpt-oss folder in the published layout (config.json with quantization_config mxfp4;
@@ -11,7 +11,7 @@ expert at a time), bnb.nf4, bnb.nf4-dq, bnb.int8. Prints figures only (not a tes
 
 What it shows: the experts are never whole in full precision while loading (peak RSS of a quantized load ~ the
 model it ends with + one expert's bf16 [out, in], not + the bf16 size of the experts), and the converted file is as
-small as the published one. Peak RSS is the child's ru_maxrss (see scripts/bench_load_memory.py for why children).
+small as the published one. Peak RSS is the child's ru_maxrss (see scripts/bench/bench_load_memory.py for why children).
 """
 import json
 import os

@@ -2,8 +2,8 @@
 tokenized and cached before the first step, what --data_dir does) vs streamed (--streaming true: tokenized ahead in a
 bounded buffer as it trains).
 
-    python scripts/bench_data.py --sizes_mb 200,2048 --formats jsonl,parquet --modes streamed
-    python scripts/bench_data.py --sizes_mb 50,200 --formats jsonl --modes prepared
+    python scripts/bench/bench_data.py --sizes_mb 200,2048 --formats jsonl,parquet --modes streamed
+    python scripts/bench/bench_data.py --sizes_mb 50,200 --formats jsonl --modes prepared
 
 Generates instruction records (about 0.2 KB of JSON, ~160 demo tokens each) of each size as JSONL, or as parquet
 holding the same records (smaller on disk: its size is printed), in a temporary folder (--work) deleted at the end;
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "green", "quick", "seven"]

@@ -1,12 +1,12 @@
 """Profile: where the time of one LoRA training step goes, by kind of work (torch.profiler, CPU or CUDA), ours or
 Hugging Face PEFT + bitsandbytes' on the same batch.
 
-    python scripts/profile_step.py --checkpoint_dir checkpoints/... --quantize bnb.nf4-dq --seq_length 128
-    python scripts/profile_step.py --checkpoint_dir ... --quantize none     # the same step on the dense model
+    python scripts/bench/profile_step.py --checkpoint_dir checkpoints/... --quantize bnb.nf4-dq --seq_length 128
+    python scripts/bench/profile_step.py --checkpoint_dir ... --quantize none     # the same step on the dense model
     # one real batch of a data folder (the harness's data-gemma3), ours and then HF's recipe, shares side by side:
-    python scripts/profile_step.py --checkpoint_dir fixture-gemma3 --data_dir data-gemma3 --precision 32-true \\
+    python scripts/bench/profile_step.py --checkpoint_dir fixture-gemma3 --data_dir data-gemma3 --precision 32-true \\
         --lora query,key,value,projection,mlp --batch_index 3
-    python scripts/profile_step.py ... (same) --peer hf
+    python scripts/bench/profile_step.py ... (same) --peer hf
 
 ours: loads the model as finetune/lora.py does (same loader, LoRA and precision rules) and runs its step: padding
 dropped (`batching.unpad`), the output layer and loss only at target positions (`GPT(targets=...)`), backward, AdamW.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 OUTPUT = "output layer + loss (vocabulary-wide)"

@@ -1,7 +1,7 @@
 """The evidence behind `--precision auto` on this CPU: its flags, what auto picks, and how fast fp32 and bf16 matmuls
 run here (a training step's work is mostly matmuls, so their ratio is about the ratio of step times).
 
-    python scripts/bench_precision.py            # the shapes of a 135M model's MLP and attention, micro batch 4
+    python scripts/bench/bench_precision.py            # the shapes of a 135M model's MLP and attention, micro batch 4
 
 Each figure is the median of --repeats timed calls after a warm-up, forward (x @ W) and the two backward matmuls
 (grad @ W^T for the input, x^T @ grad for a weight) counted separately, at torch's default number of threads.

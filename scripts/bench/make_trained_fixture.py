@@ -2,7 +2,8 @@
 loss is ~ln(vocab) whatever its weights, so it cannot tell whether a quantization-aware start (PiSSA, LoftQ) lands
 nearer the unquantized model than plain 4 bits does. No download: the text is this Python's own standard library.
 
-    python scripts/make_trained_fixture.py [--out checkpoints/lit-qlora/stdlib-fixture] [--data data/stdlib-fixture]
+    python scripts/bench/make_trained_fixture.py [--out checkpoints/lit-qlora/stdlib-fixture]
+        [--data data/stdlib-fixture]
 
 Writes `--out`: a byte-level BPE tokenizer trained on the text (tokenizer.json, tokenizer_config.json) and a
 Llama-shaped model (4 layers, width 256 by default) pretrained with full-parameter AdamW for --steps steps on random
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lit_qlora.checkpoint import LIT_WEIGHTS, write_safetensors_stream  # noqa: E402

@@ -1,10 +1,10 @@
 """How fast a QLoRA training step of a mixture of experts can be on this CPU at all (prints figures; not a test): the
-arithmetic of one step of scripts/bench_moe.py's shape, counted by torch's FlopCounterMode on transformers' own
+arithmetic of one step of scripts/bench/bench_moe.py's shape, counted by torch's FlopCounterMode on transformers' own
 Qwen3-MoE (forward and the input gradients a LoRA on attention needs; the expert weights frozen), against the fp32
 matmul throughput this machine reaches on the shapes that step multiplies.
 
-    python scripts/bench_moe_arithmetic.py                      # issue 34's shape: 16 layers, 64 experts, 8 active
-    python scripts/bench_moe_arithmetic.py --tokens_per_s 135.1 98.2
+    python scripts/bench/bench_moe_arithmetic.py                   # issue 34's shape: 16 layers, 64 experts, 8 active
+    python scripts/bench/bench_moe_arithmetic.py --tokens_per_s 135.1 98.2
 
 The count is of matmuls (aten.mm); transformers' default experts implementation (grouped_mm) is not counted by
 FlopCounterMode, so the count runs its eager one (F.linear per expert: the same products). It is taken on 1 and 2

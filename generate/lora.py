@@ -1,7 +1,7 @@
 """Generate with a LoRA adapter (ours or a PEFT folder), merged into the base for speed.
 
     python generate/lora.py                  # the demo: the held-out questions, base model against fine-tuned
-    python generate/lora.py --prompt "Reverse the word." --input planet    # the demo's fine-tuned model, any question
+    python generate/lora.py --prompt "Reverse the word." --input echo    # the demo's fine-tuned model, any question
     python generate/lora.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf \
         --lora_path out/lora/alpaca/lit_model_lora_finetuned.pth --prompt "Recommend a movie" --quantize bnb.nf4
 

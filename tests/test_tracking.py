@@ -224,36 +224,69 @@ def test_run_report(trained_run, tmp_path):
     assert (width, height) == (1210, 825), (width, height)
 
 
-def test_demo_generate_shows_question_answers_and_report(train_setup, trained_run, tmp_path, monkeypatch, capsys):
-    """`python generate/lora.py` with no flags after the demo's training: the question, the base model's answer, the
-    fine-tuned answer (what `--lora_path ... --prompt ...` prints) and where the run report is. The demo's model and
-    prompt are the tiny setup's here (the real demo trains for minutes)."""
+def test_demo_generate_scores_the_held_out_questions(train_setup, trained_run, tmp_path, monkeypatch, capsys):
+    """`python generate/lora.py` with no flags after the demo's training: each held-out question with the base model's
+    and the fine-tuned model's greedy answers (what `generate/base.py` and `generate/lora.py --prompt` print for it),
+    both models scored against the expected answers, the run report and the next command. The demo's model and
+    held-out set are the tiny setup's here (the real demo trains for minutes): two questions, one whose expected
+    answer is the fine-tuned one. Red when an answer is scored against the wrong expectation or the models swapped."""
     import runpy
     import sys
 
     from lit_qlora import demo
+    from lit_qlora.demo import score
 
     run = tmp_path / "out" / "lora" / "demo"
     shutil.copytree(trained_run[0], run)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(demo, "DEMO_CHECKPOINT", train_setup["ckpt"])
-    monkeypatch.setattr(demo, "DEMO_PROMPT", ("kind", "owl"))
+    n = str(score.ANSWER_TOKENS)
     tuned = h.run_script(h.GENERATE_LORA, ["--checkpoint_dir", train_setup["ckpt"], "--lora_path",
                                             run / "lit_model_lora_finetuned.pth", "--prompt", "kind", "--input", "owl",
-                                            "--precision", "32-true"])
+                                            "--precision", "32-true", "--max_new_tokens", n])
     assert tuned.returncode == 0, tuned.stderr
     # the base model on the prompt as the adapter's template ("plain") renders it
     base = h.run_script(h.GENERATE_BASE, ["--checkpoint_dir", train_setup["ckpt"], "--prompt", "kind\nowl\n",
-                                          "--max_new_tokens", 100, "--precision", "32-true"])
+                                          "--max_new_tokens", n, "--precision", "32-true"])
     assert base.returncode == 0, base.stderr
+    tuned_text, base_text = tuned.stdout.strip(), base.stdout.strip()
+    assert base_text != tuned_text  # the adapter changed the answer
+    held = [{"instruction": "kind", "input": "owl", "output": tuned_text},
+            {"instruction": "kind", "input": "owl", "output": "never said"}]
+    monkeypatch.setattr(score, "held_out", lambda path=None: held)
     monkeypatch.setattr(sys, "argv", [str(h.GENERATE_LORA), "--precision", "32-true"])
     runpy.run_path(str(h.GENERATE_LORA), run_name="__main__")
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "Question: kind owl"
-    assert lines[1] == f"Base model: {base.stdout.strip()}" and lines[2] == f"Fine-tuned: {tuned.stdout.strip()}"
-    assert base.stdout != tuned.stdout  # the adapter changed the answer
-    assert lines[3] == f"Run report: {Path('out/lora/demo/report.md')} (curves: {Path('out/lora/demo/report.png')})"
+    assert lines[0].startswith("Held-out questions") and lines[0].endswith("the first 5 of 2:")
+    for line, mark in zip(lines[1:3], ("(right)", "(wrong, expected 'never said')")):
+        assert line.startswith("  kind owl  base model: " + score._shown(base_text))
+        assert line.endswith(f"fine-tuned: {score._shown(tuned_text)} {mark}")
+    assert lines[3] == "Fine-tuned accuracy on the 2 held-out questions: 1/2 (50%); base model: 0/2 (0%)"
+    assert lines[4] == f"Run report: {Path('out/lora/demo/report.md')} (curves: {Path('out/lora/demo/report.png')})"
+    assert lines[5] == f"Next, ask it a question of your own: {score.NEXT_COMMAND}"
     assert (run / "report.md").is_file() and (run / "report.png").is_file()
+
+
+def test_demo_tasks_hold_out_their_words():
+    """The demo's bundled data is what its generator writes, every answer follows from its question, and no held-out
+    word or number range is in the fine-tuning data (the demo's accuracy is on questions no training saw)."""
+    import json
+
+    from lit_qlora.demo import DEMO_FILES, tasks
+    from lit_qlora.demo.make_demo_data import SEED
+
+    train, val = (json.loads(f.read_text()) for f in DEMO_FILES)
+    assert (train, val) == tasks.split(SEED)
+    for r in train + val:
+        if r["instruction"] in tasks.WORD_TASKS:
+            assert r["output"] == tasks.WORD_TASKS[r["instruction"]](r["input"])
+        else:
+            a, b = tasks.count_range(r)
+            assert r["output"] == " ".join(map(str, range(a, b + 1)))
+    words = {r["input"] for r in val if r["input"]}
+    ranges = {tasks.count_range(r) for r in val} - {None}
+    assert len(val) == 60 and words and ranges
+    assert not words & {r["input"] for r in train} and not ranges & {tasks.count_range(r) for r in train}
 
 
 @pytest.mark.parametrize("change", [{"iterations": -1}, {"iterations": "12"}, {"peak_memory_gb": 1e308},

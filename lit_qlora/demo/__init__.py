@@ -2,8 +2,8 @@
 instruction data, so `python finetune/lora.py` with no arguments runs end to end without any download.
 
 The tokenizer gives each demo instruction one token and every other character its own (lit_qlora/demo/tasks.py). The
-base model is pretrained at build time (about a minute on 2 cores) on the demo tasks written as plain text over random
-letter strings and number ranges ("Reverse the word. qbxe => exbq"), never on a held-out word or range, so it learns
+base model is pretrained at build time (two minutes on 2 cores) on the demo tasks written as plain text over random
+letter strings and number ranges ("Reverse the word. qbxe=exbq"), never on a held-out word or range, so it learns
 the tasks rather than the words. LoRA fine-tuning on train.json then teaches it to answer in the instruction format,
 and `python generate/lora.py` scores the base model and the fine-tuned one on every question of val.json (score.py).
 """
@@ -36,7 +36,7 @@ DEMO_DATA_FILE = HERE / "demo_data.json"  # the first demo's tasks (tutorials/fi
 PRESET = HERE / "finetune.yaml"  # what `python finetune/lora.py` with no --checkpoint_dir runs
 DEMO_ADAPTER = Path("out/lora/demo/lit_model_lora_finetuned.pth")  # where the preset's run writes its adapter
 # What the model in checkpoints/lit-qlora/demo was built by: a folder built by another version is built again.
-BUILD = "2: char tokenizer, random-string pretraining"
+BUILD = "3: char tokenizer, random-string pretraining, one-token separators, 1600 steps"
 
 DEMO_CONFIG = dict(name="lit-qlora-demo", hf_architecture="LlamaForCausalLM", block_size=256, vocab_size=384, n_layer=4,
                    n_head=4, n_query_groups=2, n_embd=256, intermediate_size=704, norm_eps=1e-5)
@@ -76,10 +76,10 @@ def ensure_demo_data(folder: Path = DEMO_DATA_DIR) -> Path:
     return folder
 
 
-def _pretrain(folder: Path, config: Config, steps: int = 1000, batch_size: int = 16, lr: float = 1e-3,
+def _pretrain(folder: Path, config: Config, steps: int = 1600, batch_size: int = 16, lr: float = 1e-3,
               seed: int = 1234) -> None:
     """Full-parameter training of the demo base on random questions of the demo tasks written as plain text, the
-    loss on the answers (fp32, about a minute on 2 cores). No held-out word or number range is ever asked."""
+    loss on the answers (fp32, about two minutes on 2 cores). No held-out word or number range is ever asked."""
     tok = Tokenizer(folder)
     held_out = json.loads(DEMO_FILES[1].read_text())
     words, ranges = {r["input"] for r in held_out}, {count_range(r) for r in held_out} - {None}

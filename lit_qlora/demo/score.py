@@ -15,7 +15,7 @@ from lit_qlora.demo import DEMO_FILES
 
 SHOWN = 5  # questions printed side by side: the first ones of the file, right or wrong
 ANSWER_TOKENS = 40  # new tokens at most per answer: more than any expected answer takes, its end token included
-NEXT_COMMAND = 'python generate/lora.py --prompt "Reverse the word." --input planet'
+NEXT_COMMAND = 'python generate/lora.py --prompt "Reverse the word." --input echo'
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def report(rows: list[Answered], shown: int = SHOWN) -> list[str]:
              f"{len(rows)}:"]
     for r in rows[:shown]:
         mark = "right" if right(r.tuned, r.expected) else f"wrong, expected {r.expected!r}"
-        lines.append(f"  {r.question:<{width}}  base model: {_shown(r.base):<14}  fine-tuned: {_shown(r.tuned)} "
+        lines.append(f"  {r.question:<{width}}  base model: {_shown(r.base):<24}  fine-tuned: {_shown(r.tuned)} "
                      f"({mark})")
     n_tuned = sum(right(r.tuned, r.expected) for r in rows)
     n_base = sum(right(r.base, r.expected) for r in rows)

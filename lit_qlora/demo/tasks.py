@@ -58,9 +58,10 @@ def count_question(start: int, end: int) -> dict:
 
 
 def as_plain_text(r: dict) -> tuple[str, str]:
-    """(question, answer) as the base model is pretrained on them: `Reverse the word. happy =>`, ` yppah` (the
-    fine-tuning data asks the same in the instruction format instead: `Reverse the word.\\nhappy\\n` -> `yppah`)."""
-    return " ".join(x for x in (r["instruction"], r["input"]) if x) + " =>", " " + r["output"]
+    """(question, answer) as the base model is pretrained on them: `Reverse the word. happy=`, `yppah`. The fine-tuning
+    data asks the same in the instruction format (`Reverse the word.\nhappy\n` -> `yppah`): the same tokens at the
+    same places but for the two separators, which is what the adapter has to learn."""
+    return " ".join(x for x in (r["instruction"], r["input"]) if x) + "=", r["output"]
 
 
 def split(seed: int, held_out_words: int = 50, per_task: int = 10, train_per_task: int = 70) -> tuple[list, list]:

@@ -2,7 +2,7 @@
 test): the same random-weight model, the same prompts, the same LoRA targets and rank, the same 4-bit quantization,
 precision, group size and completion length, each side in its own fresh process.
 
-    python scripts/bench/bench_grpo.py                       # SmolLM2-135M's shape, nf4-dq, 32-true, 2 prompts x 4, 64 tokens
+    python scripts/bench/bench_grpo.py                 # SmolLM2-135M's shape, nf4-dq, 32-true, 2 prompts x 4, 64 tokens
     python scripts/bench/bench_grpo.py --model demo --steps 2 --sides ours,trl      # seconds per side
 
 Sides (each runs --steps optimizer steps of --prompts prompts x --generations completions of --completion_tokens

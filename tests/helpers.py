@@ -193,6 +193,15 @@ def randomize_lora(model: torch.nn.Module, seed: int = 0) -> None:
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
 
 
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    """Every LoRA module's A and B gradients (cloned), then cleared for the next backward."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.A"], out[f"{name}.B"] = m.lora_A.grad.clone(), m.lora_B.grad.clone()
+        m.lora_A.grad = m.lora_B.grad = None
+    return out
+
+
 def random_adapter(folder: Path, seed: int = 0, **targets) -> Adapter:
     """An adapter of the checkpoint in `folder` on `targets` (LoRAConfig's flags) with random A and B (B not zero: the
     update is real)."""

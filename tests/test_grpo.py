@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import converted_tiny, lora_cfg, randomize_lora
+from helpers import converted_tiny, lora_cfg, lora_grads, randomize_lora
 
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
@@ -58,14 +58,6 @@ def policy(tiny, seed: int = 3):
     model = load_model(tiny.folder, precision="32-true", lora=lora_cfg(query=True, value=True, mlp=True), seed=0)
     randomize_lora(model, seed=seed)
     return model.train()
-
-
-def grads(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, m in lora_modules(model).items():
-        out[f"{name}.A"], out[f"{name}.B"] = m.lora_A.grad.clone(), m.lora_B.grad.clone()
-        m.lora_A.grad = m.lora_B.grad = None
-    return out
 
 
 def move(model, seed: int = 11, by: float = 0.3) -> None:
@@ -155,7 +147,7 @@ def trl_run(tiny, loss_type, beta, scale, mask_truncated, epsilon_high=None):
     move(model)
     loss = GRPOTrainer._compute_loss(t, FusedHead(model), inputs)
     loss.backward()
-    return loss.detach(), grads(model), inputs, {k: v[-1] for k, v in t._metrics["train"].items()}
+    return loss.detach(), lora_grads(model), inputs, {k: v[-1] for k, v in t._metrics["train"].items()}
 
 
 # ---- ours ------------------------------------------------------------------------------------------------------------
@@ -185,7 +177,7 @@ def our_run(tiny, loss_type, beta, scale, mask_truncated, epsilon_high=None):
     total = gr.aggregate(loss, mask, loss_type, gr.StepCounts(len(COMPLETIONS), int(mask.sum()), 1), MAX_LEN)
     total.backward()
     metrics.update({k: float((v * mask).sum() / mask.sum()) for k, v in stats.items()})
-    return total.detach(), grads(model), dict(adv=adv, old=old, ref=ref, mask=mask), metrics
+    return total.detach(), lora_grads(model), dict(adv=adv, old=old, ref=ref, mask=mask), metrics
 
 
 CASES = [("grpo", 0.0, "group", False), ("bnpo", 0.04, "batch", False), ("dr_grpo", 0.0, "none", True),
@@ -236,7 +228,7 @@ def test_log_probabilities_at_a_temperature_equal_the_full_logits(tiny, head):
     randomize_lora(model, seed=5)
     ours = gr.token_logps(model, PROMPTS, COMPLETIONS, G, temperature=TEMPERATURE, lm_head_chunk=4, device="cpu")
     ours.sum().backward()
-    our_grads = grads(model)
+    our_grads = lora_grads(model)
     want = torch.zeros_like(ours)
     for k, c in enumerate(COMPLETIONS):
         ids = torch.tensor(PROMPTS[k // G] + c)
@@ -245,7 +237,7 @@ def test_log_probabilities_at_a_temperature_equal_the_full_logits(tiny, head):
         want[k, :len(c)] = logp[n - 1:n - 1 + len(c)].gather(-1, torch.tensor(c)[:, None])[:, 0]
     want.sum().backward()
     torch.testing.assert_close(ours, want, atol=2e-5, rtol=1e-5)
-    for name, g in grads(model).items():
+    for name, g in lora_grads(model).items():
         torch.testing.assert_close(our_grads[name], g, atol=1e-5, rtol=1e-4)
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import converted_tiny, hf_model, lora_cfg, randomize_lora
+from helpers import converted_tiny, hf_model, lora_cfg, lora_grads, randomize_lora
 
 from lit_qlora.loader import load_model
 from lit_qlora.lora import lora_modules
@@ -62,14 +62,6 @@ def make_pairs(seed: int = 0, n: int = 3) -> list[dict]:
             out[f"{side}_ids"], out[f"{side}_labels"] = ids, labels
         pairs.append(out)
     return pairs
-
-
-def grads(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, m in lora_modules(model).items():
-        out[f"{name}.A"], out[f"{name}.B"] = m.lora_A.grad.clone(), m.lora_B.grad.clone()
-        m.lora_A.grad = m.lora_B.grad = None
-    return out
 
 
 def ours(model, loss: str, batch: dict, ref: tuple) -> tuple[torch.Tensor, dict]:
@@ -168,12 +160,12 @@ def test_loss_and_gradients_equal_trl(policy, loss):
     batch = pf.collate_pairs(pairs)
     ref = (torch.tensor([-40.0, -35.5, -52.0]), torch.tensor([-44.0, -30.0, -41.0]))  # reference log-probs
     mine, my_stats = ours(policy, loss, batch, ref)
-    my_grads = grads(policy)
+    my_grads = lora_grads(policy)
     if loss in ("dpo", "ipo"):
         theirs, their_stats = trl_dpo(policy, {"dpo": "sigmoid", "ipo": "ipo"}[loss], batch, ref)
     else:
         theirs, their_stats = trl_cpo_orpo(policy, loss, pairs)
-    their_grads = grads(policy)
+    their_grads = lora_grads(policy)
     assert abs(float(mine) - float(theirs)) <= 1e-5, (float(mine), float(theirs))
     assert set(my_stats) == set(their_stats) == {"rewards/chosen", "rewards/rejected", "rewards/margins",
                                                  "rewards/accuracies"}
@@ -207,9 +199,9 @@ def test_every_quantize_mode_reference_is_the_base_and_losses_equal_trl(tiny, qu
     policy.train()
     ref = (want.chosen, want.rejected)
     mine, my_stats = ours(policy, "dpo", batch, ref)
-    my_grads = grads(policy)
+    my_grads = lora_grads(policy)
     theirs, their_stats = trl_dpo(policy, "sigmoid", batch, ref)
-    their_grads = grads(policy)
+    their_grads = lora_grads(policy)
     assert abs(float(mine) - float(theirs)) <= 1e-5, (float(mine), float(theirs))
     for k in my_stats:
         assert abs(my_stats[k] - their_stats[k]) <= 1e-5, (k, my_stats[k], their_stats[k])

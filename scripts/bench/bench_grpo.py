@@ -36,6 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 SIDES = ("ours", "ours_g16", "trl")
 WORDS = "w{}"  # the bench tokenizer's words: one token each
@@ -58,29 +59,14 @@ def cpu_description() -> str:
 def make_model(folder: Path, model: str, prompts: int) -> Path:
     """An HF folder of random weights with `model`'s shape, a word-level tokenizer of its vocabulary ("w0" .. one
     token per word), and a data folder of `prompts` prompts of 16 words."""
-    import tokenizers
+    from bench_dpo_trl import make_model as make_hf_folder  # the same random folder and word-level tokenizer
 
     from lit_qlora.config import Config
-    from lit_qlora.convert import convert_lit_checkpoint, write_random_checkpoint
     from lit_qlora.demo import DEMO_CONFIG
 
     data = folder.parent / "prompts"
     config = Config(**DEMO_CONFIG) if model == "demo" else Config.from_name(model)
-    if not (folder / "tokenizer.json").is_file():
-        lit = folder.parent / (folder.name + "-lit")
-        write_random_checkpoint(lit, config, seed=0)
-        convert_lit_checkpoint(lit, folder)
-        specials = ["<unk>", "<s>", "</s>"]
-        vocab = {t: i for i, t in enumerate(specials)}
-        vocab.update({WORDS.format(i): i for i in range(len(specials), config.vocab_size)})
-        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-        tok.decoder = tokenizers.decoders.WordPiece(prefix="")
-        tok.save(str(folder / "tokenizer.json"))
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>", "add_bos_token": False,
-             "add_eos_token": False, "model_max_length": config.block_size,
-             "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    make_hf_folder(folder, model)
     from lit_qlora.convert import ensure_converted
 
     ensure_converted(folder, quiet=True)  # once, here: no side's peak holds the conversion (a one-time step)

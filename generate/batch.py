@@ -88,13 +88,35 @@ def main(
         raise UserError(f"{data_dir} holds no data file (.jsonl, .json, .csv, .parquet); pass a file or a folder of "
                         "them")
     source = sources[0]
+    model, tokenizer, adapter, bank, precision = _setup_model(Path(checkpoint_dir), lora_path, merge, quantize,
+                                                              quantize_lm_head, precision, accelerator)
+    encode = _encoder(tokenizer, adapter, bank, prompt_column, adapter_column, template)
+    engine = Engine(model, tokenizer=None, bank=bank, kv_cache_gb=kv_cache_gb, max_batch=max_batch,
+                    precision=precision)
+    total = sum(1 for _ in source.rows())
+    out = ResultsFile(out_file)
+    say(f"{total} rows in {source}; {len(out.done)} already in {out_file}")
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    rows = ((rec, f"row {row} of {path}") for path, row, rec in source.rows())
+    try:
+        tokens = run_batch(engine, rows, encode, tokenizer.decode, sampling, num_samples, out, output_column, total)
+    finally:
+        out.close()
+    say(f"Wrote {out_file} ({tokens} new tokens)")
+
+
+
+def _setup_model(checkpoint_dir: Path, lora_path: list[str], merge: bool, quantize, quantize_lm_head, precision: str,
+                 accelerator: str):
+    """The model with its one adapter (merged unless --merge false), or the base with every NAME=PATH adapter held
+    unmerged in an AdapterBank: (model, tokenizer, adapter, bank, precision)."""
     named = parse_lora_paths(lora_path) if any("=" in p for p in lora_path) else {}
     if len(lora_path) > 1 and not named:
         raise UserError("several --lora_path need names: --lora_path NAME=PATH once per adapter")
     device = pick_device(accelerator)
     precision, why = resolve_generation_precision(precision, device)
     single = Path(lora_path[0]) if lora_path and not named else None
-    model, tokenizer, adapter = load_for_inference(Path(checkpoint_dir), single, quantize, precision, device,
+    model, tokenizer, adapter = load_for_inference(checkpoint_dir, single, quantize, precision, device,
                                                    merge=merge, quantize_lm_head=quantize_lm_head,
                                                    precision_why=why)
     bank = None
@@ -102,7 +124,12 @@ def main(
         bank = AdapterBank(model, precision, quantize)
         for name, path in named.items():
             bank.add(name, Adapter.load(path, model.config, mmap=True))
+    return model, tokenizer, adapter, bank, precision
 
+
+def _encoder(tokenizer, adapter, bank, prompt_column: str, adapter_column: str, template):
+    """record, where -> (prompt ids, stop ids, adapter name): a conversation with its adapter's chat template, a prompt
+    with its template, as generate/lora.py encodes them."""
     def encode(rec, where: str):
         kind, value = prompt_of(rec, where, prompt_column)
         name = rec.get(adapter_column) if bank is not None else None
@@ -117,19 +144,7 @@ def main(
         ids, stops = encode_prompt(tokenizer, value[0], value[1], used, template)
         return ids.tolist(), stops, name
 
-    engine = Engine(model, tokenizer=None, bank=bank, kv_cache_gb=kv_cache_gb, max_batch=max_batch,
-                    precision=precision)
-    total = sum(1 for _ in source.rows())
-    out = ResultsFile(out_file)
-    say(f"{total} rows in {source}; {len(out.done)} already in {out_file}")
-    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    rows = ((rec, f"row {row} of {path}") for path, row, rec in source.rows())
-    try:
-        tokens = run_batch(engine, rows, encode, tokenizer.decode, sampling, num_samples, out, output_column, total)
-    finally:
-        out.close()
-    say(f"Wrote {out_file} ({tokens} new tokens)")
-
+    return encode
 
 if __name__ == "__main__":
     sys.argv = repeatable(sys.argv, "--lora_path")

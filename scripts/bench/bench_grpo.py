@@ -13,6 +13,8 @@ tokens, AdamW, constant learning rate, no dropout, no validation, beta 0, loss d
   ours_g16  the same with 16 completions per prompt (the memory goal: within what TRL takes with 4), all of a step's
             completions sampled together, the update over micro batches of --g16_micro prompts (default 1: 16
             completions a forward, against TRL's 8; accumulated to the same step) and --activation_checkpointing true.
+  ours_ckpt, trl_ckpt  ours and trl, each recomputing its blocks in backward (--activation_checkpointing true;
+            GRPOConfig's default gradient_checkpointing=True, which the trl side turns off)
   trl       GRPOTrainer as its QLoRA recipe runs it: AutoModelForCausalLM.from_pretrained with a BitsAndBytesConfig,
             a PEFT LoraConfig on every linear layer (target_modules "all-linear"), transformers' generate.
 The random model never ends a completion early (no eos sampled), so both sides generate and train on exactly
@@ -84,7 +86,8 @@ def length_reward(completion_ids, **kwargs):
 
 
 # ---- the sides (each in a fresh child process) --------------------------------------------------------------
-def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int, micro: int) -> dict:
+def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int, micro: int,
+             checkpointing: bool) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="bench-grpo-ours-"))
     argv = ["--checkpoint_dir", folder, "--data_dir", data, "--out_dir", out_dir, "--quantize", a.quantize,
             "--precision", a.precision, "--seed", 1, "--micro_batch_size", micro, "--batch_size", a.prompts,
@@ -94,7 +97,7 @@ def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int, 
             "--save_interval", "100000", "--num_generations", generations, "--max_completion_length",
             a.completion_tokens, "--temperature", "1.0", "--reward", f"{Path(__file__).resolve()}:length_reward",
             "--loss_type", "dapo", "--beta", "0",
-            "--activation_checkpointing", str(a.checkpointing and generations == 16).lower()]
+            "--activation_checkpointing", str(checkpointing).lower()]
     sys.argv = ["grpo.py", *map(str, argv)]
     import runpy
 
@@ -110,7 +113,7 @@ def run_ours(folder: Path, data: Path, a: argparse.Namespace, generations: int, 
                 completion_tokens=[float(r["completions/mean_length"]) for r in rows])
 
 
-def run_trl(folder: Path, data: Path, a: argparse.Namespace) -> dict:
+def run_trl(folder: Path, data: Path, a: argparse.Namespace, checkpointing: bool) -> dict:
     import datasets
     import transformers
     from peft import LoraConfig
@@ -134,7 +137,8 @@ def run_trl(folder: Path, data: Path, a: argparse.Namespace) -> dict:
                       num_generations=a.generations, max_completion_length=a.completion_tokens, max_steps=a.steps,
                       gradient_accumulation_steps=1, learning_rate=1e-5, lr_scheduler_type="constant",
                       weight_decay=0.0, beta=0.0, loss_type="dapo", temperature=1.0, use_cpu=True,
-                      bf16=a.precision == "bf16-true", gradient_checkpointing=False, report_to=[], logging_steps=1,
+                      bf16=a.precision == "bf16-true", gradient_checkpointing=checkpointing, report_to=[],
+                      logging_steps=1,
                       save_strategy="no", seed=1, dataloader_num_workers=0)
     times: list[float] = []
 
@@ -154,11 +158,12 @@ def run_trl(folder: Path, data: Path, a: argparse.Namespace) -> dict:
 
 def child(a: argparse.Namespace) -> None:
     folder, data = Path(a.folder), Path(a.folder).parent / "prompts"
-    if a.child == "trl":
-        out = run_trl(folder, data, a)
+    if a.child.startswith("trl"):
+        out = run_trl(folder, data, a, checkpointing=a.child == "trl_ckpt")
     else:
         g16 = a.child == "ours_g16"
-        out = run_ours(folder, data, a, 16 if g16 else a.generations, a.g16_micro if g16 else a.prompts)
+        out = run_ours(folder, data, a, 16 if g16 else a.generations, a.g16_micro if g16 else a.prompts,
+                       checkpointing=a.child == "ours_ckpt" or g16 and a.checkpointing)
     out["peak_rss_gb"] = status_gb("VmHWM")
     print("BENCH_CHILD " + json.dumps(out), flush=True)
 
@@ -214,6 +219,11 @@ def main() -> None:
               f"{o['peak_rss_gb'] / t['peak_rss_gb']:.2f}x (goal <= 0.6x)"
               + (f"; 16 generations: {results['ours_g16']['peak_rss_gb']:.2f} GB against TRL's "
                  f"{t['peak_rss_gb']:.2f} GB with 4" if "ours_g16" in results else ""), flush=True)
+    if "ours_ckpt" in results and "trl_ckpt" in results:
+        o, t = results["ours_ckpt"], results["trl_ckpt"]
+        print(f"both recomputing in backward (TRL's default): step time "
+              f"{o['median_step_s'] / t['median_step_s']:.2f}x, "
+              f"peak RSS {o['peak_rss_gb'] / t['peak_rss_gb']:.2f}x", flush=True)
     print("BENCH_JSON " + json.dumps(results))
 
 

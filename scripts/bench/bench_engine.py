@@ -149,6 +149,8 @@ def main(model: str = "SmolLM2-135M", settings: str = "bnb.nf4,none", precision:
     precision, _ = resolve_precision(precision, "cpu")
     print(f"model: {config.name} shape, random weights; {precision}; prompts of {prompt_len} ids, {new_tokens} new "
           f"ids each (greedy, no stop)\nCPU: {cpu_description()}")
+    if "mixed" in wanted:
+        write_adapters(folder, 2)  # here, once: a child's peak RSS is its generation's, not the adapters' writing
     rows = []
     for mode in wanted:
         for setting in settings.split(","):

@@ -40,22 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
+from bench_dpo_trl import cpu_description, status_gb  # noqa: E402  (the same figures, the same way)
+
 SIDES = ("ours", "ours_g16", "trl")
 WORDS = "w{}"  # the bench tokenizer's words: one token each
 SPLIT = ("time/sampling_ms", "time/rewards_ms", "time/old_ref_logps_ms", "time/forward_ms", "time/backward_ms")
-
-
-def status_gb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 2**20
-
-
-def cpu_description() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX512F" if "avx512f" in flags else "AVX2"
-    return f"{name}, {isa}{', AMX' if 'amx_bf16' in flags else ', no AMX'}, {torch.get_num_threads()} threads"
 
 
 def make_model(folder: Path, model: str, prompts: int) -> Path:

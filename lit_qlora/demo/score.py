@@ -43,6 +43,7 @@ def right(answer: str, expected: str) -> bool:
 
 def report(rows: list[Answered], shown: int = SHOWN) -> list[str]:
     """The closing lines: the first `shown` questions with both answers, then each model's score on all of them."""
+    shown = min(shown, len(rows))
     width = max(len(r.question) for r in rows[:shown])
     lines = [f"Held-out questions (words and numbers no training saw), greedy answers; the first {shown} of "
              f"{len(rows)}:"]

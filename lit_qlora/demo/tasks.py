@@ -59,7 +59,7 @@ def count_question(start: int, end: int) -> dict:
 
 def as_plain_text(r: dict) -> tuple[str, str]:
     """(question, answer) as the base model is pretrained on them: `Reverse the word. happy=`, `yppah`. The fine-tuning
-    data asks the same in the instruction format (`Reverse the word.\nhappy\n` -> `yppah`): the same tokens at the
+    data asks the same in the instruction format (`Reverse the word.\\nhappy\\n` -> `yppah`): the same tokens at the
     same places but for the two separators, which is what the adapter has to learn."""
     return " ".join(x for x in (r["instruction"], r["input"]) if x) + "=", r["output"]
 

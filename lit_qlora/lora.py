@@ -199,9 +199,12 @@ class LoRALinear(nn.Module):
         # Why one matmul with the scaling folded into B: per part, the outputs would be multiplied by the scaling,
         # concatenated and added, three passes over an activation-sized tensor (5% of a CPU step); here the
         # scaling multiplies the small [out, n*r] matrix and addmm adds the product to y as it is written.
+        # In place (no base layer keeps its output for backward): with a new output, y's freed block of exactly its
+        # size became a hole glibc (before 2.38) does not give to a later request of that size, which torch makes
+        # 64-byte aligned (peak RSS of GRPO's benchmark step without recomputation: 1.87 -> 1.77 GB).
         B = self.stacked_B() * self.scaling
         if y.dtype == ax.dtype and not cpu_half.emulated(ax):
-            return torch.addmm(y.reshape(-1, self.out_features), ax.reshape(-1, ax.size(-1)), B.T).view(y.shape)
+            return y.reshape(-1, self.out_features).addmm_(ax.reshape(-1, ax.size(-1)), B.T).view(y.shape)
         return y + cpu_half.linear(ax, B).to(y.dtype)
 
     def _frozen_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -221,8 +221,9 @@ def _attention_saved(c: Config, d: _Dims, i: int, seen: set, masks: set) -> list
     if c.attn_sinks:
         return small + _sinks_saved(c, d, seen)
     if d.cpu_half:
-        # cpu_half's attention keeps only q, k (G heads) and v and recomputes in backward (its mask an attribute)
-        store.update({q_at: sizes[q_at], k_at: sizes[k_at], "qkv": sizes["qkv"]})
+        # cpu_half's attention keeps only q, k (G heads) and v (a copy: CausalSelfAttention.forward) and recomputes
+        # in backward (its mask an attribute)
+        store.update({q_at: sizes[q_at], k_at: sizes[k_at], "v": sizes["k"]})
         return list(store.values()) + small
     return _sdpa_saved(c, d, store, sizes, small, (q_at, k_at), masked, contiguous, seen)
 
@@ -269,9 +270,7 @@ def _softcapped_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list
     store["k_mm"] = q_b if rep > 1 else kv_b
     if rep > 1:
         store["v_mm"] = q_b
-    elif d.B == 1:  # v [1, G, T, hs] folds into the batched matmul as a view of the qkv output
-        store["qkv"] = sizes["qkv"]
-    else:  # ... else as a contiguous copy
+    else:  # v, copied out of the qkv output in training (CausalSelfAttention.forward)
         store["v_mm"] = kv_b
     scores = d.B * c.n_head * d.T * d.T
     return list(store.values()) + small + [scores * d.a, scores * 4 + (scores * d.a if d.a != 4 else 0)]
@@ -291,7 +290,7 @@ def _sinks_saved(c: Config, d: _Dims, seen: set) -> list[int]:
 def _sdpa_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list[int], at: tuple[str, str], masked: bool,
                 contiguous: bool, seen: set) -> list[int]:
     """Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
-    G heads (enable_gqa); v is a view of the qkv output, which then stays alive whole. cpu_attention's bf16 path
+    G heads (enable_gqa); v is copied out of the qkv output (which would else stay alive whole). cpu_attention's bf16 path
     (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there."""
     q_b = sizes["q"]
     store[at[0]] = sizes[at[0]]
@@ -299,7 +298,7 @@ def _sdpa_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list[int],
         store["k_rep"], store["v_rep"] = q_b, q_b
     else:
         store[at[1]] = sizes[at[1]]
-        store["qkv"] = sizes["qkv"]
+        store["v"] = sizes["k"]
     store["out"] = q_b
     small.append(d.B * c.n_head * d.T * 4)
     if masked:
@@ -382,9 +381,10 @@ def _dora_saved(in_f: int, out_f: int, parts, grad_in: bool, d: _Dims, lora: LoR
 
 
 def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: _Dims, i: int,
-                 grad_in: bool, int8_inputs: Optional[dict] = None,
-                 masks: Optional[set] = None) -> tuple[list[int], bool]:
-    """What block i of `GPT.forward` saves for backward (no checkpointing), and whether its output needs grad."""
+                 grad_in: bool, int8_inputs: Optional[dict] = None, masks: Optional[set] = None,
+                 proj_input_remade: bool = False) -> tuple[list[int], bool]:
+    """What block i of `GPT.forward` saves for backward, and whether its output needs grad. `proj_input_remade`: the
+    gated MLP's down projection does not keep its input (LLaMAMLP.forward, when the block is not recomputed whole)."""
     targets = lora_targets(c, lora)
     p = f"transformer.h.{i}."
     N, C, H, hs, F = d.N, c.n_embd, c.n_head, c.head_size, c.intermediate_size
@@ -421,6 +421,8 @@ def _block_saved(c: Config, lora: LoRAConfig, quantize: Optional[QuantMode], d: 
         s += s1 + s2
         if g1 or g2:  # model._GatedActivation: fc_1's and fc_2's outputs (act(fc_1) is recomputed in backward)
             s += [N * F * d.a, N * F * d.a]
+            if proj_input_remade and not _int8(quantize):  # (an int8 layer keeps its input as an attribute)
+                seen.add("m")
         g_hidden = g1 or g2
     else:
         s1, g_hidden = _linear_saved(p + "mlp.fc", C, F, g_mlp_in, d, targets, lora, quantize, d.r, seen, "h2",
@@ -685,7 +687,8 @@ def _saved_activations(c: Config, lora: LoRAConfig, head_quantize: Optional[Quan
     grad, blocks, block_max, int8_kept, masks = False, [], [], [], set()
     for i in range(c.n_layer):
         int8_inputs: dict = {}
-        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs, masks)
+        s, grad = _block_saved(c, lora, quantize, d, i, grad, int8_inputs, masks,
+                               proj_input_remade=not activation_checkpointing)
         blocks += s
         block_max = max(block_max, s, key=sum)
         int8_kept += int8_inputs.values()

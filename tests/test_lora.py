@@ -1,4 +1,6 @@
 """LoRA: exactness of the adapter and of merging, PEFT interop both ways, HF export, base checks, cross-loading."""
+import dataclasses
+
 import pytest
 import torch
 from helpers import VOCAB, lora_cfg, random_tokens, randomize_lora, run_script_here
@@ -146,6 +148,44 @@ def test_gated_activation_function_equals_autograd(kind):
     a.grad = b.grad = None
     assert_same_output_and_grads(y, y2, [(a, a2), (b, b2), (s, s2)])
 
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gated_mlp_remakes_the_down_projections_input_in_backward(lora_tied, dropout):
+    """With a LoRA on the down projection, a training forward keeps act(a) * b nowhere (model.saved_as_recomputed:
+    remade from a and b in backward): the gradients equal those of the same forward keeping it, bit for bit, and
+    saved-tensor hooks the caller installed still see every other tensor (which the remade one never reaches)."""
+    lora = dataclasses.replace(lora_cfg(mlp=True), dropout=dropout)
+    model = load_model(lora_tied.folder, precision="32-true", lora=lora, seed=1)
+    randomize_lora(model)
+    model.train()
+    mlps = [b.mlp for b in model.transformer.h]
+    idx = random_tokens(2, 12)
+    inner = model.config.intermediate_size
+
+    def run(remake: bool) -> tuple[dict, int]:
+        for m in mlps:
+            m.recompute_proj_input = remake
+        model.zero_grad()
+        torch.manual_seed(0)  # the same dropout masks
+        widths = []  # numel of each tensor saved
+
+        def pack(t):
+            widths.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, targets=idx, lm_head_chunk=0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return grads, widths.count(idx.numel() * inner)  # [2, 12, intermediate] tensors
+
+    kept, kept_wide = run(False)
+    remade, remade_wide = run(True)
+    assert kept.keys() == remade.keys() and all(torch.equal(kept[n], remade[n]) for n in kept)
+    # per block: a and b (the activation's inputs), with dropout its keep mask; act(a) * b itself only when kept
+    per_block = 3 if dropout else 2
+    assert remade_wide == per_block * len(mlps) and kept_wide == (per_block + 1) * len(mlps)
 
 def assert_same_output_and_grads(y, y_ref, inputs: list) -> None:
     """y equals y_ref, and after backpropagating one random gradient through both, each input's gradient equals its

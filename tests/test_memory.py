@@ -177,8 +177,11 @@ def test_saved_activations_match_autograd(memory_ckpts, arch, lora, precision, q
             measured = _saved_bytes(model, config, B, T, autocast=precision.endswith("mixed"))
             est = estimate_training_memory(config, lora, precision, quantize, micro_batch_size=B, seq_length=T,
                                            activation_checkpointing=ac)
-        tolerance = 0.01 if precision.endswith("mixed") else 1e-4  # autocast's weight-copy cache is approximated
-        assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=tolerance)
+        if precision.endswith("mixed"):  # autocast's cache of weight copies is approximated: at most one bf16 copy
+            copies = 2 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # of the LoRA weights off
+            assert est.extra["saved_for_backward"] == pytest.approx(measured, abs=copies)
+        else:
+            assert est.extra["saved_for_backward"] == pytest.approx(measured, rel=1e-4)
 
 
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq", "bnb.int8"])

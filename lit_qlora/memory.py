@@ -290,8 +290,8 @@ def _sinks_saved(c: Config, d: _Dims, seen: set) -> list[int]:
 def _sdpa_saved(c: Config, d: _Dims, store: dict, sizes: dict, small: list[int], at: tuple[str, str], masked: bool,
                 contiguous: bool, seen: set) -> list[int]:
     """Attention keeps q and k (rotated), v, its output and the fp32 log-sum-exp. SDPA takes the keys and values at
-    G heads (enable_gqa); v is copied out of the qkv output (which would else stay alive whole). cpu_attention's bf16 path
-    (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there."""
+    G heads (enable_gqa); v is copied out of the qkv output (which would else stay alive whole). cpu_attention's bf16
+    path (no mask) repeats k and v to every head first, so with GQA k and v are their own tensors there."""
     q_b = sizes["q"]
     store[at[0]] = sizes[at[0]]
     if c.n_query_groups != c.n_head and d.cpu_attention and not masked:

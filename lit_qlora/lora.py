@@ -199,12 +199,15 @@ class LoRALinear(nn.Module):
         # Why one matmul with the scaling folded into B: per part, the outputs would be multiplied by the scaling,
         # concatenated and added, three passes over an activation-sized tensor (5% of a CPU step); here the
         # scaling multiplies the small [out, n*r] matrix and addmm adds the product to y as it is written.
-        # In place (no base layer keeps its output for backward): with a new output, y's freed block of exactly its
-        # size became a hole glibc (before 2.38) does not give to a later request of that size, which torch makes
-        # 64-byte aligned (peak RSS of GRPO's benchmark step without recomputation: 1.87 -> 1.77 GB).
         B = self.stacked_B() * self.scaling
         if y.dtype == ax.dtype and not cpu_half.emulated(ax):
-            return y.reshape(-1, self.out_features).addmm_(ax.reshape(-1, ax.size(-1)), B.T).view(y.shape)
+            rows, ax = y.reshape(-1, self.out_features), ax.reshape(-1, ax.size(-1))
+            if _own_tensor(y) and not torch.is_autocast_enabled(y.device.type):  # (autocast casts no in-place op)
+                # In place: with a new output, y's freed block of exactly its size became a hole that glibc (before
+                # 2.38) does not give to a later request of that size, which torch makes 64-byte aligned (peak RSS of
+                # GRPO's benchmark step without recomputation: 1.87 -> 1.77 GB).
+                return rows.addmm_(ax, B.T).view(y.shape)
+            return torch.addmm(rows, ax, B.T).view(y.shape)
         return y + cpu_half.linear(ax, B).to(y.dtype)
 
     def _frozen_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -277,6 +280,13 @@ class LoRALinear(nn.Module):
         """The dense update this adapter adds to the base weight: [out, in] in fp32."""
         return lora_delta(self.lora_A, self.lora_B, self.parts, self.r, self.scaling, self.out_features)
 
+
+
+def _own_tensor(y: torch.Tensor) -> bool:
+    """Whether the base layer's output y may be written in place: not a view (of an input, or made inside a custom
+    autograd Function, whose backward autograd would then have to replace) and not a leaf that requires grad. No base
+    layer keeps its output for backward."""
+    return y._base is None and not (y.is_leaf and y.requires_grad)
 
 class _DropoutMatmul(torch.autograd.Function):
     """dropout(x) @ A^T keeping x and a one-byte mask for backward, where plain autograd keeps the mask in x's dtype

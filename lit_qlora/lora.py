@@ -281,12 +281,12 @@ class LoRALinear(nn.Module):
         return lora_delta(self.lora_A, self.lora_B, self.parts, self.r, self.scaling, self.out_features)
 
 
-
 def _own_tensor(y: torch.Tensor) -> bool:
     """Whether the base layer's output y may be written in place: not a view (of an input, or made inside a custom
     autograd Function, whose backward autograd would then have to replace) and not a leaf that requires grad. No base
     layer keeps its output for backward."""
     return y._base is None and not (y.is_leaf and y.requires_grad)
+
 
 class _DropoutMatmul(torch.autograd.Function):
     """dropout(x) @ A^T keeping x and a one-byte mask for backward, where plain autograd keeps the mask in x's dtype

@@ -149,7 +149,6 @@ def test_gated_activation_function_equals_autograd(kind):
     assert_same_output_and_grads(y, y2, [(a, a2), (b, b2), (s, s2)])
 
 
-
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gated_mlp_remakes_the_down_projections_input_in_backward(lora_tied, dropout):
     """With a LoRA on the down projection, a training forward keeps act(a) * b nowhere (model.saved_as_recomputed:
@@ -186,6 +185,7 @@ def test_gated_mlp_remakes_the_down_projections_input_in_backward(lora_tied, dro
     # per block: a and b (the activation's inputs), with dropout its keep mask; act(a) * b itself only when kept
     per_block = 3 if dropout else 2
     assert remade_wide == per_block * len(mlps) and kept_wide == (per_block + 1) * len(mlps)
+
 
 def assert_same_output_and_grads(y, y_ref, inputs: list) -> None:
     """y equals y_ref, and after backpropagating one random gradient through both, each input's gradient equals its
